@@ -1,0 +1,129 @@
+"""Torch reference of jagged HSTU attention: the oracle for every fused kernel, and the CPU path.
+
+Math (DESIGN §3), per sequence of length L with ``M`` candidate tokens at the end (``M = 0`` for plain
+causal training) and history length ``Hn = L - M``::
+
+    pos_i   = min(i, Hn)                                  # candidates all sit at the next position
+    allowed = (j <= i) and (j < Hn or j == i)              # causal; candidates see history and themselves
+    bias    = pos_w[clamp(pos_i - pos_j, 0, N - 1)] + time_w[bucket(ts_i - ts_j)]
+    A       = SiLU(q_i . k_j + bias) * allowed / N          # N = max_seq_len, a constant
+    out_i   = sum_j A_ij v_j
+
+``N`` is a constant, so a prefix's keys and values never depend on what is appended after it — the
+property relay inference relies on. ``bucket(dt) = clamp(floor(ln(max(|dt|, 1)) / TIME_BUCKET_DIV), 0, T)``
+with ``T = len(time_w) - 1``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from grstack.kernels.plan import JaggedPlan, gather_groups, make_plan, scatter_groups
+
+TIME_BUCKET_DIV = 0.301
+
+
+def time_buckets(dt: torch.Tensor, num_buckets: int) -> torch.Tensor:
+    """Log-bucketed absolute time gaps, in ``0..num_buckets``."""
+    x = dt.abs().clamp(min=1).to(torch.float32)
+    return (torch.log(x) / TIME_BUCKET_DIV).floor().clamp(0, num_buckets).to(torch.int64)
+
+
+def _dense_block(
+    q: torch.Tensor,  # [G, L, H, dqk]
+    k: torch.Tensor,
+    v: torch.Tensor,  # [G, L, H, dv]
+    lengths: torch.Tensor,  # [G]
+    ts: torch.Tensor | None,  # [G, L]
+    num_targets: torch.Tensor | None,  # [G]
+    pos_w: torch.Tensor | None,
+    time_w: torch.Tensor | None,
+    max_seq_len: int,
+) -> torch.Tensor:
+    G, L = q.shape[0], q.shape[1]
+    device = q.device
+    ar = torch.arange(L, device=device)
+    if num_targets is not None:
+        hist = (lengths - num_targets).clamp(min=0)  # [G]
+        pos = torch.minimum(ar[None, :], hist[:, None])  # [G, L]
+        j_hist = ar[None, None, :] < hist[:, None, None]  # [G, 1, L]
+        diag = ar[None, :, None] == ar[None, None, :]
+        allowed = (ar[None, :, None] >= ar[None, None, :]) & (j_hist | diag)  # [G, L, L]
+        dist = pos[:, :, None] - pos[:, None, :]
+    else:
+        allowed = (ar[:, None] >= ar[None, :])[None]  # [1, L, L]
+        dist = (ar[:, None] - ar[None, :])[None]
+    scores = torch.matmul(q.permute(0, 2, 1, 3), k.permute(0, 2, 3, 1))  # [G, H, L, L]
+    bias = None
+    if pos_w is not None:
+        bias = pos_w[dist.clamp(0, pos_w.numel() - 1)]
+    if time_w is not None and ts is not None:
+        tb = time_w[time_buckets(ts[:, :, None] - ts[:, None, :], time_w.numel() - 1)]
+        bias = tb if bias is None else bias + tb
+    if bias is not None:
+        scores = scores + bias.unsqueeze(1).to(scores.dtype)
+    attn = F.silu(scores) * (allowed.unsqueeze(1).to(scores.dtype) / max_seq_len)
+    out = torch.matmul(attn, v.permute(0, 2, 1, 3))  # [G, H, L, dv]
+    return out.permute(0, 2, 1, 3)
+
+
+def hstu_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    max_seq_len: int,
+    timestamps: torch.Tensor | None = None,
+    pos_weight: torch.Tensor | None = None,
+    time_weight: torch.Tensor | None = None,
+    num_targets: torch.Tensor | None = None,
+    plan: JaggedPlan | None = None,
+) -> torch.Tensor:
+    """Jagged [sum_L, H, d] in, [sum_L, H, dv] out; computed per length group, never padded to L_max."""
+    plan = plan if plan is not None else make_plan(offsets)
+    if not plan.groups:
+        return v.new_zeros(v.shape)
+    qs, ks, vs = gather_groups(q, plan), gather_groups(k, plan), gather_groups(v, plan)
+    tss = gather_groups(timestamps, plan) if timestamps is not None else [None] * len(plan.groups)
+    outs = []
+    for g, qb, kb, vb, tb in zip(plan.groups, qs, ks, vs, tss, strict=True):
+        nt = num_targets[g.seq] if num_targets is not None else None
+        outs.append(_dense_block(qb, kb, vb, g.lengths, tb, nt, pos_weight, time_weight, max_seq_len))
+    return scatter_groups(outs, plan)
+
+
+def hstu_attention_padded(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    max_seq_len: int,
+    timestamps: torch.Tensor | None = None,
+    pos_weight: torch.Tensor | None = None,
+    time_weight: torch.Tensor | None = None,
+    num_targets: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The dense padded implementation of the same math ([B, L_max, L_max] bias): baseline and oracle."""
+    from grstack.runtime.data.jagged import jagged_to_padded, padded_to_jagged
+
+    lengths = offsets[1:] - offsets[:-1]
+    if q.shape[0] == 0:
+        return v.new_zeros(v.shape)
+    qp, kp, vp = (jagged_to_padded(t, offsets) for t in (q, k, v))
+    tp = jagged_to_padded(timestamps, offsets) if timestamps is not None else None
+    out = _dense_block(qp, kp, vp, lengths, tp, num_targets, pos_weight, time_weight, max_seq_len)
+    return padded_to_jagged(out, offsets)
+
+
+def layer_norm_mul_reference(x: torch.Tensor, u: torch.Tensor, weight: torch.Tensor | None,
+                             bias: torch.Tensor | None, eps: float = 1e-6) -> torch.Tensor:
+    """HSTU's ``LN(A V) ⊙ U`` over the last dimension, jagged [sum_L, D]."""
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps) * u
+
+
+def embedding_gather_reference(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows of ``table`` for flat jagged ``ids`` [sum_L] -> [sum_L, D]."""
+    return F.embedding(ids, table)

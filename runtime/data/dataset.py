@@ -1,0 +1,218 @@
+"""The on-disk sequence format and its in-memory form.
+
+A dataset directory holds ``meta.json`` and one or more ``part-*.parquet`` files with one row per user:
+``user_id: int64``, ``item_ids: list<int64>``, ``timestamps: list<int64>`` and optionally
+``actions: list<int64>`` (a bitmask per event; bit names in ``meta.json``). Item ids are dense in
+``1..num_items``; 0 is reserved for padding. Rows are time-ordered (stable on ties).
+
+In memory a dataset is jagged: flat value arrays plus ``offsets`` (length ``num_users + 1``), so nothing
+is padded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from grstack.runtime.errors import UserError
+
+FORMAT_VERSION = 1
+META_FILE = "meta.json"
+
+SCHEMA = pa.schema(
+    [
+        pa.field("user_id", pa.int64(), nullable=False),
+        pa.field("item_ids", pa.list_(pa.int64()), nullable=False),
+        pa.field("timestamps", pa.list_(pa.int64()), nullable=False),
+        pa.field("actions", pa.list_(pa.int64()), nullable=True),
+    ]
+)
+
+
+@dataclass
+class SequenceDataset:
+    """All users' sequences as jagged numpy arrays."""
+
+    user_ids: np.ndarray  # [U] int64
+    offsets: np.ndarray  # [U + 1] int64
+    item_ids: np.ndarray  # [T] int64, in 1..num_items
+    timestamps: np.ndarray  # [T] int64
+    num_items: int
+    actions: np.ndarray | None = None  # [T] int64 bitmask
+    action_names: list[str] = field(default_factory=list)
+    name: str = "dataset"
+    source: str = ""
+
+    @property
+    def num_users(self) -> int:
+        return len(self.user_ids)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    @property
+    def num_events(self) -> int:
+        return int(self.offsets[-1])
+
+    def sequence(self, u: int) -> np.ndarray:
+        return self.item_ids[self.offsets[u] : self.offsets[u + 1]]
+
+    def validate(self) -> None:
+        """Checks the invariants every consumer relies on; raises UserError naming the broken one."""
+        if len(self.offsets) != self.num_users + 1 or self.offsets[0] != 0:
+            raise UserError(f"dataset {self.name}: offsets do not match {self.num_users} users")
+        if np.any(np.diff(self.offsets) < 0):
+            raise UserError(f"dataset {self.name}: offsets are not non-decreasing")
+        n = self.num_events
+        if len(self.item_ids) != n or len(self.timestamps) != n:
+            raise UserError(f"dataset {self.name}: value arrays do not match offsets ({n} events)")
+        if self.actions is not None and len(self.actions) != n:
+            raise UserError(f"dataset {self.name}: actions do not match offsets ({n} events)")
+        if n and (self.item_ids.min() < 1 or self.item_ids.max() > self.num_items):
+            raise UserError(f"dataset {self.name}: item ids must lie in 1..{self.num_items}")
+        if self.num_users == 0 or n == 0:
+            raise UserError(f"dataset {self.name}: no users or no events")
+
+
+def from_sequences(
+    users: list[int],
+    items: list[np.ndarray],
+    timestamps: list[np.ndarray],
+    num_items: int,
+    actions: list[np.ndarray] | None = None,
+    **meta: object,
+) -> SequenceDataset:
+    """Builds a dataset from per-user arrays (already time-ordered, ids already dense)."""
+    lengths = np.array([len(s) for s in items], dtype=np.int64)
+    offsets = np.zeros(len(items) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    cat = lambda xs: np.concatenate(xs).astype(np.int64) if xs else np.zeros(0, np.int64)  # noqa: E731
+    ds = SequenceDataset(
+        user_ids=np.asarray(users, dtype=np.int64),
+        offsets=offsets,
+        item_ids=cat(items),
+        timestamps=cat(timestamps),
+        num_items=int(num_items),
+        actions=cat(actions) if actions is not None else None,
+        **meta,  # type: ignore[arg-type]
+    )
+    ds.validate()
+    return ds
+
+
+def _list_array(values: np.ndarray, offsets: np.ndarray) -> pa.ListArray:
+    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32) if offsets[-1] < 2**31 else offsets),
+                                    pa.array(values, type=pa.int64()))
+
+
+def write_dataset(ds: SequenceDataset, out_dir: str | os.PathLike, rows_per_file: int = 50_000,
+                  row_group_size: int = 4096) -> Path:
+    """Writes atomically: a temporary sibling directory is renamed into place, so a failure leaves nothing."""
+    ds.validate()
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"output directory {out} exists and is not empty")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        for part, start in enumerate(range(0, ds.num_users, rows_per_file)):
+            stop = min(start + rows_per_file, ds.num_users)
+            lo, hi = ds.offsets[start], ds.offsets[stop]
+            offs = ds.offsets[start : stop + 1] - lo
+            cols = {
+                "user_id": pa.array(ds.user_ids[start:stop], type=pa.int64()),
+                "item_ids": _list_array(ds.item_ids[lo:hi], offs),
+                "timestamps": _list_array(ds.timestamps[lo:hi], offs),
+                "actions": (_list_array(ds.actions[lo:hi], offs) if ds.actions is not None
+                            else pa.nulls(stop - start, type=pa.list_(pa.int64()))),
+            }
+            table = pa.Table.from_pydict(cols, schema=SCHEMA)
+            pq.write_table(table, tmp / f"part-{part:05d}.parquet", row_group_size=row_group_size)
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "name": ds.name,
+            "source": ds.source,
+            "num_users": ds.num_users,
+            "num_items": ds.num_items,
+            "num_events": ds.num_events,
+            "has_actions": ds.actions is not None,
+            "action_names": ds.action_names,
+        }
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        if out.exists():
+            out.rmdir()
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def read_meta(path: str | os.PathLike) -> dict:
+    p = Path(path)
+    meta_path = p / META_FILE
+    if not p.is_dir():
+        raise UserError(f"dataset directory {p} does not exist")
+    if not meta_path.is_file():
+        raise UserError(f"{p} is not a grstack dataset: {META_FILE} is missing")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{meta_path}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
+    for key in ("num_items", "num_users"):
+        if not isinstance(meta.get(key), int):
+            raise UserError(f"{meta_path}: field {key!r} missing or not an integer")
+    return meta
+
+
+def read_dataset(path: str | os.PathLike, files: list[str] | None = None) -> SequenceDataset:
+    """Reads a dataset directory (optionally only some part files, e.g. one rank's share)."""
+    p = Path(path)
+    meta = read_meta(p)
+    names = files if files is not None else sorted(f.name for f in p.glob("part-*.parquet"))
+    if not names:
+        raise UserError(f"dataset {p} has no part-*.parquet files")
+    tables = []
+    for name in names:
+        try:
+            t = pq.read_table(p / name)
+        except (OSError, pa.ArrowInvalid) as exc:
+            raise UserError(f"{p / name}: not a readable Parquet file ({exc})") from None
+        missing = {"user_id", "item_ids", "timestamps"} - set(t.column_names)
+        if missing:
+            raise UserError(f"{p / name}: missing column(s) {sorted(missing)}")
+        tables.append(t)
+    table = pa.concat_tables(tables, promote_options="default")
+    items_col = table.column("item_ids").combine_chunks()
+    ts_col = table.column("timestamps").combine_chunks()
+    offsets = np.asarray(items_col.offsets, dtype=np.int64)
+    offsets = offsets - offsets[0]
+    item_ids = np.asarray(items_col.flatten(), dtype=np.int64)
+    timestamps = np.asarray(ts_col.flatten(), dtype=np.int64)
+    if not np.array_equal(np.asarray(ts_col.offsets, dtype=np.int64) - ts_col.offsets[0].as_py(), offsets):
+        raise UserError(f"dataset {p}: item_ids and timestamps have different lengths in some row")
+    actions = None
+    if meta.get("has_actions") and "actions" in table.column_names:
+        act_col = table.column("actions").combine_chunks()
+        actions = np.asarray(act_col.flatten(), dtype=np.int64)
+    ds = SequenceDataset(
+        user_ids=np.asarray(table.column("user_id"), dtype=np.int64),
+        offsets=offsets,
+        item_ids=item_ids,
+        timestamps=timestamps,
+        num_items=int(meta["num_items"]),
+        actions=actions,
+        action_names=list(meta.get("action_names", [])),
+        name=str(meta.get("name", p.name)),
+        source=str(meta.get("source", "")),
+    )
+    ds.validate()
+    return ds
