@@ -41,7 +41,7 @@ def _dense_block(
     time_w: torch.Tensor | None,
     max_seq_len: int,
 ) -> torch.Tensor:
-    G, L = q.shape[0], q.shape[1]
+    L = q.shape[1]
     device = q.device
     ar = torch.arange(L, device=device)
     if num_targets is not None:

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+
 from grstack.runtime.errors import UserError
 
 FORMAT_VERSION = 1
