@@ -1,0 +1,184 @@
+"""Training configuration: pydantic models (unknown keys and wrong types rejected, the field named).
+
+A config is a YAML file; ``--set a.b=value`` overrides fields (values parsed as YAML scalars). Relative
+data paths resolve against the config file's directory, so configs in ``configs/`` read
+``../shared/data`` by default and stay overridable.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from grstack.runtime.errors import UserError
+
+DataFormat = Literal["parquet", "recbole", "seqtxt", "movielens", "kuairand", "synth"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(_Strict):
+    format: DataFormat = "synth"
+    source: str = Field("tiny", description="a path (file/dir) for imports and parquet; the preset for synth")
+    seed: int = Field(0, description="seed of the synthetic generator")
+    min_len: int = Field(3, ge=3, description="users with fewer events are dropped (leave-one-out needs 3)")
+    max_len: int = Field(50, ge=2, description="most recent history tokens the model reads")
+
+
+class ModelConfig(_Strict):
+    type: Literal["hstu", "sasrec"] = "hstu"
+    d_model: int = Field(64, ge=8)
+    num_blocks: int = Field(4, ge=1)
+    num_heads: int = Field(4, ge=1)
+    dqk: int = Field(16, ge=1, description="per-head query/key size (HSTU)")
+    dv: int = Field(16, ge=1, description="per-head value size (HSTU)")
+    dropout: float = Field(0.5, ge=0.0, lt=1.0)
+    input_dropout: float = Field(0.5, ge=0.0, lt=1.0)
+    time_buckets: int = Field(128, ge=1)
+    position_bias: bool = True
+    time_bias: bool = True
+    ranking_head: bool = Field(True, description="HSTU: train the candidate ranking head too")
+    ffn_mult: int = Field(1, ge=1, description="SASRec: feed-forward width multiplier")
+
+
+class LossConfig(_Strict):
+    negatives: int = Field(512, ge=1, description="sampled negatives per token (R)")
+    temperature: float = Field(0.05, gt=0.0)
+    sharing: Literal["batch", "token"] = Field(
+        "batch", description="batch: one negative set shared by all tokens of a batch; token: per token")
+    ranking_candidates: int = Field(8, ge=2, description="candidates per user for the ranking head (1 positive)")
+    ranking_weight: float = Field(0.1, ge=0.0)
+
+
+class OptimConfig(_Strict):
+    lr: float = Field(1e-3, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    beta2: float = Field(0.98, ge=0.0, lt=1.0)
+    warmup_steps: int = Field(0, ge=0)
+    grad_clip: float | None = Field(None, gt=0.0)
+
+
+class TrainSection(_Strict):
+    batch_size: int = Field(128, ge=1)
+    epochs: int = Field(1, ge=1)
+    max_steps: int | None = Field(None, ge=1, description="stop after this many steps in total")
+    seed: int = 0
+    device: str = "auto"
+    num_threads: int | None = Field(None, ge=1)
+    log_every: int = Field(10, ge=1)
+    checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0 = once per epoch")
+    keep_checkpoints: int = Field(2, ge=1)
+    eval_every_epochs: int = Field(1, ge=1)
+    patience: int | None = Field(None, ge=1, description="stop after this many evals without improvement")
+    select_metric: str = Field("ndcg@10", description="validation metric that picks the best checkpoint")
+
+
+class EvalConfig(_Strict):
+    ks: list[int] = Field(default_factory=lambda: [10, 50, 200])
+    batch_size: int = Field(512, ge=1)
+    max_users: int | None = Field(None, ge=1, description="evaluate a deterministic subset (benchmarks)")
+
+
+class Config(_Strict):
+    name: str = "run"
+    protocol: str = Field("", description="what the config measures and how, for humans")
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    train: TrainSection = Field(default_factory=TrainSection)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> Config:
+        if self.train.select_metric not in metric_names(self.eval.ks):
+            raise ValueError(f"train.select_metric {self.train.select_metric!r} is not one of "
+                             f"{', '.join(metric_names(self.eval.ks))}")
+        return self
+
+
+def metric_names(ks: list[int]) -> list[str]:
+    return [f"{m}@{k}" for k in ks for m in ("hr", "ndcg")] + ["mrr"]
+
+
+def _format_validation(exc: ValidationError, origin: str) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        parts.append(f"{loc}: {msg}")
+    return f"{origin}: invalid config: " + "; ".join(parts)
+
+
+def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise UserError(f"--set {dotted}: {key!r} is not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def parse_overrides(items: list[str]) -> list[tuple[str, Any]]:
+    out = []
+    for item in items:
+        if "=" not in item or not item.split("=", 1)[0]:
+            raise UserError(f"--set {item!r}: expected key=value, e.g. train.epochs=3")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        out.append((key.strip(), value))
+    return out
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> Config:
+    """Reads, overrides and validates a config; every problem is a UserError naming file and field."""
+    tree: dict[str, Any] = {}
+    origin = "config"
+    base_dir = Path.cwd()
+    if path is not None:
+        p = Path(path)
+        origin = str(p)
+        if not p.is_file():
+            raise UserError(f"config file {p} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark is not None else ""
+            raise UserError(f"{p}: not valid YAML{where}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise UserError(f"{p}: a config must be a mapping of sections")
+        tree = loaded
+        base_dir = p.resolve().parent
+    for key, value in parse_overrides(overrides or []):
+        _set_path(tree, key, value)
+    try:
+        cfg = Config.model_validate(tree)
+    except ValidationError as exc:
+        raise UserError(_format_validation(exc, origin)) from None
+    if cfg.data.format != "synth":
+        src = Path(os.path.expanduser(cfg.data.source))
+        if not src.is_absolute():
+            src = (base_dir / src).resolve()
+        cfg.data.source = str(src)
+    return cfg
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,36 @@
+"""Appending ranking candidates to a jagged history batch (the ranking head's input layout)."""
+
+from __future__ import annotations
+
+import torch
+
+from grstack.runtime.data.jagged import JaggedBatch, segment_ids
+
+
+def append_candidates(batch: JaggedBatch, cand_ids: torch.Tensor, cand_ts: torch.Tensor) -> tuple[JaggedBatch,
+                                                                                                  torch.Tensor]:
+    """Returns the batch with ``M`` candidate tokens after each history and a [sum_L'] history mask.
+
+    cand_ids: [B, M]; cand_ts: [B] (the request time every candidate carries). Only item ids, timestamps
+    and offsets are carried over; ``num_targets`` is set to M for every sequence.
+    """
+    B, M = cand_ids.shape
+    lengths = batch.lengths
+    device = batch.item_ids.device
+    new_offsets = batch.offsets + M * torch.arange(B + 1, device=device)
+    total = int(new_offsets[-1])
+    seg = segment_ids(batch.offsets)
+    hist_pos = torch.arange(batch.num_tokens, device=device) + M * seg
+    cand_pos = (new_offsets[:-1] + lengths)[:, None] + torch.arange(M, device=device)[None, :]
+    item_ids = torch.empty(total, dtype=batch.item_ids.dtype, device=device)
+    timestamps = torch.empty(total, dtype=batch.timestamps.dtype, device=device)
+    item_ids[hist_pos] = batch.item_ids
+    timestamps[hist_pos] = batch.timestamps
+    item_ids[cand_pos.reshape(-1)] = cand_ids.reshape(-1)
+    timestamps[cand_pos.reshape(-1)] = cand_ts[:, None].expand(B, M).reshape(-1)
+    is_hist = torch.zeros(total, dtype=torch.bool, device=device)
+    is_hist[hist_pos] = True
+    out = JaggedBatch(item_ids=item_ids, offsets=new_offsets, timestamps=timestamps,
+                      num_targets=torch.full((B,), M, dtype=torch.int64, device=device),
+                      user_index=batch.user_index)
+    return out, is_hist

@@ -1,0 +1,83 @@
+"""SASRec (Kang & McAuley 2018), the baseline: softmax causal self-attention, learned absolute positions.
+
+Attention runs per length group of the jagged plan (no [B, L_max] padding): padded keys sit after every
+real query, so the causal mask alone keeps them out.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from grstack import kernels
+from grstack.kernels.plan import JaggedPlan, gather_groups, make_plan, scatter_groups
+from grstack.runtime.data.jagged import JaggedBatch, positions
+
+
+def jagged_causal_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: JaggedPlan,
+                                    dropout: float, training: bool) -> torch.Tensor:
+    """q, k, v: [sum_L, H, d] -> [sum_L, H, d]."""
+    outs = []
+    for qb, kb, vb in zip(gather_groups(q, plan), gather_groups(k, plan), gather_groups(v, plan), strict=True):
+        o = F.scaled_dot_product_attention(qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2),
+                                           is_causal=True, dropout_p=dropout if training else 0.0)
+        outs.append(o.transpose(1, 2))
+    return scatter_groups(outs, plan)
+
+
+class SASRecBlock(nn.Module):
+    def __init__(self, d_model: int, num_heads: int, dropout: float, ffn_mult: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.norm1 = nn.LayerNorm(d_model, eps=1e-8)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.norm2 = nn.LayerNorm(d_model, eps=1e-8)
+        self.ffn = nn.Sequential(nn.Linear(d_model, ffn_mult * d_model), nn.GELU(),
+                                 nn.Dropout(dropout), nn.Linear(ffn_mult * d_model, d_model))
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor, plan: JaggedPlan) -> torch.Tensor:
+        n, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).reshape(n, 3, self.num_heads, d // self.num_heads).unbind(1)
+        a = jagged_causal_softmax_attention(q, k, v, plan, self.dropout, self.training).reshape(n, d)
+        x = x + F.dropout(self.proj(a), self.dropout, self.training)
+        return x + F.dropout(self.ffn(self.norm2(x)), self.dropout, self.training)
+
+
+class SASRec(nn.Module):
+    def __init__(self, num_items: int, *, max_len: int, d_model: int = 64, num_blocks: int = 2,
+                 num_heads: int = 2, dropout: float = 0.5, input_dropout: float = 0.5, ffn_mult: int = 1,
+                 **_: object) -> None:
+        super().__init__()
+        if d_model % num_heads:
+            raise ValueError(f"model.d_model={d_model} must be divisible by model.num_heads={num_heads}")
+        self.num_items, self.max_len, self.d_model = num_items, max_len, d_model
+        self.item_emb = nn.Embedding(num_items + 1, d_model)
+        self.pos_emb = nn.Embedding(max_len + 1, d_model)
+        self.input_dropout = input_dropout
+        self.blocks = nn.ModuleList(SASRecBlock(d_model, num_heads, dropout, ffn_mult) for _ in range(num_blocks))
+        self.norm = nn.LayerNorm(d_model, eps=1e-8)
+        self.rank_head = None
+        self.num_tasks = 0
+        nn.init.trunc_normal_(self.item_emb.weight, std=0.02)
+        nn.init.trunc_normal_(self.pos_emb.weight, std=0.02)
+
+    def encode(self, batch: JaggedBatch) -> torch.Tensor:
+        plan = make_plan(batch.offsets)
+        pos = positions(batch.offsets).clamp(max=self.max_len)
+        x = kernels.embedding_gather(self.item_emb.weight, batch.item_ids) * math.sqrt(self.d_model)
+        x = F.dropout(x + self.pos_emb(pos), self.input_dropout, self.training)
+        for block in self.blocks:
+            x = block(x, plan)
+        return self.norm(x)
+
+    def item_vectors(self, ids: torch.Tensor | None = None) -> torch.Tensor:
+        w = self.item_emb.weight if ids is None else kernels.embedding_gather(self.item_emb.weight, ids)
+        return F.normalize(w, dim=-1)
+
+    def query_vectors(self, outputs: torch.Tensor) -> torch.Tensor:
+        return F.normalize(outputs, dim=-1)
