@@ -5,6 +5,10 @@ A dataset directory holds ``meta.json`` and one or more ``part-*.parquet`` files
 ``actions: list<int64>`` (a bitmask per event; bit names in ``meta.json``). Item ids are dense in
 ``1..num_items``; 0 is reserved for padding. Rows are time-ordered (stable on ties).
 
+Imported datasets also carry ``items.parquet`` (``item_id`` dense -> ``raw_id`` as in the source, int64 or
+string) so serving can translate ids, and ``users.parquet`` when raw user ids were not integers.
+``meta.json`` has an ``info`` object with provenance (importer options, filters, generator preset).
+
 In memory a dataset is jagged: flat value arrays plus ``offsets`` (length ``num_users + 1``), so nothing
 is padded.
 """
@@ -13,8 +17,8 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +30,8 @@ from grstack.runtime.errors import UserError
 
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
+ITEMS_FILE = "items.parquet"
+USERS_FILE = "users.parquet"
 
 SCHEMA = pa.schema(
     [
@@ -50,6 +56,9 @@ class SequenceDataset:
     action_names: list[str] = field(default_factory=list)
     name: str = "dataset"
     source: str = ""
+    item_raw_ids: np.ndarray | None = None  # [num_items]; entry k-1 is the source id of dense item k
+    user_raw_ids: np.ndarray | None = None  # [U]; source ids when they were not integers
+    info: dict = field(default_factory=dict)  # provenance, written to meta.json
 
     @property
     def num_users(self) -> int:
@@ -81,6 +90,21 @@ class SequenceDataset:
             raise UserError(f"dataset {self.name}: item ids must lie in 1..{self.num_items}")
         if self.num_users == 0 or n == 0:
             raise UserError(f"dataset {self.name}: no users or no events")
+        back = np.flatnonzero(np.diff(self.timestamps) < 0)
+        if back.size:
+            # A step backwards in time is only allowed where one user's sequence ends and the next begins.
+            starts = self.offsets[1:-1]
+            back = back[~np.isin(back + 1, starts)]
+            if back.size:
+                u = int(np.searchsorted(self.offsets, back[0], side="right") - 1)
+                raise UserError(f"dataset {self.name}: timestamps of user {self.user_ids[u]} "
+                                "are not time-ordered")
+        if self.item_raw_ids is not None and len(self.item_raw_ids) != self.num_items:
+            raise UserError(f"dataset {self.name}: item id map has {len(self.item_raw_ids)} entries, "
+                            f"expected {self.num_items}")
+        if self.user_raw_ids is not None and len(self.user_raw_ids) != self.num_users:
+            raise UserError(f"dataset {self.name}: user id map has {len(self.user_raw_ids)} entries, "
+                            f"expected {self.num_users}")
 
 
 def from_sequences(
@@ -110,22 +134,40 @@ def from_sequences(
 
 
 def _list_array(values: np.ndarray, offsets: np.ndarray) -> pa.ListArray:
-    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32) if offsets[-1] < 2**31 else offsets),
-                                    pa.array(values, type=pa.int64()))
+    if offsets[-1] >= 2**31:
+        raise ValueError("a part file holds more than 2**31 events; lower rows_per_file")
+    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values, type=pa.int64()))
+
+
+def _id_map_table(key: str, ids: np.ndarray, raw: np.ndarray) -> pa.Table:
+    raw_arr = pa.array(raw, type=pa.int64()) if raw.dtype.kind in "iu" else pa.array(raw.astype(str))
+    return pa.table({key: pa.array(ids, type=pa.int64()), "raw_id": raw_arr})
+
+
+def _part_bounds(offsets: np.ndarray, rows_per_file: int, events_per_file: int) -> list[tuple[int, int]]:
+    """User ranges of the part files: at most ``rows_per_file`` users and, unless one user alone is longer,
+    at most ``events_per_file`` events each, so ranks can split a large set by file."""
+    bounds, start, n_users = [], 0, len(offsets) - 1
+    while start < n_users:
+        by_events = int(np.searchsorted(offsets, offsets[start] + events_per_file, side="right")) - 1
+        stop = min(start + rows_per_file, max(by_events, start + 1), n_users)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
 
 
 def write_dataset(ds: SequenceDataset, out_dir: str | os.PathLike, rows_per_file: int = 50_000,
-                  row_group_size: int = 4096) -> Path:
+                  row_group_size: int = 4096, events_per_file: int = 2_000_000) -> Path:
     """Writes atomically: a temporary sibling directory is renamed into place, so a failure leaves nothing."""
     ds.validate()
     out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"output directory {out} exists and is not empty")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()  # not tempfile.mkdtemp: that makes the directory private (0700) instead of following umask
     try:
-        for part, start in enumerate(range(0, ds.num_users, rows_per_file)):
-            stop = min(start + rows_per_file, ds.num_users)
+        for part, (start, stop) in enumerate(_part_bounds(ds.offsets, rows_per_file, events_per_file)):
             lo, hi = ds.offsets[start], ds.offsets[stop]
             offs = ds.offsets[start : stop + 1] - lo
             cols = {
@@ -137,6 +179,11 @@ def write_dataset(ds: SequenceDataset, out_dir: str | os.PathLike, rows_per_file
             }
             table = pa.Table.from_pydict(cols, schema=SCHEMA)
             pq.write_table(table, tmp / f"part-{part:05d}.parquet", row_group_size=row_group_size)
+        if ds.item_raw_ids is not None:
+            dense = np.arange(1, ds.num_items + 1, dtype=np.int64)
+            pq.write_table(_id_map_table("item_id", dense, ds.item_raw_ids), tmp / ITEMS_FILE)
+        if ds.user_raw_ids is not None:
+            pq.write_table(_id_map_table("user_id", ds.user_ids, ds.user_raw_ids), tmp / USERS_FILE)
         meta = {
             "format_version": FORMAT_VERSION,
             "name": ds.name,
@@ -146,6 +193,9 @@ def write_dataset(ds: SequenceDataset, out_dir: str | os.PathLike, rows_per_file
             "num_events": ds.num_events,
             "has_actions": ds.actions is not None,
             "action_names": ds.action_names,
+            "item_map": ITEMS_FILE if ds.item_raw_ids is not None else None,
+            "user_map": USERS_FILE if ds.user_raw_ids is not None else None,
+            "info": ds.info,
         }
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         if out.exists():
@@ -172,6 +222,45 @@ def read_meta(path: str | os.PathLike) -> dict:
         if not isinstance(meta.get(key), int):
             raise UserError(f"{meta_path}: field {key!r} missing or not an integer")
     return meta
+
+
+def _read_id_map(path: Path, key: str) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, raw ids) from an ``items.parquet``/``users.parquet`` file."""
+    try:
+        t = pq.read_table(path)
+    except (OSError, pa.ArrowInvalid) as exc:
+        raise UserError(f"{path}: not a readable Parquet file ({exc})") from None
+    if {key, "raw_id"} - set(t.column_names):
+        raise UserError(f"{path}: expected columns {key!r} and 'raw_id'")
+    raw = t.column("raw_id").to_numpy(zero_copy_only=False)
+    raw = raw.astype(str) if raw.dtype == object else raw.astype(np.int64)
+    return t.column(key).to_numpy().astype(np.int64), raw
+
+
+def _item_map(p: Path, meta: dict) -> np.ndarray | None:
+    if not meta.get("item_map"):
+        return None
+    ids, raw = _read_id_map(p / meta["item_map"], "item_id")
+    if not np.array_equal(ids, np.arange(1, len(ids) + 1)):
+        raise UserError(f"{p / meta['item_map']}: item_id must be 1..{len(ids)} in order")
+    return raw
+
+
+def _user_map(p: Path, meta: dict, user_ids: np.ndarray) -> np.ndarray | None:
+    if not meta.get("user_map"):
+        return None
+    ids, raw = _read_id_map(p / meta["user_map"], "user_id")
+    order = np.argsort(ids, kind="stable")
+    pos = np.minimum(np.searchsorted(ids, user_ids, sorter=order), len(ids) - 1)
+    if len(ids) == 0 or not np.array_equal(ids[order[pos]], user_ids):
+        raise UserError(f"{p / meta['user_map']}: does not cover every user_id of the dataset")
+    return raw[order[pos]]
+
+
+def read_item_map(path: str | os.PathLike) -> np.ndarray | None:
+    """Source item ids indexed by ``dense_id - 1`` (None for data without a map, e.g. synthetic)."""
+    p = Path(path)
+    return _item_map(p, read_meta(p))
 
 
 def read_dataset(path: str | os.PathLike, files: list[str] | None = None) -> SequenceDataset:
@@ -204,8 +293,9 @@ def read_dataset(path: str | os.PathLike, files: list[str] | None = None) -> Seq
     if meta.get("has_actions") and "actions" in table.column_names:
         act_col = table.column("actions").combine_chunks()
         actions = np.asarray(act_col.flatten(), dtype=np.int64)
+    user_ids = np.asarray(table.column("user_id"), dtype=np.int64)
     ds = SequenceDataset(
-        user_ids=np.asarray(table.column("user_id"), dtype=np.int64),
+        user_ids=user_ids,
         offsets=offsets,
         item_ids=item_ids,
         timestamps=timestamps,
@@ -214,6 +304,9 @@ def read_dataset(path: str | os.PathLike, files: list[str] | None = None) -> Seq
         action_names=list(meta.get("action_names", [])),
         name=str(meta.get("name", p.name)),
         source=str(meta.get("source", "")),
+        item_raw_ids=_item_map(p, meta),
+        user_raw_ids=_user_map(p, meta, user_ids),
+        info=dict(meta.get("info") or {}),
     )
     ds.validate()
     return ds

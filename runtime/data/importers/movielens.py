@@ -1,0 +1,93 @@
+"""MovieLens ratings: ``ratings.dat`` (``::``-separated, ML-1M/10M), ``u.data`` (tab-separated, ML-100K)
+and ``ratings.csv`` (with a header, ML-20M/25M/32M). Every rating counts as one interaction.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pa_csv
+
+from grstack.runtime.data.dataset import SequenceDataset
+from grstack.runtime.data.importers.common import (
+    DEFAULT_MIN_LEN,
+    Events,
+    build_dataset,
+    fields_check,
+    locate_bad_line,
+    numbered_lines,
+)
+from grstack.runtime.errors import UserError
+
+NAMES = ["user_id", "item_id", "rating", "timestamp"]
+CSV_HEADER = "userId,movieId,rating,timestamp"
+# layout -> (field delimiter in the file, lines before the data)
+LAYOUTS = {"dat": ("::", 0), "udata": ("\t", 0), "csv": (",", 1)}
+FILE_NAMES = {"ratings.dat": "dat", "u.data": "udata", "ratings.csv": "csv"}
+
+
+def _first_line(path: Path) -> str:
+    with path.open("r", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if line.strip():
+                return line.rstrip("\r\n")
+    raise UserError(f"{path}: empty file (no events)")
+
+
+def detect(src: Path) -> tuple[Path, str]:
+    """(ratings file, layout) from a directory or a file, by file name, else by the first line."""
+    if src.is_dir():
+        for fname, layout in FILE_NAMES.items():
+            if (src / fname).is_file():
+                return src / fname, layout
+        raise UserError(f"{src}: no MovieLens ratings file ({', '.join(FILE_NAMES)})")
+    first = _first_line(src)
+    if src.name in FILE_NAMES:
+        return src, FILE_NAMES[src.name]
+    if "::" in first:
+        return src, "dat"
+    if first.replace(" ", "") == CSV_HEADER:
+        return src, "csv"
+    if "\t" in first:
+        return src, "udata"
+    raise UserError(f"{src}: cannot tell the MovieLens layout from line 1 (expected '::', tab or a "
+                    f"'{CSV_HEADER}' header)")
+
+
+def import_movielens(src: Path, *, min_len: int = DEFAULT_MIN_LEN,
+                     name: str | None = None) -> SequenceDataset:
+    path, layout = detect(src)
+    delimiter, skip = LAYOUTS[layout]
+    data = path.read_bytes()
+    if not data.strip():
+        raise UserError(f"{path}: empty file (no events)")
+    if skip:
+        header = _first_line(path)
+        if header.replace(" ", "") != CSV_HEADER:
+            raise UserError(f"{path}, line 1: expected the header '{CSV_HEADER}', got {header!r}")
+    if layout == "dat":
+        data = data.replace(b"::", b"\t")  # pyarrow needs a one-character delimiter; line numbers unchanged
+    check = fields_check(delimiter, NAMES, ints=["user_id", "item_id", "timestamp"], numbers=["rating"])
+    try:
+        table = pa_csv.read_csv(
+            io.BytesIO(data),
+            read_options=pa_csv.ReadOptions(skip_rows=skip, column_names=NAMES),
+            parse_options=pa_csv.ParseOptions(delimiter="\t" if layout == "dat" else delimiter,
+                                              quote_char=False),
+            convert_options=pa_csv.ConvertOptions(
+                column_types={"user_id": pa.int64(), "item_id": pa.int64(), "rating": pa.float64(),
+                              "timestamp": pa.int64()}),
+        )
+    except pa.ArrowInvalid as exc:
+        raise locate_bad_line(path, numbered_lines(path, skip=skip), check, str(exc)) from None
+    if table.num_rows == 0:
+        raise UserError(f"{path}: empty file (no events)")
+    if not np.isfinite(table.column("rating").to_numpy()).all():
+        raise locate_bad_line(path, numbered_lines(path, skip=skip), check, "non-finite rating")
+    ev = Events(users=table.column("user_id").to_numpy(), items=table.column("item_id").to_numpy(),
+                times=table.column("timestamp").to_numpy())
+    return build_dataset(ev, src=path, fmt="movielens", name=name or path.parent.name, min_len=min_len,
+                         info={"layout": path.name if path.name in FILE_NAMES else layout})

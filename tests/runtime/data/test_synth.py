@@ -1,0 +1,135 @@
+"""The synthetic generator: determinism, and the statistics its presets promise."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from grstack.runtime.data.dataset import read_dataset, write_dataset
+from grstack.runtime.data.stats import dataset_stats
+from grstack.runtime.data.synth import PRESETS, synthesize
+from grstack.runtime.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return synthesize("tiny", seed=0)
+
+
+def test_same_seed_same_bytes_other_seed_differs() -> None:
+    a, b, c = synthesize("tiny", seed=3), synthesize("tiny", seed=3), synthesize("tiny", seed=4)
+    for f in ("user_ids", "offsets", "item_ids", "timestamps", "actions"):
+        assert getattr(a, f).tobytes() == getattr(b, f).tobytes(), f
+    assert a.item_ids.tobytes() != c.item_ids.tobytes()
+    assert a.info == b.info and a.info["seed"] == 3
+
+
+def test_tiny_shape_and_heavy_tailed_lengths(tiny) -> None:
+    cfg = PRESETS["tiny"]
+    assert tiny.num_users == cfg.num_users and tiny.num_items == cfg.num_items
+    lengths = tiny.lengths
+    assert lengths.min() >= cfg.min_len and lengths.max() <= cfg.max_len
+    assert lengths.mean() > 1.15 * np.median(lengths)  # right-skewed
+    assert np.percentile(lengths, 99) > 3 * np.median(lengths)
+    assert tiny.item_ids.min() >= 1 and tiny.item_ids.max() <= tiny.num_items
+
+
+def test_zipf_like_popularity(tiny) -> None:
+    pop = dataset_stats(tiny)["popularity"]
+    assert pop["top1pct_share"] > 0.05  # uniform popularity would give 0.01
+    assert pop["top10pct_share"] > 0.35
+    assert 0.5 < pop["zipf_exponent"] < 2.0
+
+
+def test_sessions_give_short_and_long_gaps(tiny) -> None:
+    t = dataset_stats(tiny)["time"]
+    assert t["first"] >= PRESETS["tiny"].start_time  # realistic epoch seconds (2022)
+    assert t["gap_p50_s"] < 120  # inside a session: seconds to minutes
+    assert t["gap_p90_s"] > 3600  # between sessions: hours to days
+    assert 7 < t["span_days"] < 365
+
+
+def _far_and_near_overlap(ds, w: int = 10) -> tuple[float, float]:
+    """Mean Jaccard overlap of a user's first w items with the last w (far) and with the next w (near)."""
+    far, near = [], []
+    for k in range(ds.num_users):
+        s = ds.sequence(k)
+        if len(s) >= 6 * w:
+            first = set(s[:w].tolist())
+            for out, other in ((far, s[-w:]), (near, s[w : 2 * w])):
+                other = set(other.tolist())
+                out.append(len(first & other) / len(first | other))
+    return float(np.mean(far)), float(np.mean(near))
+
+
+def test_interests_drift() -> None:
+    kw = {"num_users": 200, "len_median": 120}
+    far, near = _far_and_near_overlap(synthesize("tiny", seed=1, **kw))
+    far_static, _ = _far_and_near_overlap(synthesize("tiny", seed=1, drift=0.0, **kw))
+    assert far < near
+    assert far < 0.85 * far_static  # the same draws without drift keep early interests
+
+
+def _hit_rate_at_10(ds) -> tuple[float, float]:
+    """Leave-one-out HR@10 of popularity and of "what followed the previous item most often"."""
+    last = ds.offsets[1:] - 1
+    train = np.ones(ds.num_events, dtype=bool)
+    train[last] = False
+    pop = np.bincount(ds.item_ids[train], minlength=ds.num_items + 1)
+    pop[0] = -1
+    top = np.argsort(-pop, kind="stable")[:10]
+    target, prev = ds.item_ids[last], ds.item_ids[last - 1]
+    a, b = ds.item_ids[:-1], ds.item_ids[1:]
+    ok = train[1:].copy()
+    ok[ds.offsets[1:-1] - 1] = False  # no pairs across users
+    counts = np.zeros((ds.num_items + 1, ds.num_items + 1), dtype=np.int32)
+    np.add.at(counts, (a[ok], b[ok]), 1)
+    hits = 0
+    for p, t in zip(prev, target, strict=True):
+        ranked = np.argsort(-counts[p], kind="stable")[:10]
+        hits += t in ranked[counts[p][ranked] > 0] or (counts[p].sum() == 0 and t in top)
+    return float(np.isin(target, top).mean()), hits / len(target)
+
+
+def test_next_item_depends_on_recent_items(tiny) -> None:
+    popularity, bigram = _hit_rate_at_10(tiny)
+    assert bigram > 2 * popularity
+    assert bigram > 0.3
+
+
+def test_labels_follow_interest_match() -> None:
+    kw = {"num_users": 150}
+    focused = synthesize("tiny", seed=2, explore_prob=0.0, **kw)
+    exploring = synthesize("tiny", seed=2, explore_prob=1.0, **kw)
+    assert focused.action_names == ["click", "like", "long_view"]
+    for bit in range(3):
+        rate_focused = float(((focused.actions >> bit) & 1).mean())
+        rate_exploring = float(((exploring.actions >> bit) & 1).mean())
+        assert rate_focused > 1.4 * rate_exploring, focused.action_names[bit]
+
+
+def test_27k_preset_scaled_down() -> None:
+    ds = synthesize("27k", seed=0, num_users=60)
+    cfg = PRESETS["27k"]
+    assert cfg.num_users == 27_285 and cfg.max_len == 10_000
+    assert ds.num_users == 60 and ds.num_items == cfg.num_items
+    assert ds.lengths.min() >= 100 and ds.lengths.max() <= 10_000
+    assert ds.lengths.mean() > 400
+
+
+def test_bad_preset_and_override() -> None:
+    with pytest.raises(UserError, match="unknown synth preset 'huge'"):
+        synthesize("huge")
+    with pytest.raises(UserError, match="unknown setting"):
+        synthesize("tiny", users=5)
+    with pytest.raises(UserError, match="min_len <= max_len"):
+        synthesize("tiny", min_len=50, max_len=10)
+
+
+def test_round_trip(tiny, tmp_path) -> None:
+    back = read_dataset(write_dataset(tiny, tmp_path / "syn", rows_per_file=150))
+    assert len(list((tmp_path / "syn").glob("part-*.parquet"))) == 3
+    for f in ("user_ids", "offsets", "item_ids", "timestamps", "actions"):
+        assert np.array_equal(getattr(tiny, f), getattr(back, f)), f
+    assert back.action_names == tiny.action_names and back.item_raw_ids is None
+    assert back.info["preset"] == "tiny"
