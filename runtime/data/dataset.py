@@ -263,6 +263,19 @@ def read_item_map(path: str | os.PathLike) -> np.ndarray | None:
     return _item_map(p, read_meta(p))
 
 
+def _check_types(path: Path, schema: pa.Schema) -> None:
+    """Columns must hold integers (lists of integers for the per-event ones), whatever their width."""
+    for f in schema:
+        if f.name not in SCHEMA.names:
+            continue
+        want_list = f.name != "user_id"
+        is_list = pa.types.is_list(f.type) or pa.types.is_large_list(f.type)
+        inner = f.type.value_type if is_list else f.type
+        if want_list != is_list or not (pa.types.is_integer(inner) or pa.types.is_null(inner)):
+            expected = SCHEMA.field(f.name).type
+            raise UserError(f"{path}: column {f.name!r} has type {f.type}, expected {expected}")
+
+
 def read_dataset(path: str | os.PathLike, files: list[str] | None = None) -> SequenceDataset:
     """Reads a dataset directory (optionally only some part files, e.g. one rank's share)."""
     p = Path(path)
@@ -279,6 +292,7 @@ def read_dataset(path: str | os.PathLike, files: list[str] | None = None) -> Seq
         missing = {"user_id", "item_ids", "timestamps"} - set(t.column_names)
         if missing:
             raise UserError(f"{p / name}: missing column(s) {sorted(missing)}")
+        _check_types(p / name, t.schema)
         tables.append(t)
     table = pa.concat_tables(tables, promote_options="default")
     items_col = table.column("item_ids").combine_chunks()

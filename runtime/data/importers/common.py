@@ -78,8 +78,9 @@ def locate_bad_line(path: Path, lines: Iterable[tuple[int, str]], check: LineChe
 
 
 def fields_check(delimiter: str, names: list[str], ints: Iterable[str] = (), numbers: Iterable[str] = (),
-                 tokens: Iterable[str] = ()) -> LineCheck:
-    """A line checker for delimited rows: field count, strict integers, finite numbers, non-empty tokens."""
+                 tokens: Iterable[str] = (), unquote: bool = False) -> LineCheck:
+    """A line checker for delimited rows: field count, strict integers, finite numbers, non-empty tokens.
+    ``unquote`` strips CSV double quotes around fields (for files whose fields never hold the delimiter)."""
     idx = {n: i for i, n in enumerate(names)}
     checks = ([(idx[n], "an integer", is_int) for n in ints]
               + [(idx[n], "a finite number", is_number) for n in numbers]
@@ -88,6 +89,8 @@ def fields_check(delimiter: str, names: list[str], ints: Iterable[str] = (), num
 
     def check(line: str) -> str | None:
         parts = line.split(delimiter)
+        if unquote:
+            parts = [part[1:-1] if len(part) >= 2 and part[0] == part[-1] == '"' else part for part in parts]
         if len(parts) != len(names):
             return f"expected {len(names)} {label}-separated fields, got {len(parts)}"
         for i, kind, ok in checks:

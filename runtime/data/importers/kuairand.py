@@ -54,7 +54,7 @@ def _header(path: Path) -> list[str]:
         first = f.readline().rstrip("\r\n")
     if not first.strip():
         raise UserError(f"{path}: empty file (no header line)")
-    names = [n.strip() for n in first.split(",")]
+    names = [n.strip().strip('"') for n in first.split(",")]
     missing = [c for c in REQUIRED if c not in names]
     if missing:
         raise bad_line(path, 1, f"header lacks column(s) {', '.join(missing)}")
@@ -65,14 +65,14 @@ def _read_one(path: Path, clicks_only: bool) -> tuple[list[np.ndarray], list[str
     names = _header(path)
     flags = {a: c for a, c in ACTIONS.items() if c in names}
     used = list(REQUIRED) + list(flags.values())
-    check = fields_check(",", names, ints=used)
+    check = fields_check(",", names, ints=used, unquote=True)
     users, items, times, actions = [], [], [], []
     rows = 0
     try:
         reader = pa_csv.open_csv(
             path,
             read_options=pa_csv.ReadOptions(block_size=64 << 20, skip_rows=1, column_names=names),
-            parse_options=pa_csv.ParseOptions(quote_char=False),
+            parse_options=pa_csv.ParseOptions(),
             convert_options=pa_csv.ConvertOptions(column_types={c: pa.int64() for c in used},
                                                   include_columns=used),
         )

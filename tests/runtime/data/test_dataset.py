@@ -6,6 +6,7 @@ import json
 import os
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -99,3 +100,15 @@ def test_large_sets_are_split_into_parts_by_events(tmp_path) -> None:
     parts = sorted(p.name for p in out.glob("part-*.parquet"))
     assert [read_dataset(out, files=[p]).user_ids.tolist() for p in parts] == [[0, 1], [2], [3], [4, 5]]
     assert np.array_equal(read_dataset(out).offsets, ds.offsets)
+
+
+def test_read_rejects_wrong_column_types(tmp_path) -> None:
+    out = write_dataset(_ds(), tmp_path / "d")
+    part = out / "part-00000.parquet"
+    table = pq.read_table(part)
+    as_text = pa.array([[str(i) for i in row] for row in table.column("item_ids").to_pylist()])
+    pq.write_table(table.set_column(1, "item_ids", as_text), part)
+    expected = (r"part-00000\.parquet: column 'item_ids' has type list<\w+: string>, "
+                r"expected list<item: int64>$")
+    with pytest.raises(UserError, match=expected):
+        read_dataset(out)

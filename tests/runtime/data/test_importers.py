@@ -114,6 +114,17 @@ def test_kuairand_clicks_only_and_single_file(kuairand_dir: Path) -> None:
     assert seqs(one) == {5: [902, 901, 900], 7: [900]}
 
 
+def test_kuairand_quoted_csv(write) -> None:
+    header = ",".join(f'"{c}"' for c in KUAIRAND_HEADER.strip().split(","))
+    rows = kuairand_row(1, 5, 3000, click=1) + kuairand_row(1, 6, 1000) + kuairand_row(1, 7, 2000)
+    path = write("log_standard_q.csv", header + "\n" + rows.replace("1,5,", '"1","5",'))
+    ds = import_dataset("kuairand", path)
+    assert seqs(ds) == {1: [6, 7, 5]} and ds.actions.tolist() == [0, 0, 1]
+    bad = write("log_standard_qbad.csv", header + "\n" + rows + '"1","x",20220408\n')
+    with pytest.raises(UserError, match=r"line 5: expected 19 ','-separated fields, got 3"):
+        import_dataset("kuairand", bad)
+
+
 def test_kuairand_header_without_required_column(write) -> None:
     path = write("log_standard_bad.csv", KUAIRAND_HEADER.replace("video_id", "vid") + kuairand_row(1, 2, 3))
     with pytest.raises(UserError, match=r"log_standard_bad.csv, line 1: header lacks column\(s\) video_id"):
