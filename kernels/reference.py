@@ -118,6 +118,62 @@ def hstu_attention_padded(
     return padded_to_jagged(out, offsets)
 
 
+def hstu_attention_with_prefix_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    k_prefix: torch.Tensor,
+    v_prefix: torch.Tensor,
+    prefix_offsets: torch.Tensor,
+    *,
+    max_seq_len: int,
+    timestamps: torch.Tensor | None = None,
+    prefix_timestamps: torch.Tensor | None = None,
+    pos_weight: torch.Tensor | None = None,
+    time_weight: torch.Tensor | None = None,
+    num_targets: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Serving: per sequence b, the new tokens (``offsets``, S_b of them) are positions ``P_b..P_b+S_b-1`` of
+    a sequence whose first ``P_b`` tokens' K/V are cached (``prefix_offsets``). ``num_targets`` counts the
+    candidates among the new tokens. Returns [sum_S, H, dv], equal to the full-sequence attention's rows for
+    the new tokens. Computed directly on the [S_b, P_b + S_b] rectangle of each sequence.
+    """
+    offs = offsets.tolist()
+    poffs = prefix_offsets.tolist()
+    out = v.new_zeros(v.shape)
+    has_time = time_weight is not None and timestamps is not None
+    if has_time and prefix_timestamps is None:
+        raise ValueError("prefix_timestamps are required with timestamps and time_weight")
+    for b in range(len(offs) - 1):
+        s0, s1, p0, p1 = offs[b], offs[b + 1], poffs[b], poffs[b + 1]
+        if s1 == s0:
+            continue
+        n_pre, n_new = p1 - p0, s1 - s0
+        total = n_pre + n_new
+        hist = total - int(num_targets[b]) if num_targets is not None else total
+        hist = max(hist, 0)
+        gi = torch.arange(n_pre, total, device=q.device)
+        gj = torch.arange(total, device=q.device)
+        allowed = (gj[None, :] <= gi[:, None]) & ((gj[None, :] < hist) | (gj[None, :] == gi[:, None]))
+        kb = torch.cat([k_prefix[p0:p1], k[s0:s1]]).transpose(0, 1)  # [H, P+S, d]
+        vb = torch.cat([v_prefix[p0:p1], v[s0:s1]]).transpose(0, 1)
+        scores = torch.matmul(q[s0:s1].transpose(0, 1), kb.transpose(1, 2))  # [H, S, P+S]
+        bias = None
+        if pos_weight is not None:
+            dist = torch.clamp_max(gi, hist)[:, None] - torch.clamp_max(gj, hist)[None, :]
+            bias = pos_weight[dist.clamp(0, pos_weight.numel() - 1)]
+        if has_time:
+            ts = torch.cat([prefix_timestamps[p0:p1], timestamps[s0:s1]])
+            tb = time_weight[time_buckets(ts[n_pre:, None] - ts[None, :], time_weight.numel() - 1)]
+            bias = tb if bias is None else bias + tb
+        if bias is not None:
+            scores = scores + bias.unsqueeze(0).to(scores.dtype)
+        attn = F.silu(scores) * (allowed.unsqueeze(0).to(scores.dtype) / max_seq_len)
+        out[s0:s1] = torch.matmul(attn, vb).transpose(0, 1)
+    return out
+
+
 def layer_norm_mul_reference(x: torch.Tensor, u: torch.Tensor, weight: torch.Tensor | None,
                              bias: torch.Tensor | None, eps: float = 1e-6) -> torch.Tensor:
     """HSTU's ``LN(A V) ⊙ U`` over the last dimension, jagged [sum_L, D]."""
