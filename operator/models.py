@@ -1,0 +1,240 @@
+"""The two custom resources as pydantic models: the single source for the CRD schemas and for validation.
+
+``grstack crds`` turns these into structural OpenAPI v3 schemas (see ``crds.py``); the operator validates
+every spec with the same models, so anything the API server cannot check (cross-field rules, the trainer
+config itself) is reported as an ``InvalidSpec`` condition with the model's message. Field names are
+snake_case in Python and camelCase on the wire, as Kubernetes users expect.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic.alias_generators import to_camel
+
+# An int-or-string Kubernetes quantity ("500m", "4Gi", 2).
+Quantity = Annotated[
+    int | str,
+    WithJsonSchema({"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True}),
+]
+# A Kubernetes structure passed through to pods unchanged (tolerations, affinity); the API server checks it
+# when the pod is created.
+KubeObject = Annotated[dict[str, Any], WithJsonSchema({"type": "object", "x-kubernetes-preserve-unknown-fields": True})]
+# One ``--set key=value`` value: any YAML scalar.
+Scalar = Annotated[str | int | float | bool, WithJsonSchema({"x-kubernetes-preserve-unknown-fields": True})]
+
+Accelerator = Literal["cpu", "nvidia", "ascend"]
+PullPolicy = Literal["Always", "IfNotPresent", "Never"]
+ConditionStatus = Literal["True", "False", "Unknown"]
+TrainingState = Literal["Created", "Running", "Restarting", "Succeeded", "Failed", "Suspended"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", alias_generator=to_camel, populate_by_name=True)
+
+
+class EnvVar(_Model):
+    name: str = Field(min_length=1)
+    value: str = ""
+
+
+class Resources(_Model):
+    """Container requests/limits; the accelerator device is added by the operator from ``accelerator``."""
+
+    requests: dict[str, Quantity] = Field(default_factory=dict)
+    limits: dict[str, Quantity] = Field(default_factory=dict)
+
+
+class Scheduling(_Model):
+    scheduler_name: str | None = Field(None, description="e.g. volcano for gang scheduling")
+    priority_class_name: str | None = None
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[KubeObject] = Field(default_factory=list)
+    affinity: KubeObject | None = None
+
+
+# ---------------------------------------------------------------------------------------------- training
+
+
+class Workers(_Model):
+    replicas: int = Field(1, ge=1, description="ranks in the job; one pod per rank")
+    accelerator: Accelerator = Field(
+        "cpu", description="cpu, nvidia (nvidia.com/gpu) or ascend (huawei.com/Ascend910); one device per rank")
+    resources: Resources = Field(default_factory=Resources)
+    env: list[EnvVar] = Field(default_factory=list)
+
+
+class TrainingData(_Model):
+    claim_name: str | None = Field(None, description="PersistentVolumeClaim with datasets, mounted read-only")
+    mount_path: str = "/data"
+    format: str | None = Field(None, description="trainer data.format (parquet, recbole, ..., synth)")
+    source: str | None = Field(None, description="trainer data.source: a path under mountPath, or a synth preset")
+
+
+class TrainingCheckpoint(_Model):
+    claim_name: str | None = Field(
+        None, description="PersistentVolumeClaim for checkpoints (ReadWriteMany for several workers); "
+                          "without it an emptyDir is used and a restarted gang starts over")
+    mount_path: str = "/var/grstack/run"
+    interval_steps: int | None = Field(None, ge=1, description="steps between checkpoints (train.checkpoint_every)")
+
+
+class RunPolicy(_Model):
+    backoff_limit: int = Field(3, ge=0, description="whole-gang restarts from the last checkpoint before Failed")
+    active_deadline_seconds: int | None = Field(None, ge=1)
+    ttl_seconds_after_finished: int | None = Field(None, ge=0, description="delete the job this long after it ends")
+    clean_pod_policy: Literal["All", "Running", "None"] = Field(
+        "None", description="pods deleted when the job ends: All, Running (still running ones) or None")
+    suspend: bool = Field(False, description="true deletes the pods; false again resumes from the last checkpoint")
+
+
+class GRTrainingJobSpec(_Model):
+    image: str = Field(min_length=1, description="image with the grstack command")
+    image_pull_policy: PullPolicy = "IfNotPresent"
+    image_pull_secrets: list[str] = Field(default_factory=list)
+    config: str | None = Field(None, description="trainer config YAML; default: the built-in synthetic demo")
+    overrides: dict[str, Scalar] = Field(default_factory=dict, description="trainer --set key=value overrides")
+    max_steps: int | None = Field(None, ge=1, description="train.max_steps")
+    workers: Workers = Field(default_factory=Workers)
+    data: TrainingData = Field(default_factory=TrainingData)
+    checkpoint: TrainingCheckpoint = Field(default_factory=TrainingCheckpoint)
+    run_policy: RunPolicy = Field(default_factory=RunPolicy)
+    scheduling: Scheduling = Field(default_factory=Scheduling)
+    progress_interval_seconds: int = Field(10, ge=1, description="how often rank 0 reports progress at most")
+
+
+class Condition(_Model):
+    """metav1.Condition."""
+
+    type: str
+    status: ConditionStatus
+    reason: str
+    message: str = ""
+    last_transition_time: str
+    observed_generation: int | None = None
+
+
+class WorkerCounts(_Model):
+    active: int = 0
+    succeeded: int = 0
+    failed: int = 0
+
+
+class Progress(_Model):
+    step: int | None = None
+    total_steps: int | None = None
+    epoch: int | None = None
+    loss: float | None = None
+    samples_per_second: float | None = None
+    tokens_per_second: float | None = None
+    last_checkpoint: str | None = None
+    metrics: dict[str, float] | None = Field(None, description="test metrics reported when training finished")
+    summary: str | None = Field(None, description="for humans and the Progress column, e.g. '40% (20/50)'")
+    update_time: str | None = None
+
+
+class GRTrainingJobStatus(_Model):
+    state: TrainingState | None = None
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})
+    workers: WorkerCounts = Field(default_factory=WorkerCounts)
+    restarts: int = 0
+    progress: Progress | None = None
+    start_time: str | None = None
+    completion_time: str | None = None
+    observed_generation: int | None = None
+
+
+# ----------------------------------------------------------------------------------------------- serving
+
+
+class ServingCheckpoint(_Model):
+    path: str = Field(min_length=1, description="exported checkpoint the rankers load (--checkpoint)")
+    claim_name: str | None = Field(None, description="PersistentVolumeClaim holding it, mounted read-only")
+    mount_path: str = "/models"
+
+
+class Autoscaling(_Model):
+    """A HorizontalPodAutoscaler on the GRRankingService scale subresource (ranker replicas)."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        {"rule": "self.maxReplicas >= self.minReplicas", "message": "maxReplicas must be >= minReplicas"}]})
+
+    min_replicas: int = Field(1, ge=1)
+    max_replicas: int = Field(ge=1)
+    target_cpu_utilization_percentage: int = Field(80, ge=1, le=100)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> Autoscaling:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError("autoscaling.maxReplicas must be >= autoscaling.minReplicas")
+        return self
+
+
+class Ranker(_Model):
+    port: int = Field(8000, ge=1, le=65535)
+    accelerator: Accelerator = "cpu"
+    resources: Resources = Field(default_factory=Resources)
+    env: list[EnvVar] = Field(default_factory=list)
+
+
+class Router(_Model):
+    replicas: int = Field(1, ge=1)
+    port: int = Field(8080, ge=1, le=65535)
+    service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
+    resources: Resources = Field(default_factory=Resources)
+    env: list[EnvVar] = Field(default_factory=list)
+
+
+class Cache(_Model):
+    device_bytes: int = Field(1 << 30, ge=0, description="prefix KV cache held in accelerator memory per ranker")
+    dram_bytes: int = Field(4 << 30, ge=0, description="host-DRAM tier for evicted prefixes per ranker")
+    ttl_seconds: int = Field(600, ge=0, description="lifetime of a host-DRAM entry")
+
+
+class Trigger(_Model):
+    slo_ms: float = Field(50.0, gt=0, description="P99 latency budget the sequence-aware trigger protects")
+    length_threshold: int = Field(512, ge=0, description="histories at least this long are pre-inferred")
+    pre_infer_budget: float = Field(0.5, ge=0, le=1, description="share of ranker capacity for pre-inference")
+
+
+class Etcd(_Model):
+    endpoints: list[str] = Field(default_factory=list, description="existing etcd client URLs")
+    managed: bool = Field(False, description="run a one-member etcd owned by this service")
+    image: str = "quay.io/coreos/etcd:v3.5.17"
+
+
+class GRRankingServiceSpec(_Model):
+    image: str = Field(min_length=1)
+    image_pull_policy: PullPolicy = "IfNotPresent"
+    image_pull_secrets: list[str] = Field(default_factory=list)
+    checkpoint: ServingCheckpoint
+    replicas: int = Field(1, ge=1, description="ranker replicas (the scale subresource)")
+    autoscaling: Autoscaling | None = None
+    ranker: Ranker = Field(default_factory=Ranker)
+    router: Router = Field(default_factory=Router)
+    cache: Cache = Field(default_factory=Cache)
+    trigger: Trigger = Field(default_factory=Trigger)
+    etcd: Etcd = Field(default_factory=Etcd)
+    scheduling: Scheduling = Field(default_factory=Scheduling)
+
+    @model_validator(mode="after")
+    def _etcd(self) -> GRRankingServiceSpec:
+        if self.etcd.managed and self.etcd.endpoints:
+            raise ValueError("etcd: set either managed or endpoints, not both")
+        return self
+
+
+class GRRankingServiceStatus(_Model):
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})
+    replicas: int = 0
+    ready_replicas: int = 0
+    router_ready_replicas: int = 0
+    url: str | None = None
+    cache_hit_rate: float | None = None
+    selector: str | None = Field(None, description="ranker pod selector (scale subresource)")
+    observed_generation: int | None = None

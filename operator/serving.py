@@ -1,0 +1,375 @@
+"""Pure reconcile of a GRRankingService: (service, observed children, pods) -> desired children and status.
+
+Children (all owned by the GRRankingService, re-applied every pass so spec changes and scaling propagate):
+
+- rankers: a StatefulSet behind a headless Service, so replica ``i`` keeps its name and DNS address
+  across restarts (``--rankers`` lists and consistent hashing stay stable; etcd placements point at it);
+- routers: a Deployment behind the Service named like the GRRankingService (its URL goes to the status);
+- a ConfigMap with the cache and trigger settings (also passed as environment variables);
+- the ServiceAccount/Role/RoleBinding that lets each ranker patch its own pod (cache statistics);
+- optionally a one-member etcd StatefulSet + Service, and a HorizontalPodAutoscaler on the scale
+  subresource.
+
+Status: ``Ready`` rolls up rankers, routers and the managed etcd; ready replicas; URL; cache hit rate
+aggregated from the rankers' ``grstack.io/stats`` pod annotations; the selector for the scale subresource.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from grstack.operator import names, objects
+from grstack.operator.models import GRRankingServiceSpec
+
+ETCD_CLIENT_PORT = 2379
+ETCD_PEER_PORT = 2380
+
+
+@dataclass
+class ServingPlan:
+    status: dict[str, Any]
+    children: list[dict[str, Any]] = field(default_factory=list)  # created, or patched when they differ
+    delete: list[tuple[str, str, str]] = field(default_factory=list)  # (apiVersion, kind, name) no longer wanted
+    events: list[tuple[str, str, str]] = field(default_factory=list)
+
+
+def labels(service: str, component: str) -> dict[str, str]:
+    return {
+        names.LABEL_NAME: "grstack",
+        names.LABEL_MANAGED_BY: names.MANAGED_BY,
+        names.LABEL_COMPONENT: component,
+        names.LABEL_SERVICE: service,
+    }
+
+
+def selector(service: str, component: str) -> dict[str, str]:
+    return {names.LABEL_SERVICE: service, names.LABEL_COMPONENT: component}
+
+
+def selector_string(service: str, component: str) -> str:
+    return ",".join(f"{k}={v}" for k, v in selector(service, component).items())
+
+
+def etcd_endpoints(service: str, spec: GRRankingServiceSpec) -> list[str]:
+    if spec.etcd.managed:
+        return [f"http://{names.etcd_name(service)}:{ETCD_CLIENT_PORT}"]
+    return list(spec.etcd.endpoints)
+
+
+def ranker_urls(service: str, spec: GRRankingServiceSpec) -> list[str]:
+    sts = names.ranker_name(service)
+    return [f"http://{sts}-{i}.{sts}:{spec.ranker.port}" for i in range(spec.replicas)]
+
+
+def url(service: str, namespace: str, spec: GRRankingServiceSpec) -> str:
+    return f"http://{service}.{namespace}.svc:{spec.router.port}"
+
+
+def serve_settings(service: str, spec: GRRankingServiceSpec) -> dict[str, Any]:
+    return {
+        "cache": spec.cache.model_dump(),
+        "trigger": spec.trigger.model_dump(),
+        "etcd": etcd_endpoints(service, spec),
+        "ranker_port": spec.ranker.port,
+        "router_port": spec.router.port,
+    }
+
+
+def _settings_env(service: str, spec: GRRankingServiceSpec) -> list[dict[str, Any]]:
+    c, t = spec.cache, spec.trigger
+    return [
+        {"name": "GRSTACK_CACHE_DEVICE_BYTES", "value": str(c.device_bytes)},
+        {"name": "GRSTACK_CACHE_DRAM_BYTES", "value": str(c.dram_bytes)},
+        {"name": "GRSTACK_CACHE_TTL_SECONDS", "value": str(c.ttl_seconds)},
+        {"name": "GRSTACK_TRIGGER_SLO_MS", "value": str(t.slo_ms)},
+        {"name": "GRSTACK_TRIGGER_LENGTH_THRESHOLD", "value": str(t.length_threshold)},
+        {"name": "GRSTACK_TRIGGER_PRE_INFER_BUDGET", "value": str(t.pre_infer_budget)},
+        {"name": "GRSTACK_SERVE_CONFIG", "value": f"{names.SERVE_CONFIG_MOUNT}/{names.SERVE_CONFIG_KEY}"},
+    ]
+
+
+def _probes(port: int) -> dict[str, Any]:
+    return {
+        "readinessProbe": {"httpGet": {"path": "/readyz", "port": port}, "periodSeconds": 5},
+        "livenessProbe": {"httpGet": {"path": "/healthz", "port": port}, "initialDelaySeconds": 30,
+                          "periodSeconds": 10, "failureThreshold": 6},
+    }
+
+
+def _pod_spec(spec: GRRankingServiceSpec, container: dict[str, Any], volumes: list[dict[str, Any]],
+              account: str | None) -> dict[str, Any]:
+    pod: dict[str, Any] = {
+        "enableServiceLinks": False,
+        "automountServiceAccountToken": account is not None,
+        "securityContext": objects.pod_security_context(),
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if account:
+        pod["serviceAccountName"] = account
+    if spec.image_pull_secrets:
+        pod["imagePullSecrets"] = objects.pull_secrets(spec.image_pull_secrets)
+    objects.apply_scheduling(pod, spec.scheduling)
+    return pod
+
+
+def _container(spec: GRRankingServiceSpec, name: str, args: list[str], port: int, env: list[dict[str, Any]],
+               mounts: list[dict[str, Any]], resources: dict[str, Any]) -> dict[str, Any]:
+    container: dict[str, Any] = {
+        "name": name,
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["grstack"],
+        "args": args,
+        "env": env,
+        "ports": [{"name": "http", "containerPort": port}],
+        "volumeMounts": mounts,
+        "securityContext": objects.container_security_context(),
+        **_probes(port),
+    }
+    if resources:
+        container["resources"] = resources
+    return container
+
+
+def children(svc: dict[str, Any], spec: GRRankingServiceSpec) -> list[dict[str, Any]]:
+    name = svc["metadata"]["name"]
+    ranker, router = names.ranker_name(name), names.router_name(name)
+    out: list[dict[str, Any]] = []
+    config = {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": objects.metadata(svc, names.serve_config_name(name), labels(name, "config")),
+        "data": {names.SERVE_CONFIG_KEY: yaml.safe_dump(serve_settings(name, spec), sort_keys=False)},
+    }
+    out.append(config)
+    max_rankers = max(spec.replicas, spec.autoscaling.max_replicas if spec.autoscaling else 0)
+    out += objects.self_patch_role(svc, names.serve_account_name(name), labels(name, "ranker"),
+                                   [f"{ranker}-{i}" for i in range(max_rankers)])
+
+    volumes, mounts = objects.scratch_volumes()
+    volumes.append({"name": "config", "configMap": {"name": names.serve_config_name(name)}})
+    mounts.append({"name": "config", "mountPath": names.SERVE_CONFIG_MOUNT, "readOnly": True})
+    common_env = [objects.field_env("GRSTACK_POD_NAME", "metadata.name"),
+                  objects.field_env("GRSTACK_POD_NAMESPACE", "metadata.namespace"),
+                  *objects.SCRATCH_ENV, *_settings_env(name, spec)]
+    endpoints = etcd_endpoints(name, spec)
+
+    # Rankers.
+    ckpt = spec.checkpoint
+    r_volumes, r_mounts = list(volumes), list(mounts)
+    if ckpt.claim_name:
+        r_volumes.append({"name": "model",
+                          "persistentVolumeClaim": {"claimName": ckpt.claim_name, "readOnly": True}})
+        r_mounts.append({"name": "model", "mountPath": ckpt.mount_path, "readOnly": True})
+    r_args = ["serve", "ranker", "--checkpoint", ckpt.path, "--port", str(spec.ranker.port)]
+    if endpoints:
+        r_args += ["--etcd", ",".join(endpoints)]
+    r_env = [*common_env,
+             {"name": "GRSTACK_ADVERTISE_URL", "value": f"http://$(GRSTACK_POD_NAME).{ranker}:{spec.ranker.port}"},
+             {"name": "GRSTACK_STATS_ANNOTATION", "value": names.ANNOTATION_STATS},
+             *objects.env_list(spec.ranker.env)]
+    r_container = _container(spec, "ranker", r_args, spec.ranker.port, r_env, r_mounts,
+                             objects.resources(spec.ranker.resources, spec.ranker.accelerator))
+    r_labels = labels(name, "ranker")
+    out.append({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": objects.metadata(svc, ranker, r_labels),
+        "spec": {"clusterIP": "None", "selector": selector(name, "ranker"),
+                 "ports": [{"name": "http", "port": spec.ranker.port, "targetPort": spec.ranker.port}]},
+    })
+    out.append({
+        "apiVersion": "apps/v1", "kind": "StatefulSet",
+        "metadata": objects.metadata(svc, ranker, r_labels),
+        "spec": {
+            "replicas": spec.replicas,
+            "serviceName": ranker,
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": selector(name, "ranker")},
+            "template": {
+                "metadata": {"labels": r_labels},
+                "spec": _pod_spec(spec, r_container, r_volumes, names.serve_account_name(name)),
+            },
+        },
+    })
+
+    # Routers.
+    routing = ["--etcd", ",".join(endpoints)] if endpoints else ["--rankers", ",".join(ranker_urls(name, spec))]
+    t_args = ["serve", "router", *routing, "--port", str(spec.router.port)]
+    t_env = [*common_env, *objects.env_list(spec.router.env)]
+    t_container = _container(spec, "router", t_args, spec.router.port, t_env, mounts,
+                             objects.resources(spec.router.resources, "cpu"))
+    t_labels = labels(name, "router")
+    out.append({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": objects.metadata(svc, router, t_labels),
+        "spec": {
+            "replicas": spec.router.replicas,
+            "selector": {"matchLabels": selector(name, "router")},
+            "template": {"metadata": {"labels": t_labels},
+                         "spec": _pod_spec(spec, t_container, volumes, None)},
+        },
+    })
+    out.append({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": objects.metadata(svc, name, t_labels),
+        "spec": {"type": spec.router.service_type, "selector": selector(name, "router"),
+                 "ports": [{"name": "http", "port": spec.router.port, "targetPort": spec.router.port}]},
+    })
+
+    if spec.etcd.managed:
+        out += _etcd(svc, spec)
+    if spec.autoscaling:
+        a = spec.autoscaling
+        out.append({
+            "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+            "metadata": objects.metadata(svc, ranker, r_labels),
+            "spec": {
+                "scaleTargetRef": {"apiVersion": names.API_VERSION, "kind": names.SERVING_KIND, "name": name},
+                "minReplicas": a.min_replicas,
+                "maxReplicas": a.max_replicas,
+                "metrics": [{"type": "Resource", "resource": {
+                    "name": "cpu", "target": {"type": "Utilization",
+                                              "averageUtilization": a.target_cpu_utilization_percentage}}}],
+            },
+        })
+    return out
+
+
+def _etcd(svc: dict[str, Any], spec: GRRankingServiceSpec) -> list[dict[str, Any]]:
+    """One etcd member; placements are soft state (routers fall back to the hash ring), so an emptyDir."""
+    name = svc["metadata"]["name"]
+    etcd = names.etcd_name(name)
+    e_labels = labels(name, "etcd")
+    container = {
+        "name": "etcd",
+        "image": spec.etcd.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["etcd"],
+        "args": [
+            "--name=$(POD_NAME)",
+            "--data-dir=/var/run/etcd/data",
+            f"--listen-client-urls=http://0.0.0.0:{ETCD_CLIENT_PORT}",
+            f"--advertise-client-urls=http://{etcd}:{ETCD_CLIENT_PORT}",
+            f"--listen-peer-urls=http://0.0.0.0:{ETCD_PEER_PORT}",
+            f"--initial-advertise-peer-urls=http://$(POD_NAME).{etcd}:{ETCD_PEER_PORT}",
+            f"--initial-cluster=$(POD_NAME)=http://$(POD_NAME).{etcd}:{ETCD_PEER_PORT}",
+        ],
+        "env": [objects.field_env("POD_NAME", "metadata.name")],
+        "ports": [{"name": "client", "containerPort": ETCD_CLIENT_PORT},
+                  {"name": "peer", "containerPort": ETCD_PEER_PORT}],
+        "volumeMounts": [{"name": "data", "mountPath": "/var/run/etcd"}],
+        "readinessProbe": {"httpGet": {"path": "/health", "port": ETCD_CLIENT_PORT}, "periodSeconds": 5},
+        "securityContext": objects.container_security_context(),
+    }
+    return [
+        {"apiVersion": "v1", "kind": "Service", "metadata": objects.metadata(svc, etcd, e_labels),
+         "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": selector(name, "etcd"),
+                  "ports": [{"name": "client", "port": ETCD_CLIENT_PORT},
+                            {"name": "peer", "port": ETCD_PEER_PORT}]}},
+        {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": objects.metadata(svc, etcd, e_labels),
+         "spec": {"replicas": 1, "serviceName": etcd, "selector": {"matchLabels": selector(name, "etcd")},
+                  "template": {"metadata": {"labels": e_labels},
+                               "spec": {"enableServiceLinks": False, "automountServiceAccountToken": False,
+                                        "securityContext": objects.pod_security_context(),
+                                        "containers": [container],
+                                        "volumes": [{"name": "data", "emptyDir": {}}]}}}},
+    ]
+
+
+def hit_rate(pods: list[dict[str, Any]]) -> float | None:
+    """Cache hit rate over rankers: sum(hits)/sum(lookups) when reported, else the mean of their rates."""
+    hits = lookups = 0.0
+    rates = []
+    for pod in pods:
+        raw = (pod.get("metadata", {}).get("annotations") or {}).get(names.ANNOTATION_STATS)
+        if not raw:
+            continue
+        try:
+            stats = json.loads(raw)
+        except ValueError:
+            continue
+        if not isinstance(stats, dict):
+            continue
+        if isinstance(stats.get("cache_hits"), int | float) and isinstance(stats.get("cache_lookups"), int | float):
+            hits += stats["cache_hits"]
+            lookups += stats["cache_lookups"]
+        elif isinstance(stats.get("cache_hit_rate"), int | float):
+            rates.append(float(stats["cache_hit_rate"]))
+    if lookups > 0:
+        return round(hits / lookups, 4)
+    if rates:
+        return round(sum(rates) / len(rates), 4)
+    return None
+
+
+def _ready(obj: dict[str, Any] | None) -> int:
+    return int(((obj or {}).get("status") or {}).get("readyReplicas") or 0)
+
+
+def reconcile_serving(svc: dict[str, Any], observed: dict[tuple[str, str], dict[str, Any]],
+                      pods: list[dict[str, Any]], now: dt.datetime) -> ServingPlan:
+    """``observed`` maps (kind, name) of existing children to their live objects (with status)."""
+    meta = svc["metadata"]
+    name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")
+    status: dict[str, Any] = json.loads(json.dumps(svc.get("status") or {}))
+    status["observedGeneration"] = generation
+    plan = ServingPlan(status=status)
+    conds = status.get("conditions") or []
+    try:
+        if len(name) > names.MAX_NAME_LENGTH:
+            raise ValueError(f"metadata.name: at most {names.MAX_NAME_LENGTH} characters")
+        spec = GRRankingServiceSpec.model_validate(svc.get("spec") or {})
+    except (ValidationError, ValueError) as exc:
+        message = objects.validation_message(exc)
+        if objects.condition(conds, "Ready") is None or objects.condition(conds, "Ready").get("reason") != "InvalidSpec":
+            plan.events.append(("Warning", "InvalidSpec", message))
+        status["conditions"] = objects.set_condition(conds, "Ready", False, "InvalidSpec", message, now, generation)
+        return plan
+
+    plan.children = children(svc, spec)
+    if not spec.autoscaling and ("HorizontalPodAutoscaler", names.ranker_name(name)) in observed:
+        plan.delete.append(("autoscaling/v2", "HorizontalPodAutoscaler", names.ranker_name(name)))
+    if not spec.etcd.managed:
+        for kind, api in (("StatefulSet", "apps/v1"), ("Service", "v1")):
+            if (kind, names.etcd_name(name)) in observed:
+                plan.delete.append((api, kind, names.etcd_name(name)))
+
+    rankers = observed.get(("StatefulSet", names.ranker_name(name)))
+    routers = observed.get(("Deployment", names.router_name(name)))
+    ready_rankers, ready_routers = _ready(rankers), _ready(routers)
+    status["replicas"] = int(((rankers or {}).get("status") or {}).get("replicas") or 0)
+    status["readyReplicas"] = ready_rankers
+    status["routerReadyReplicas"] = ready_routers
+    status["url"] = url(name, namespace, spec)
+    status["selector"] = selector_string(name, "ranker")
+    rate = hit_rate([p for p in pods if p.get("metadata", {}).get("labels", {}).get(names.LABEL_COMPONENT) == "ranker"])
+    if rate is not None:
+        status["cacheHitRate"] = rate
+
+    missing = []
+    if ready_rankers < spec.replicas:
+        missing.append(f"{ready_rankers}/{spec.replicas} rankers ready")
+    if ready_routers < spec.router.replicas:
+        missing.append(f"{ready_routers}/{spec.router.replicas} routers ready")
+    if spec.etcd.managed and _ready(observed.get(("StatefulSet", names.etcd_name(name)))) < 1:
+        missing.append("etcd not ready")
+    if missing:
+        reason = "RankersNotReady" if ready_rankers < spec.replicas else (
+            "RoutersNotReady" if ready_routers < spec.router.replicas else "EtcdNotReady")
+        status["conditions"] = objects.set_condition(conds, "Ready", False, reason, "; ".join(missing), now,
+                                                     generation)
+    else:
+        was_ready = (objects.condition(conds, "Ready") or {}).get("status") == "True"
+        status["conditions"] = objects.set_condition(
+            conds, "Ready", True, "AllReplicasReady",
+            f"{ready_rankers} rankers and {ready_routers} routers ready at {status['url']}", now, generation)
+        if not was_ready:
+            plan.events.append(("Normal", "Ready", f"serving at {status['url']}"))
+    return plan
+

@@ -1,0 +1,422 @@
+"""Pure reconcile of a GRTrainingJob: (job, observed pods, now) -> desired children, pod actions, new status.
+
+No I/O and no clock: the kopf handlers feed in what they observed and apply the plan, so every rule below is
+tested with tables (``tests/operator/test_op_training.py``).
+
+Lifecycle (Kubeflow PyTorchJob semantics for a gang of ranks):
+
+- one Pod per rank (``restartPolicy: Never``), labelled with the *attempt* (= ``status.restarts``); a
+  headless Service gives rank 0 a stable DNS name for ``MASTER_ADDR``;
+- rank 0 Succeeded -> Succeeded; a worker Failed -> the whole gang is deleted and recreated as the next
+  attempt, which resumes from the last checkpoint on the checkpoint volume, until ``backoffLimit``;
+  exit status 2 is the trainer's "user error" and fails the job at once (retrying cannot help);
+- ``activeDeadlineSeconds`` fails a job that runs too long, ``ttlSecondsAfterFinished`` deletes a finished
+  job, ``cleanPodPolicy`` says which pods go when it ends, ``suspend`` deletes the pods and resuming
+  recreates them (from the checkpoint);
+- a spec the models (or the trainer config model) reject -> Failed with reason ``InvalidSpec``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from grstack.operator import names, objects, trainconfig
+from grstack.operator.models import GRTrainingJobSpec
+
+TERMINAL = ("Succeeded", "Failed")
+STATE_CONDITIONS = ("Running", "Restarting", "Succeeded", "Failed", "Suspended")
+USER_ERROR_EXIT = 2
+
+
+@dataclass
+class TrainingPlan:
+    status: dict[str, Any]
+    children: list[dict[str, Any]] = field(default_factory=list)  # created when missing
+    create_pods: list[dict[str, Any]] = field(default_factory=list)
+    delete_pods: list[str] = field(default_factory=list)
+    delete_job: bool = False
+    requeue_after: float | None = None
+    events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
+
+
+class InvalidSpec(ValueError):
+    pass
+
+
+def parse_spec(job: dict[str, Any]) -> GRTrainingJobSpec:
+    """The validated spec, or InvalidSpec with a one-line message naming the field."""
+    name = job["metadata"]["name"]
+    if len(name) > names.MAX_NAME_LENGTH:
+        raise InvalidSpec(f"metadata.name: at most {names.MAX_NAME_LENGTH} characters (pod and service names "
+                          f"are derived from it)")
+    try:
+        spec = GRTrainingJobSpec.model_validate(job.get("spec") or {})
+    except ValidationError as exc:
+        raise InvalidSpec(objects.validation_message(exc)) from None
+    problem = _config_problem(trainconfig.config_text(spec), tuple(trainconfig.overrides(spec)))
+    if problem:
+        raise InvalidSpec(problem)
+    return spec
+
+
+@functools.lru_cache(maxsize=256)
+def _config_problem(text: str, overrides: tuple[str, ...]) -> str | None:
+    try:
+        trainconfig.validate(text, list(overrides))
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+# --------------------------------------------------------------------------------------------- children
+
+
+def labels(job: str, component: str = "worker") -> dict[str, str]:
+    return {
+        names.LABEL_NAME: "grstack",
+        names.LABEL_MANAGED_BY: names.MANAGED_BY,
+        names.LABEL_COMPONENT: component,
+        names.LABEL_JOB: job,
+    }
+
+
+def children(job: dict[str, Any], spec: GRTrainingJobSpec) -> list[dict[str, Any]]:
+    """ConfigMap (trainer config), headless Service, and the ServiceAccount/Role/RoleBinding of the workers."""
+    name = job["metadata"]["name"]
+    base = labels(name)
+    config = {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": objects.metadata(job, names.job_config_name(name), base),
+        "data": {names.CONFIG_KEY: trainconfig.config_text(spec)},
+    }
+    service = {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": objects.metadata(job, names.workers_service_name(name), base),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,  # rank 0 must resolve before any rank is ready
+            "selector": {names.LABEL_JOB: name, names.LABEL_COMPONENT: "worker"},
+            "ports": [{"name": "dist", "port": names.MASTER_PORT, "targetPort": names.MASTER_PORT}],
+        },
+    }
+    rbac = objects.self_patch_role(job, names.job_account_name(name), base, [names.worker_pod_name(name, 0)])
+    return [config, service, *rbac]
+
+
+def run_dir(name: str, spec: GRTrainingJobSpec) -> str:
+    return f"{spec.checkpoint.mount_path.rstrip('/')}/{name}"
+
+
+def worker_pod(job: dict[str, Any], spec: GRTrainingJobSpec, rank: int, attempt: int) -> dict[str, Any]:
+    name = job["metadata"]["name"]
+    pod_name = names.worker_pod_name(name, rank)
+    pod_labels = {**labels(name), names.LABEL_RANK: str(rank), names.LABEL_ATTEMPT: str(attempt)}
+    args = ["train", "--config", f"{names.CONFIG_MOUNT}/{names.CONFIG_KEY}", "--out", run_dir(name, spec),
+            "--no-progress"]
+    for item in trainconfig.overrides(spec):
+        args += ["--set", item]
+    env = [
+        {"name": "MASTER_ADDR", "value": f"{names.worker_pod_name(name, 0)}.{names.workers_service_name(name)}"},
+        {"name": "MASTER_PORT", "value": str(names.MASTER_PORT)},
+        {"name": "WORLD_SIZE", "value": str(spec.workers.replicas)},
+        {"name": "RANK", "value": str(rank)},
+        {"name": "LOCAL_RANK", "value": "0"},
+        {"name": "LOCAL_WORLD_SIZE", "value": "1"},
+        objects.field_env("GRSTACK_POD_NAME", "metadata.name"),
+        objects.field_env("GRSTACK_POD_NAMESPACE", "metadata.namespace"),
+        *objects.SCRATCH_ENV,
+    ]
+    if rank == 0:
+        env += [{"name": "GRSTACK_PROGRESS_ANNOTATION", "value": names.ANNOTATION_PROGRESS},
+                {"name": "GRSTACK_PROGRESS_INTERVAL", "value": str(spec.progress_interval_seconds)}]
+    env += objects.env_list(spec.workers.env)
+
+    volumes, mounts = objects.scratch_volumes()
+    volumes.append({"name": "config", "configMap": {"name": names.job_config_name(name)}})
+    mounts.append({"name": "config", "mountPath": names.CONFIG_MOUNT, "readOnly": True})
+    ckpt = spec.checkpoint
+    volumes.append({"name": "checkpoint", "persistentVolumeClaim": {"claimName": ckpt.claim_name}}
+                   if ckpt.claim_name else {"name": "checkpoint", "emptyDir": {}})
+    mounts.append({"name": "checkpoint", "mountPath": ckpt.mount_path})
+    if spec.data.claim_name:
+        volumes.append({"name": "data",
+                        "persistentVolumeClaim": {"claimName": spec.data.claim_name, "readOnly": True}})
+        mounts.append({"name": "data", "mountPath": spec.data.mount_path, "readOnly": True})
+
+    container: dict[str, Any] = {
+        "name": "trainer",
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["grstack"],
+        "args": args,
+        "env": env,
+        "ports": [{"name": "dist", "containerPort": names.MASTER_PORT}],
+        "volumeMounts": mounts,
+        "securityContext": objects.container_security_context(),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    res = objects.resources(spec.workers.resources, spec.workers.accelerator)
+    if res:
+        container["resources"] = res
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "hostname": pod_name,
+        "subdomain": names.workers_service_name(name),
+        "serviceAccountName": names.job_account_name(name),
+        "automountServiceAccountToken": rank == 0,  # only rank 0 talks to the API server
+        "enableServiceLinks": False,
+        "securityContext": objects.pod_security_context(),
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if spec.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = objects.pull_secrets(spec.image_pull_secrets)
+    objects.apply_scheduling(pod_spec, spec.scheduling)
+    digest = hashlib.sha256(json.dumps(pod_spec, sort_keys=True).encode()).hexdigest()[:16]
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": objects.metadata(job, pod_name, pod_labels, {f"{names.GROUP}/spec-hash": digest}),
+        "spec": pod_spec,
+    }
+
+
+# ------------------------------------------------------------------------------------------------ status
+
+
+def progress_from(pod: dict[str, Any] | None, previous: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Rank 0's report (annotation JSON) in status form; the previous one when there is nothing newer."""
+    raw = ((pod or {}).get("metadata", {}).get("annotations") or {}).get(names.ANNOTATION_PROGRESS)
+    if not raw:
+        return previous
+    try:
+        report = json.loads(raw)
+    except ValueError:
+        return previous
+    if not isinstance(report, dict):
+        return previous
+    out: dict[str, Any] = dict(previous or {})
+    mapping = {"step": ("step", int), "total_steps": ("totalSteps", int), "epoch": ("epoch", int),
+               "loss": ("loss", float), "samples_per_second": ("samplesPerSecond", float),
+               "tokens_per_second": ("tokensPerSecond", float), "last_checkpoint": ("lastCheckpoint", str),
+               "time": ("updateTime", str)}
+    for key, (target, kind) in mapping.items():
+        if report.get(key) is not None:
+            try:
+                out[target] = kind(report[key])
+            except (TypeError, ValueError):
+                continue
+    metrics = report.get("metrics")
+    if isinstance(metrics, dict):
+        out["metrics"] = {str(k): float(v) for k, v in metrics.items() if isinstance(v, int | float)}
+    step, total = out.get("step"), out.get("totalSteps")
+    if step is not None and total:
+        out["summary"] = f"{min(100, 100 * step // total)}% ({step}/{total})"
+    elif step is not None:
+        out["summary"] = f"step {step}"
+    return out
+
+
+def _set_state(status: dict[str, Any], state: str, reason: str, message: str, now: dt.datetime,
+               generation: int | None) -> None:
+    conds = status.get("conditions") or []
+    if state in STATE_CONDITIONS:
+        conds = objects.set_condition(conds, state, True, reason, message, now, generation)
+    for other in STATE_CONDITIONS:
+        if other != state:
+            current = objects.condition(conds, other)
+            if current is not None and current.get("status") == "True":
+                conds = objects.set_condition(conds, other, False, reason, message, now, generation)
+    status["conditions"] = conds
+    status["state"] = state
+
+
+def _counts(pods: list[dict[str, Any]]) -> dict[str, int]:
+    phases = [objects.phase(p) for p in pods]
+    return {"active": sum(p in ("Pending", "Running") for p in phases),
+            "succeeded": phases.count("Succeeded"), "failed": phases.count("Failed")}
+
+
+def _cleanup(pods: list[dict[str, Any]], policy: str, failed: bool) -> list[str]:
+    """Pods to delete when the job has ended. A failed gang's survivors would wait forever: always go."""
+    out = []
+    for pod in pods:
+        running = objects.phase(pod) in ("Pending", "Running")
+        if policy == "All" or (running and (policy == "Running" or failed)):
+            out.append(pod["metadata"]["name"])
+    return out
+
+
+def _failure_message(pod: dict[str, Any]) -> tuple[int | None, str]:
+    term = objects.terminated(pod) or {}
+    code = term.get("exitCode")
+    detail = (term.get("message") or "").strip().splitlines()
+    text = f"pod {pod['metadata']['name']} failed"
+    if code is not None:
+        text += f" with exit status {code}"
+    if term.get("reason"):
+        text += f" ({term['reason']})"
+    if detail:
+        text += f": {detail[-1][:300]}"
+    return code, text
+
+
+def reconcile_training(job: dict[str, Any], pods: list[dict[str, Any]], now: dt.datetime) -> TrainingPlan:
+    meta = job["metadata"]
+    name, generation = meta["name"], meta.get("generation")
+    status: dict[str, Any] = json.loads(json.dumps(job.get("status") or {}))
+    status.setdefault("restarts", 0)
+    status["observedGeneration"] = generation
+    previous_state = status.get("state")
+    plan = TrainingPlan(status=status)
+    live = [p for p in pods if not objects.terminating(p)]
+
+    if not objects.condition(status.get("conditions") or [], "Created"):
+        status["conditions"] = objects.set_condition(status.get("conditions") or [], "Created", True,
+                                                     "JobCreated", f"GRTrainingJob {name} created", now,
+                                                     generation)
+        status["state"] = previous_state = previous_state or "Created"
+
+    try:
+        spec = parse_spec(job)
+    except InvalidSpec as exc:
+        if previous_state not in TERMINAL:
+            _set_state(status, "Failed", "InvalidSpec", str(exc), now, generation)
+            status.setdefault("completionTime", objects.timestamp(now))
+            plan.events.append(("Warning", "InvalidSpec", str(exc)))
+        plan.delete_pods = _cleanup(live, "Running", failed=True)
+        return plan
+
+    policy = spec.run_policy
+    status["workers"] = _counts([p for p in live if objects.label_int(p, names.LABEL_ATTEMPT) == status["restarts"]])
+    rank0 = next((p for p in pods if objects.label_int(p, names.LABEL_RANK) == 0
+                  and objects.label_int(p, names.LABEL_ATTEMPT) == status["restarts"]), None)
+    progress = progress_from(rank0, status.get("progress"))
+    if progress is not None:
+        status["progress"] = progress
+
+    if previous_state in TERMINAL:
+        _finish(plan, live, spec, now, failed=previous_state == "Failed")
+        return plan
+
+    plan.children = children(job, spec)
+
+    if policy.suspend:
+        if previous_state != "Suspended":
+            _set_state(status, "Suspended", "JobSuspended", "runPolicy.suspend is true; pods deleted", now,
+                       generation)
+            plan.events.append(("Normal", "Suspended", "job suspended"))
+        plan.delete_pods = [p["metadata"]["name"] for p in live]
+        status["workers"] = {"active": 0, "succeeded": 0, "failed": 0}
+        return plan
+    if previous_state == "Suspended":
+        status.pop("startTime", None)  # the deadline counts from the resume, as in Kubeflow
+        status["conditions"] = objects.set_condition(status["conditions"], "Suspended", False, "JobResumed",
+                                                     "runPolicy.suspend is false; pods recreated", now,
+                                                     generation)
+        status["state"] = "Created"
+        plan.events.append(("Normal", "Resumed", "job resumed from the last checkpoint"))
+
+    start = objects.parse_time(status.get("startTime"))
+    if start is not None and policy.active_deadline_seconds is not None:
+        deadline = start + dt.timedelta(seconds=policy.active_deadline_seconds)
+        if now >= deadline:
+            msg = f"job ran longer than activeDeadlineSeconds={policy.active_deadline_seconds}"
+            _set_state(status, "Failed", "DeadlineExceeded", msg, now, generation)
+            status["completionTime"] = objects.timestamp(now)
+            plan.events.append(("Warning", "DeadlineExceeded", msg))
+            _finish(plan, live, spec, now, failed=True)
+            return plan
+        plan.requeue_after = (deadline - now).total_seconds()
+
+    attempt = status["restarts"]
+    replicas = spec.workers.replicas
+    current: dict[int, dict[str, Any]] = {}
+    stale: list[dict[str, Any]] = []
+    for pod in live:
+        rank = objects.label_int(pod, names.LABEL_RANK)
+        if objects.label_int(pod, names.LABEL_ATTEMPT) == attempt and 0 <= rank < replicas and rank not in current:
+            current[rank] = pod
+        else:
+            stale.append(pod)
+    plan.delete_pods = [p["metadata"]["name"] for p in stale]
+
+    failed = [current[r] for r in sorted(current) if objects.phase(current[r]) == "Failed"]
+    if 0 in current and objects.phase(current[0]) == "Succeeded":
+        step = (status.get("progress") or {}).get("step")
+        msg = f"rank 0 finished{f' at step {step}' if step is not None else ''}"
+        _set_state(status, "Succeeded", "JobSucceeded", msg, now, generation)
+        status["completionTime"] = objects.timestamp(now)
+        plan.events.append(("Normal", "Succeeded", msg))
+        _finish(plan, live, spec, now, failed=False)
+        return plan
+
+    if failed:
+        code, msg = _failure_message(failed[0])
+        if code == USER_ERROR_EXIT:
+            _fail(plan, status, "UserError", msg + " (a user error: not retried)", live, spec, now, generation)
+        elif attempt < policy.backoff_limit:
+            status["restarts"] = attempt + 1
+            text = (f"{msg}; restarting all {replicas} workers from the last checkpoint "
+                    f"(restart {attempt + 1} of {policy.backoff_limit})")
+            _set_state(status, "Restarting", "WorkerFailed", text, now, generation)
+            plan.events.append(("Warning", "Restarting", text))
+            plan.delete_pods += [p["metadata"]["name"] for p in current.values()]
+            status["workers"] = {"active": 0, "succeeded": 0, "failed": 0}
+        else:
+            text = f"{msg}; backoffLimit={policy.backoff_limit} restarts used"
+            _fail(plan, status, "BackoffLimitExceeded", text, live, spec, now, generation)
+        return plan
+
+    blocked = {p["metadata"]["name"] for p in pods if p not in current.values()}
+    waiting = False
+    for rank in range(replicas):
+        if rank in current:
+            continue
+        if names.worker_pod_name(name, rank) in blocked:
+            waiting = True  # the previous attempt's pod still holds the name
+            continue
+        plan.create_pods.append(worker_pod(job, spec, rank, attempt))
+    if plan.create_pods and not status.get("startTime"):
+        status["startTime"] = objects.timestamp(now)
+        if policy.active_deadline_seconds is not None:
+            plan.requeue_after = float(policy.active_deadline_seconds)
+    if waiting:
+        plan.requeue_after = min(plan.requeue_after or 1.0, 1.0)
+
+    running = sum(objects.phase(p) == "Running" for p in current.values())
+    if running == replicas:
+        _set_state(status, "Running", "JobRunning", f"{running}/{replicas} workers running", now, generation)
+    return plan
+
+
+def _fail(plan: TrainingPlan, status: dict[str, Any], reason: str, message: str, live: list[dict[str, Any]],
+          spec: GRTrainingJobSpec, now: dt.datetime, generation: int | None) -> None:
+    _set_state(status, "Failed", reason, message, now, generation)
+    status["completionTime"] = objects.timestamp(now)
+    plan.events.append(("Warning", reason, message))
+    _finish(plan, live, spec, now, failed=True)
+
+
+def _finish(plan: TrainingPlan, live: list[dict[str, Any]], spec: GRTrainingJobSpec, now: dt.datetime,
+            failed: bool) -> None:
+    """Terminal bookkeeping: clean pods per policy; delete the job once its TTL has passed."""
+    plan.create_pods = []
+    doomed = set(plan.delete_pods) | set(_cleanup(live, spec.run_policy.clean_pod_policy, failed))
+    plan.delete_pods = sorted(doomed)
+    ttl = spec.run_policy.ttl_seconds_after_finished
+    done = objects.parse_time(plan.status.get("completionTime"))
+    if ttl is not None and done is not None:
+        due = done + dt.timedelta(seconds=ttl)
+        if now >= due:
+            plan.delete_job = True
+        else:
+            plan.requeue_after = (due - now).total_seconds()
+    else:
+        plan.requeue_after = None

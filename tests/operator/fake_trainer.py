@@ -1,0 +1,59 @@
+"""Stands in for ``grstack train`` in fast operator tests: same arguments, checkpoints, resume and progress
+reports (through the real ``report_progress``), with failures on demand from environment variables:
+
+FAKE_STEPS (total steps, default 6), FAKE_STEP_SECONDS (default 0.05), FAKE_EXIT (exit with this status at
+start), FAKE_CRASH_AT (exit 1 when reaching this step, FAKE_CRASHES times in total; default once),
+FAKE_HANG_AT (stop making progress at this step and wait to be killed).
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from grstack.runtime.train.progress import report_progress
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("command")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--set", action="append", default=[])
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args()
+    Path(args.config).read_text()
+    if os.environ.get("FAKE_EXIT"):
+        print("error: config: invalid on purpose", file=sys.stderr)
+        return int(os.environ["FAKE_EXIT"])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt = out / "checkpoint.json"
+    crashes = out / "crashes"
+    step = json.loads(ckpt.read_text())["step"] if ckpt.exists() else 0
+    total = int(os.environ.get("FAKE_STEPS", "6"))
+    with (out / "starts").open("a") as f:
+        f.write(f"{os.environ['GRSTACK_POD_NAME']} {step}\n")
+    while step < total:
+        time.sleep(float(os.environ.get("FAKE_STEP_SECONDS", "0.05")))
+        step += 1
+        report_progress({"step": step, "epoch": 0, "total_steps": total, "loss": 1.0 / step,
+                         "samples_per_second": 100.0, "tokens_per_second": 1000.0})
+        if step % 2 == 0:
+            ckpt.write_text(json.dumps({"step": step}))
+            report_progress({"step": step, "last_checkpoint": str(ckpt)})
+        crashed = int(crashes.read_text()) if crashes.exists() else 0
+        if str(step) == os.environ.get("FAKE_CRASH_AT") and crashed < int(os.environ.get("FAKE_CRASHES", "1")):
+            crashes.write_text(str(crashed + 1))
+            print(f"crash at step {step}", file=sys.stderr)
+            return 1
+        if str(step) == os.environ.get("FAKE_HANG_AT"):
+            time.sleep(3600)
+    report_progress({"finished": True, "metrics": {"ndcg@10": 0.5}})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
