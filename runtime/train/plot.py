@@ -17,9 +17,10 @@ def plot_training_curves(metrics_path: Path, out_path: Path, title: str = "") ->
     evals = [r for r in recs if r.get("kind") == "eval"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     if train:
-        ax1.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1, label="loss")
+        marker = "o" if len(train) < 30 else None
+        ax1.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1, marker=marker, label="loss")
         if train[0].get("ranking_loss") is not None:
-            ax1.plot([r["step"] for r in train], [r["retrieval_loss"] for r in train], lw=1, alpha=0.7,
+            ax1.plot([r["step"] for r in train], [r["retrieval_loss"] for r in train], lw=1, alpha=0.7, marker=marker,
                      label="retrieval (sampled softmax)")
     ax1.set_xlabel("step")
     ax1.set_ylabel("training loss")
