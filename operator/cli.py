@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not args.verbose:
-        logging.getLogger("kopf").setLevel(logging.INFO)
+        logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # liveness probes every few seconds
     registry, rt = build_registry(OperatorConfig(server=args.server, resync_seconds=args.resync_seconds))
     if args.metrics_port:
         rt.metrics.serve(args.metrics_port)

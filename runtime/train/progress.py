@@ -84,6 +84,7 @@ class PodAnnotationReporter:
         self._state: dict[str, Any] = {}
         self._dirty = False
         self._urgent = False
+        self._busy = False  # the background thread holds a report it is sending
         self._last_sent = float("-inf")
         self._cond = threading.Condition()
         self._send_lock = threading.Lock()
@@ -130,11 +131,16 @@ class PodAnnotationReporter:
                 self._thread = threading.Thread(target=self._run, name="grstack-progress", daemon=True)
                 self._thread.start()
                 atexit.register(self.flush)
-            self._cond.notify()
+            self._cond.notify_all()
 
     def flush(self, timeout: float = FLUSH_TIMEOUT) -> None:
-        """Sends the pending report now (at exit: the final step and summary are not lost)."""
+        """Sends the pending report now (at exit: the final step and summary are not lost).
+
+        Waits (up to ``timeout``) for a report the background thread is sending, so that one is not cut
+        off when the process exits either.
+        """
         with self._cond:
+            self._cond.wait_for(lambda: not self._busy, timeout)
             if not self._dirty:
                 return
             payload = self._take()
@@ -158,7 +164,13 @@ class PodAnnotationReporter:
                     else:
                         self._cond.wait()
                 payload = self._take()
-            self._send(payload, REQUEST_TIMEOUT)
+                self._busy = True
+            try:
+                self._send(payload, REQUEST_TIMEOUT)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
 
     def _send(self, payload: bytes, timeout: float) -> None:
         with self._send_lock:  # keeps reports in order (the background thread vs the exit flush)

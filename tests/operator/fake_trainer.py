@@ -3,7 +3,8 @@ reports (through the real ``report_progress``), with failures on demand from env
 
 FAKE_STEPS (total steps, default 6), FAKE_STEP_SECONDS (default 0.05), FAKE_EXIT (exit with this status at
 start), FAKE_CRASH_AT (exit 1 when reaching this step, FAKE_CRASHES times in total; default once),
-FAKE_HANG_AT (stop making progress at this step and wait to be killed).
+FAKE_HANG_AT (stop making progress at this step and wait to be killed). Rank 0 (``RANK``) writes the
+checkpoints and reports; the other ranks step along.
 """
 
 import argparse
@@ -34,6 +35,7 @@ def main() -> int:
     crashes = out / "crashes"
     step = json.loads(ckpt.read_text())["step"] if ckpt.exists() else 0
     total = int(os.environ.get("FAKE_STEPS", "6"))
+    rank0 = os.environ.get("RANK", "0") == "0"
     with (out / "starts").open("a") as f:
         f.write(f"{os.environ['GRSTACK_POD_NAME']} {step}\n")
     while step < total:
@@ -41,11 +43,11 @@ def main() -> int:
         step += 1
         report_progress({"step": step, "epoch": 0, "total_steps": total, "loss": 1.0 / step,
                          "samples_per_second": 100.0, "tokens_per_second": 1000.0})
-        if step % 2 == 0:
+        if step % 2 == 0 and rank0:
             ckpt.write_text(json.dumps({"step": step}))
             report_progress({"step": step, "last_checkpoint": str(ckpt)})
         crashed = int(crashes.read_text()) if crashes.exists() else 0
-        if str(step) == os.environ.get("FAKE_CRASH_AT") and crashed < int(os.environ.get("FAKE_CRASHES", "1")):
+        if rank0 and str(step) == os.environ.get("FAKE_CRASH_AT") and crashed < int(os.environ.get("FAKE_CRASHES", "1")):
             crashes.write_text(str(crashed + 1))
             print(f"crash at step {step}", file=sys.stderr)
             return 1

@@ -268,6 +268,7 @@ class LocalKubelet:
         self.root = root
         self.command_map = {"grstack": [str(VENV_BIN / "grstack")], **(command_map or {})}
         self.period = period
+        self.enabled = True  # False: pods stay Pending (nothing is run)
         self.containers: dict[str, _Container] = {}
         self.ports: dict[tuple[str, str], int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -295,7 +296,7 @@ class LocalKubelet:
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
         for uid, pod in pods.items():
-            if uid not in self.containers and not pod["metadata"].get("deletionTimestamp"):
+            if self.enabled and uid not in self.containers and not pod["metadata"].get("deletionTimestamp"):
                 c = _Container(uid=uid, namespace=pod["metadata"]["namespace"], name=pod["metadata"]["name"])
                 self.containers[uid] = c
                 task = asyncio.create_task(self._run_pod(c, pod))
@@ -483,6 +484,7 @@ class Cluster:
         self.http = http
         self.kubelet = kubelet
         self.root = root
+        self.op: OperatorProcess | None = None
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -513,6 +515,7 @@ class Cluster:
         op = OperatorProcess(proc, log, f"http://127.0.0.1:{liveness}/healthz", f"http://127.0.0.1:{metrics}/metrics")
         try:
             await op.wait_live()
+            self.op = op
             yield op
         finally:
             await op.stop()
@@ -541,6 +544,16 @@ class Cluster:
             if obj["metadata"]["name"] == name and obj["metadata"].get("namespace") == namespace:
                 return obj
         return None
+
+    def states(self, plural_key: str, name: str, namespace: str = "default") -> list[str]:
+        """The distinct ``status.state`` values an object went through, in order (from KMock's history)."""
+        key = (kmock.resource(plural_key), namespace, name)
+        out: list[str] = []
+        for version in self.server.objects[key].history:
+            state = ((version.raw if version is not None else {}).get("status") or {}).get("state")
+            if state and (not out or out[-1] != state):
+                out.append(state)
+        return out
 
     def pods(self, label: str, value: str) -> list[dict[str, Any]]:
         return [p for p in self.server.live("v1/pods") if p["metadata"].get("labels", {}).get(label) == value]
