@@ -1,0 +1,150 @@
+"""The Helm chart, rendered and linted with Helm's Go SDK (helm-python-sdk), every manifest validated against
+the official Kubernetes schemas; the GRRankingService a serving release creates against the CRD."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+from kubernetes_validate.utils import latest_version
+from opsim import REPO, admit_custom_resource
+
+from grstack.operator import crds, names
+from grstack.operator.models import GRRankingServiceSpec
+from grstack.operator.serving import reconcile_serving
+from grstack.operator.training import reconcile_training
+
+CHART = REPO / "charts" / "grstack"
+SERVING_VALUES = yaml.safe_load((REPO / "examples" / "serving-values.yaml").read_text())
+SCENARIOS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "namespaced-operator": {"operator": {"watchNamespaces": ["team-a", "team-b"]}, "etcd": {"enabled": True}},
+    "etcd-persistent": {"etcd": {"enabled": True, "persistence": {"enabled": True, "storageClassName": "fast"}},
+                        "imagePullSecrets": ["regcred"], "operator": {"metrics": {"enabled": False}}},
+    "serving-release": SERVING_VALUES,
+}
+
+
+def render(values: dict[str, Any], release: str = "grstack") -> list[dict[str, Any]]:
+    with helm.Chart.load(CHART) as chart:
+        files = chart.render(values, name=release, namespace="grstack-system", is_install=True)
+    docs = []
+    for name, text in files.items():
+        if name.endswith(".yaml"):
+            docs += [d for d in yaml.safe_load_all(text) if d]
+    return docs
+
+
+def test_chart_crds_are_the_generated_ones() -> None:
+    with helm.Chart.load(CHART) as chart:
+        shipped = {c["name"].removeprefix("crds/"): c["data"] for c in chart.crds}
+    assert shipped == crds.rendered_files()
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_lint(scenario: str) -> None:
+    report = helm.lint(CHART, SCENARIOS[scenario], strict=True, kube_version="v1.30.0")
+    assert report["errors"] == [] and [m for m in report["messages"] if m["severity"] >= 2] == [], report
+
+
+@pytest.mark.parametrize("version", ["1.27", latest_version()])
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_rendered_manifests_validate(scenario: str, version: str) -> None:
+    docs = render(SCENARIOS[scenario])
+    assert docs
+    for doc in docs:
+        if doc["kind"] == names.SERVING_KIND:
+            schema = crds.crd(crds.SERVING)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+            stored, errors = admit_custom_resource(doc, schema)
+            assert errors == [], errors
+            GRRankingServiceSpec.model_validate(stored["spec"])
+            continue
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{doc['kind']} {doc['metadata']['name']}: {'.'.join(map(str, exc.path))}: {exc.message}")
+
+
+def kinds(docs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {}
+    for doc in docs:
+        out.setdefault(doc["kind"], []).append(doc)
+    return out
+
+
+def test_operator_deployment() -> None:
+    docs = kinds(render({}))
+    assert sorted(docs) == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount"]
+    deploy = docs["Deployment"][0]["spec"]
+    assert deploy["replicas"] == 1 and deploy["strategy"] == {"type": "Recreate"}
+    container = deploy["template"]["spec"]["containers"][0]
+    assert container["command"] == ["grstack"] and container["args"][:2] == ["operator", "--all-namespaces"]
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert deploy["template"]["spec"]["serviceAccountName"] == "grstack"
+
+
+def _allowed(rules: list[dict[str, Any]], group: str, resource: str, verb: str) -> bool:
+    return any(group in r["apiGroups"] and resource in r["resources"] and verb in r["verbs"] for r in rules)
+
+
+def test_rbac_is_least_privilege_and_sufficient() -> None:
+    docs = kinds(render({}))
+    rules = next(r for r in docs["ClusterRole"] if r["metadata"]["name"] == "grstack")["rules"]
+    for rule in rules:
+        assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"]
+        assert "secrets" not in rule["resources"]
+    # Everything the reconcilers create, the operator may create, read and patch.
+    now = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+    meta = {"namespace": "ns", "uid": "u", "generation": 1}
+    job = {"apiVersion": names.API_VERSION, "kind": names.TRAINING_KIND, "metadata": {"name": "j", **meta},
+           "spec": {"image": "i"}}
+    svc = {"apiVersion": names.API_VERSION, "kind": names.SERVING_KIND, "metadata": {"name": "s", **meta},
+           "spec": {"image": "i", "checkpoint": {"path": "/m"}, "etcd": {"managed": True},
+                    "autoscaling": {"maxReplicas": 3}}}
+    plan = reconcile_training(job, [], now)
+    created = plan.children + plan.create_pods + reconcile_serving(svc, {}, [], now).children
+    plurals = {"Pod": "pods", "Service": "services", "ConfigMap": "configmaps", "ServiceAccount": "serviceaccounts",
+               "Role": "roles", "RoleBinding": "rolebindings", "StatefulSet": "statefulsets",
+               "Deployment": "deployments", "HorizontalPodAutoscaler": "horizontalpodautoscalers"}
+    for obj in created:
+        group = obj["apiVersion"].rpartition("/")[0]
+        for verb in ("get", "create", "patch", "delete"):
+            assert _allowed(rules, group, plurals[obj["kind"]], verb), (obj["kind"], verb)
+    # RBAC escalation check: the operator holds what it grants to workers.
+    for role in (o for o in created if o["kind"] == "Role"):
+        for rule in role["rules"]:
+            for verb in rule["verbs"]:
+                assert _allowed(rules, "", "pods", verb)
+    for plural in ("grtrainingjobs", "grrankingservices"):
+        assert _allowed(rules, "grstack.io", f"{plural}/status", "patch")
+        assert _allowed(rules, "grstack.io", plural, "watch")
+
+
+def test_namespaced_operator_uses_roles() -> None:
+    docs = kinds(render(SCENARIOS["namespaced-operator"]))
+    assert [r["metadata"]["namespace"] for r in docs["Role"]] == ["team-a", "team-b"]
+    assert [r["metadata"]["name"] for r in docs["ClusterRole"]] == ["grstack-crds"]
+    args = docs["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--namespace=team-a" in args and "--namespace=team-b" in args and "--all-namespaces" not in args
+
+
+def test_serving_release_creates_a_ranking_service() -> None:
+    docs = kinds(render(SERVING_VALUES, release="ranker"))
+    assert sorted(docs) == ["GRRankingService", "Service", "StatefulSet"]  # + the shared etcd; no operator
+    svc = docs["GRRankingService"][0]
+    assert svc["metadata"]["name"] == "ranker"
+    assert svc["spec"]["image"] == "ghcr.io/grstack/grstack:0.1.0-cpu"
+    assert svc["spec"]["etcd"] == {"endpoints": ["http://ranker-grstack-etcd-client:2379"]}
+    assert svc["spec"]["replicas"] == 2
+    etcd_client = next(s for s in docs["Service"] if s["metadata"]["name"] == "ranker-grstack-etcd-client")
+    assert etcd_client["spec"]["ports"][0]["port"] == 2379
+
+
+def test_serving_release_requires_a_checkpoint() -> None:
+    with pytest.raises(helm.HelmError, match=r"checkpoint\.path is required"):
+        render({"operator": {"enabled": False}, "rankingService": {"enabled": True}})
