@@ -29,7 +29,12 @@ from grstack.runtime.errors import UserError
 from grstack.runtime.eval.evaluate import evaluate
 from grstack.runtime.model import build_model
 from grstack.runtime.train import checkpoint as ckpt
-from grstack.runtime.train.loss import ranking_bce_loss, sample_negatives, sampled_softmax_loss
+from grstack.runtime.train.loss import (
+    negative_shape,
+    ranking_bce_loss,
+    sample_negatives,
+    sampled_softmax_loss,
+)
 
 CHECKPOINT_VERSION = 1
 # Config sections that must match for a checkpoint to be resumed.
@@ -200,8 +205,7 @@ class Trainer:
         hist_out = out[is_hist.to(self.device)] if is_hist is not None else out
         q = self.model.query_vectors(hist_out)
         pos = self.model.item_vectors(targets)
-        R = cfg.loss.negatives
-        shape = (R,) if cfg.loss.sharing == "batch" else (targets.numel(), R)
+        shape = negative_shape(cfg.loss.sharing, targets.numel(), cfg.loss.negatives, cfg.loss.group_size)
         neg_ids = sample_negatives(self.ds.num_items, shape, self.neg_gen, self.device)
         neg = self.model.item_vectors(neg_ids)
         loss = sampled_softmax_loss(q, pos, neg, targets, neg_ids, cfg.loss.temperature)

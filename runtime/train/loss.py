@@ -19,19 +19,33 @@ def sampled_softmax_loss(query: torch.Tensor, pos: torch.Tensor, neg: torch.Tens
                          neg_ids: torch.Tensor, temperature: float) -> torch.Tensor:
     """Mean InfoNCE over tokens.
 
-    query, pos: [N, d] (L2-normalised); neg: [R, d] shared by all tokens, or [N, R, d] per token;
-    targets: [N]; neg_ids: [R] or [N, R]. A sampled negative equal to the token's target is masked out.
+    query, pos: [N, d] (L2-normalised); targets: [N]. Negatives either shared by every token (neg [R, d],
+    neg_ids [R]) or one set per group of ``k = ceil(N / G)`` consecutive tokens (neg [G, R, d], neg_ids
+    [G, R]; G = N is one set per token). A sampled negative equal to the token's target is masked out.
     """
+    n = query.shape[0]
     pos_logit = (query * pos).sum(-1, keepdim=True)
     if neg.dim() == 2:
         neg_logits = query @ neg.t()
         collide = neg_ids[None, :] == targets[:, None]
     else:
-        neg_logits = torch.bmm(neg, query.unsqueeze(-1)).squeeze(-1)
-        collide = neg_ids == targets[:, None]
+        groups = neg.shape[0]
+        k = -(-n // groups)
+        q = torch.cat([query, query.new_zeros(groups * k - n, query.shape[1])]) if groups * k != n else query
+        neg_logits = torch.bmm(q.reshape(groups, k, -1), neg.transpose(1, 2)).reshape(groups * k, -1)[:n]
+        group_of = torch.arange(n, device=query.device) // k
+        collide = neg_ids[group_of] == targets[:, None]
     neg_logits = neg_logits.masked_fill(collide, NEG_INF)
     logits = torch.cat([pos_logit, neg_logits], dim=1) / temperature
     return (torch.logsumexp(logits, dim=1) - logits[:, 0]).mean()
+
+
+def negative_shape(sharing: str, num_tokens: int, negatives: int, group_size: int) -> tuple[int, ...]:
+    """Shape of the sampled negative ids for one batch under a sharing mode."""
+    if sharing == "batch":
+        return (negatives,)
+    groups = num_tokens if sharing == "token" else max(1, -(-num_tokens // group_size))
+    return (groups, negatives)
 
 
 def ranking_bce_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
