@@ -50,8 +50,10 @@ class ModelConfig(_Strict):
 class LossConfig(_Strict):
     negatives: int = Field(512, ge=1, description="sampled negatives per token (R)")
     temperature: float = Field(0.05, gt=0.0)
-    sharing: Literal["batch", "token"] = Field(
-        "batch", description="batch: one negative set shared by all tokens of a batch; token: per token")
+    sharing: Literal["batch", "group", "token"] = Field(
+        "group", description="batch: one negative set for all tokens of a batch; group: one set per "
+        "loss.group_size consecutive tokens; token: one set per token")
+    group_size: int = Field(16, ge=1, description="tokens sharing one negative set when sharing=group")
     ranking_candidates: int = Field(8, ge=2, description="candidates per user for the ranking head (1 positive)")
     ranking_weight: float = Field(0.1, ge=0.0)
 
@@ -86,6 +88,59 @@ class EvalConfig(_Strict):
     max_users: int | None = Field(None, ge=1, description="evaluate a deterministic subset (benchmarks)")
 
 
+class DistributedConfig(_Strict):
+    """Multi-rank training (``grstack train --nproc N`` or a torchrun-style environment)."""
+
+    sparse_group_size: int = Field(
+        0, ge=0, description="ranks per sparse group: item embeddings are row-sharded and looked up by All2All "
+        "inside a group, replicated across groups; 0 = all ranks form one group")
+    sparse_optimizer: Literal["adam", "adagrad", "sgd"] = Field(
+        "adam", description="item-embedding optimizer: lazy row-sparse Adam, row-wise Adagrad or SGD")
+    sparse_lr: float | None = Field(None, gt=0.0, description="item-embedding learning rate; default optim.lr")
+    max_shard_rows: int | None = Field(
+        None, ge=1, description="most embedding rows one rank may hold; a plan needing more is rejected")
+    timeout_s: float = Field(120.0, gt=0.0, description="a peer silent this long is dead: every rank exits")
+
+
+class PipelineConfig(_Strict):
+    """Nested pipelining of the sharded embedding (DESIGN §4.4-4.6); none of it changes the numbers except
+    ``semi_async`` (one step stale)."""
+
+    dbp: bool = Field(False, description="dual-buffer pipelining: look up batch t+1 while t computes")
+    microbatches: int = Field(1, ge=1, description="frozen-window pipelining: micro-batches per batch")
+    cluster: bool = Field(False, description="key-centric clustering of sequences into micro-batches")
+    semi_async: bool = Field(False, description="one-step-stale sparse forward (alternative to dbp)")
+
+    @model_validator(mode="after")
+    def _check(self) -> PipelineConfig:
+        if self.dbp and self.semi_async:
+            raise ValueError("pipeline.dbp and pipeline.semi_async are alternatives; enable one")
+        return self
+
+
+class BalanceConfig(_Strict):
+    """Token-aware batches: a global batch is reallocated across ranks by the cost a·L + b·L²."""
+
+    mode: Literal["tokens", "count"] = Field(
+        "tokens", description="tokens: balance cost across ranks; count: equal numbers of sequences")
+    token_budget: int | None = Field(
+        None, ge=1, description="tokens per rank per step (variable batch size); default train.batch_size "
+        "sequences per step")
+    cost_a: float = Field(1.0, ge=0.0, description="per-token cost (linear layers)")
+    cost_b: float = Field(0.01, ge=0.0, description="per-token-pair cost (attention)")
+
+
+class NegativesConfig(_Strict):
+    """How distributed training prepares sampled negatives (their number is loss.negatives)."""
+
+    background: bool = Field(True, description="prepare batches and negatives in a background thread")
+    prefetch: int = Field(2, ge=1, description="batches prepared ahead")
+    fp16: bool = Field(False, description="send negative-only embedding rows in FP16 (positives stay FP32)")
+    offload: bool = Field(True, description="keep looked-up negative rows in host memory until used")
+    share_k: int = Field(1, ge=1, description="intra-batch logit sharing: each token also scores the "
+                         "negatives of k-1 other tokens (loss.sharing=token)")
+
+
 class Config(_Strict):
     name: str = "run"
     protocol: str = Field("", description="what the config measures and how, for humans")
@@ -95,6 +150,10 @@ class Config(_Strict):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train: TrainSection = Field(default_factory=TrainSection)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    balance: BalanceConfig = Field(default_factory=BalanceConfig)
+    negatives: NegativesConfig = Field(default_factory=NegativesConfig)
 
     @model_validator(mode="after")
     def _check(self) -> Config:
