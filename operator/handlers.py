@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import kopf
 
 from grstack.operator import names, serving, training
@@ -179,7 +180,8 @@ async def reconcile_serving_once(rt: Runtime, namespace: str, name: str) -> floa
             if owned_by(obj, uid):
                 observed[(kind, obj["metadata"]["name"])] = obj
     pods = await client.list("v1", "Pod", namespace, {names.LABEL_SERVICE: name})
-    plan = serving.reconcile_serving(svc, observed, pods, now())
+    stats = await fetch_stats(serving.stats_targets(svc, pods))
+    plan = serving.reconcile_serving(svc, observed, stats, now())
 
     for child in plan.children:
         await ensure(client, child, update=True)
@@ -194,6 +196,23 @@ async def reconcile_serving_once(rt: Runtime, namespace: str, name: str) -> floa
     rt.metrics.service_ready(key, ready)
     rt.metrics.reconcile_seconds.labels("GRRankingService").observe(time.perf_counter() - started)
     return None
+
+
+async def fetch_stats(urls: list[str], timeout: float = 1.0) -> list[dict[str, Any]]:
+    """The rankers' cache counters; an unreachable or slow ranker is skipped (the rate is best effort)."""
+    if not urls:
+        return []
+
+    async def one(http: aiohttp.ClientSession, url: str) -> dict[str, Any] | None:
+        try:
+            async with http.get(url) as resp:
+                return await resp.json() if resp.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return None
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as http:
+        answers = await asyncio.gather(*(one(http, u) for u in urls))
+    return [a for a in answers if isinstance(a, dict)]
 
 
 # ---------------------------------------------------------------------------------------------- registry
@@ -280,7 +299,7 @@ def build_registry(config: OperatorConfig | None = None) -> tuple[kopf.OperatorR
     @kopf.on.resume(G, V, names.SERVING_PLURAL, registry=registry)
     def service_changed(body: kopf.Body, namespace: str, name: str, **_: Any) -> None:
         rt.wake(("GRRankingService", namespace, name))
-        plan = serving.reconcile_serving(plain(body), {}, [], now())
+        plan = serving.reconcile_serving(plain(body), {}, [], now())  # validation only
         ready = next((c for c in plan.status.get("conditions", []) if c.get("type") == "Ready"), {})
         if ready.get("reason") == "InvalidSpec":
             raise kopf.PermanentError(f"invalid spec: {ready.get('message')}")
@@ -293,7 +312,7 @@ def build_registry(config: OperatorConfig | None = None) -> tuple[kopf.OperatorR
     def service_deleted(namespace: str, name: str, **_: Any) -> None:
         rt.metrics.service_ready((namespace, name), None)
 
-    for resource in ("pods", "statefulsets", "deployments"):
+    for resource in ("statefulsets", "deployments"):
         @kopf.on.event(resource, labels={names.LABEL_SERVICE: kopf.PRESENT}, registry=registry,
                        id=f"serving-{resource}")
         def serving_child_event(labels: dict[str, str], namespace: str, **_: Any) -> None:

@@ -196,12 +196,13 @@ class Cache(_Model):
 
 class Trigger(_Model):
     slo_ms: float = Field(50.0, gt=0, description="P99 latency budget the sequence-aware trigger protects")
-    length_threshold: int = Field(512, ge=0, description="histories at least this long are pre-inferred")
-    pre_infer_budget: float = Field(0.5, ge=0, le=1, description="share of ranker capacity for pre-inference")
+    length_threshold: int | None = Field(
+        None, ge=0, description="pre-infer histories at least this long (default: the router's latency model)")
+    pre_infer_budget: float = Field(0.5, ge=0, le=1, description="share of ranker compute for pre-inference")
 
 
 class Etcd(_Model):
-    endpoints: list[str] = Field(default_factory=list, description="existing etcd client URLs")
+    endpoints: list[str] = Field(default_factory=list, description="existing etcd client URLs (the first is used)")
     managed: bool = Field(False, description="run a one-member etcd owned by this service")
     image: str = "quay.io/coreos/etcd:v3.5.17"
 

@@ -29,14 +29,10 @@ MANAGED_BY = "grstack-operator"
 
 # Rank 0 writes its progress (JSON) into this annotation on its own Pod; the operator copies it to status.
 ANNOTATION_PROGRESS = f"{GROUP}/progress"
-# Serving replicas write cache statistics (JSON) into this annotation on their own Pod.
-ANNOTATION_STATS = f"{GROUP}/stats"
 
 # Paths inside worker pods.
 CONFIG_MOUNT = "/etc/grstack/train"
 CONFIG_KEY = "config.yaml"
-SERVE_CONFIG_MOUNT = "/etc/grstack/serve"
-SERVE_CONFIG_KEY = "serve.yaml"
 MASTER_PORT = 29500
 MAX_NAME_LENGTH = 45  # leaves room for "-worker-NNN" and "-workers" within the 63-character DNS label
 
@@ -67,11 +63,3 @@ def router_name(service: str) -> str:
 
 def etcd_name(service: str) -> str:
     return f"{service}-etcd"
-
-
-def serve_config_name(service: str) -> str:
-    return f"{service}-serve"
-
-
-def serve_account_name(service: str) -> str:
-    return f"{service}-serve"

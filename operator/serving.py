@@ -1,17 +1,21 @@
-"""Pure reconcile of a GRRankingService: (service, observed children, pods) -> desired children and status.
+"""Pure reconcile of a GRRankingService: (service, observed children, pods, cache stats) -> children, status.
 
 Children (all owned by the GRRankingService, re-applied every pass so spec changes and scaling propagate):
 
-- rankers: a StatefulSet behind a headless Service, so replica ``i`` keeps its name and DNS address
-  across restarts (``--rankers`` lists and consistent hashing stay stable; etcd placements point at it);
-- routers: a Deployment behind the Service named like the GRRankingService (its URL goes to the status);
-- a ConfigMap with the cache and trigger settings (also passed as environment variables);
-- the ServiceAccount/Role/RoleBinding that lets each ranker patch its own pod (cache statistics);
+- rankers (``grstack serve ranker``): a StatefulSet behind a headless Service, so replica ``i`` keeps its
+  name and DNS address across restarts (``--rankers`` lists and consistent hashing stay stable; etcd
+  placements point at it);
+- routers (``grstack serve router``): a Deployment behind the Service named like the GRRankingService (its
+  URL goes to the status);
 - optionally a one-member etcd StatefulSet + Service, and a HorizontalPodAutoscaler on the scale
   subresource.
 
-Status: ``Ready`` rolls up rankers, routers and the managed etcd; ready replicas; URL; cache hit rate
-aggregated from the rankers' ``grstack.io/stats`` pod annotations; the selector for the scale subresource.
+Rankers and routers need no Kubernetes API access (no service-account token). Cache budgets and trigger
+settings become their command-line flags; with etcd, each service keeps its placements under its own key
+prefix, so several services can share one etcd.
+
+Status: ``Ready`` rolls up rankers, routers and the managed etcd; ready replicas; URL; the prefix-cache hit
+rate over the rankers' ``GET /v1/stats`` (polled by the operator); the selector for the scale subresource.
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
 from pydantic import ValidationError
 
 from grstack.operator import names, objects
@@ -29,6 +32,8 @@ from grstack.operator.models import GRRankingServiceSpec
 
 ETCD_CLIENT_PORT = 2379
 ETCD_PEER_PORT = 2380
+MB = 1 << 20
+DEVICE_FLAGS = {"cpu": "cpu", "nvidia": "cuda", "ascend": "npu"}
 
 
 @dataclass
@@ -56,10 +61,14 @@ def selector_string(service: str, component: str) -> str:
     return ",".join(f"{k}={v}" for k, v in selector(service, component).items())
 
 
-def etcd_endpoints(service: str, spec: GRRankingServiceSpec) -> list[str]:
+def etcd_endpoint(service: str, spec: GRRankingServiceSpec) -> str | None:
     if spec.etcd.managed:
-        return [f"http://{names.etcd_name(service)}:{ETCD_CLIENT_PORT}"]
-    return list(spec.etcd.endpoints)
+        return f"http://{names.etcd_name(service)}:{ETCD_CLIENT_PORT}"
+    return spec.etcd.endpoints[0] if spec.etcd.endpoints else None
+
+
+def etcd_root(namespace: str, service: str) -> str:
+    return f"/grstack/ranking/{namespace}/{service}"
 
 
 def ranker_urls(service: str, spec: GRRankingServiceSpec) -> list[str]:
@@ -71,27 +80,36 @@ def url(service: str, namespace: str, spec: GRRankingServiceSpec) -> str:
     return f"http://{service}.{namespace}.svc:{spec.router.port}"
 
 
-def serve_settings(service: str, spec: GRRankingServiceSpec) -> dict[str, Any]:
-    return {
-        "cache": spec.cache.model_dump(),
-        "trigger": spec.trigger.model_dump(),
-        "etcd": etcd_endpoints(service, spec),
-        "ranker_port": spec.ranker.port,
-        "router_port": spec.router.port,
-    }
+def _mb(n: int) -> str:
+    return f"{n / MB:g}"
 
 
-def _settings_env(service: str, spec: GRRankingServiceSpec) -> list[dict[str, Any]]:
-    c, t = spec.cache, spec.trigger
-    return [
-        {"name": "GRSTACK_CACHE_DEVICE_BYTES", "value": str(c.device_bytes)},
-        {"name": "GRSTACK_CACHE_DRAM_BYTES", "value": str(c.dram_bytes)},
-        {"name": "GRSTACK_CACHE_TTL_SECONDS", "value": str(c.ttl_seconds)},
-        {"name": "GRSTACK_TRIGGER_SLO_MS", "value": str(t.slo_ms)},
-        {"name": "GRSTACK_TRIGGER_LENGTH_THRESHOLD", "value": str(t.length_threshold)},
-        {"name": "GRSTACK_TRIGGER_PRE_INFER_BUDGET", "value": str(t.pre_infer_budget)},
-        {"name": "GRSTACK_SERVE_CONFIG", "value": f"{names.SERVE_CONFIG_MOUNT}/{names.SERVE_CONFIG_KEY}"},
-    ]
+def ranker_args(service: str, namespace: str, spec: GRRankingServiceSpec) -> list[str]:
+    sts, c = names.ranker_name(service), spec.cache
+    args = ["serve", "ranker", "--checkpoint", spec.checkpoint.path, "--host", "0.0.0.0",
+            "--port", str(spec.ranker.port), "--device", DEVICE_FLAGS[spec.ranker.accelerator],
+            "--device-cache-mb", _mb(c.device_bytes), "--dram-cache-mb", _mb(c.dram_bytes),
+            "--dram-ttl-s", str(c.ttl_seconds)]
+    endpoint = etcd_endpoint(service, spec)
+    if endpoint:
+        args += ["--etcd", endpoint, "--etcd-root", etcd_root(namespace, service),
+                 "--replica-id", "$(GRSTACK_POD_NAME)",
+                 "--advertise-url", f"http://$(GRSTACK_POD_NAME).{sts}:{spec.ranker.port}"]
+    return args
+
+
+def router_args(service: str, namespace: str, spec: GRRankingServiceSpec) -> list[str]:
+    endpoint = etcd_endpoint(service, spec)
+    source = ["--etcd", endpoint, "--etcd-root", etcd_root(namespace, service)] if endpoint else \
+        ["--rankers", ",".join(ranker_urls(service, spec))]
+    t, c = spec.trigger, spec.cache
+    args = ["serve", "router", *source, "--host", "0.0.0.0", "--port", str(spec.router.port),
+            "--slo-ms", f"{t.slo_ms:g}", "--prefill-budget-ms", f"{1000 * t.pre_infer_budget:g}",
+            # Admitted prefixes must fit the rankers' device caches together.
+            "--cache-budget-mb", _mb(c.device_bytes * spec.replicas), "--footprint-ttl-s", str(c.ttl_seconds)]
+    if t.length_threshold is not None:
+        args += ["--length-threshold", str(t.length_threshold)]
+    return args
 
 
 def _probes(port: int) -> dict[str, Any]:
@@ -102,17 +120,14 @@ def _probes(port: int) -> dict[str, Any]:
     }
 
 
-def _pod_spec(spec: GRRankingServiceSpec, container: dict[str, Any], volumes: list[dict[str, Any]],
-              account: str | None) -> dict[str, Any]:
+def _pod_spec(spec: GRRankingServiceSpec, container: dict[str, Any], volumes: list[dict[str, Any]]) -> dict[str, Any]:
     pod: dict[str, Any] = {
         "enableServiceLinks": False,
-        "automountServiceAccountToken": account is not None,
+        "automountServiceAccountToken": False,
         "securityContext": objects.pod_security_context(),
         "containers": [container],
         "volumes": volumes,
     }
-    if account:
-        pod["serviceAccountName"] = account
     if spec.image_pull_secrets:
         pod["imagePullSecrets"] = objects.pull_secrets(spec.image_pull_secrets)
     objects.apply_scheduling(pod, spec.scheduling)
@@ -139,26 +154,12 @@ def _container(spec: GRRankingServiceSpec, name: str, args: list[str], port: int
 
 
 def children(svc: dict[str, Any], spec: GRRankingServiceSpec) -> list[dict[str, Any]]:
-    name = svc["metadata"]["name"]
+    name, namespace = svc["metadata"]["name"], svc["metadata"]["namespace"]
     ranker, router = names.ranker_name(name), names.router_name(name)
     out: list[dict[str, Any]] = []
-    config = {
-        "apiVersion": "v1", "kind": "ConfigMap",
-        "metadata": objects.metadata(svc, names.serve_config_name(name), labels(name, "config")),
-        "data": {names.SERVE_CONFIG_KEY: yaml.safe_dump(serve_settings(name, spec), sort_keys=False)},
-    }
-    out.append(config)
-    max_rankers = max(spec.replicas, spec.autoscaling.max_replicas if spec.autoscaling else 0)
-    out += objects.self_patch_role(svc, names.serve_account_name(name), labels(name, "ranker"),
-                                   [f"{ranker}-{i}" for i in range(max_rankers)])
-
     volumes, mounts = objects.scratch_volumes()
-    volumes.append({"name": "config", "configMap": {"name": names.serve_config_name(name)}})
-    mounts.append({"name": "config", "mountPath": names.SERVE_CONFIG_MOUNT, "readOnly": True})
     common_env = [objects.field_env("GRSTACK_POD_NAME", "metadata.name"),
-                  objects.field_env("GRSTACK_POD_NAMESPACE", "metadata.namespace"),
-                  *objects.SCRATCH_ENV, *_settings_env(name, spec)]
-    endpoints = etcd_endpoints(name, spec)
+                  objects.field_env("GRSTACK_POD_NAMESPACE", "metadata.namespace"), *objects.SCRATCH_ENV]
 
     # Rankers.
     ckpt = spec.checkpoint
@@ -167,14 +168,8 @@ def children(svc: dict[str, Any], spec: GRRankingServiceSpec) -> list[dict[str, 
         r_volumes.append({"name": "model",
                           "persistentVolumeClaim": {"claimName": ckpt.claim_name, "readOnly": True}})
         r_mounts.append({"name": "model", "mountPath": ckpt.mount_path, "readOnly": True})
-    r_args = ["serve", "ranker", "--checkpoint", ckpt.path, "--port", str(spec.ranker.port)]
-    if endpoints:
-        r_args += ["--etcd", ",".join(endpoints)]
-    r_env = [*common_env,
-             {"name": "GRSTACK_ADVERTISE_URL", "value": f"http://$(GRSTACK_POD_NAME).{ranker}:{spec.ranker.port}"},
-             {"name": "GRSTACK_STATS_ANNOTATION", "value": names.ANNOTATION_STATS},
-             *objects.env_list(spec.ranker.env)]
-    r_container = _container(spec, "ranker", r_args, spec.ranker.port, r_env, r_mounts,
+    r_container = _container(spec, "ranker", ranker_args(name, namespace, spec), spec.ranker.port,
+                             [*common_env, *objects.env_list(spec.ranker.env)], r_mounts,
                              objects.resources(spec.ranker.resources, spec.ranker.accelerator))
     r_labels = labels(name, "ranker")
     out.append({
@@ -191,18 +186,13 @@ def children(svc: dict[str, Any], spec: GRRankingServiceSpec) -> list[dict[str, 
             "serviceName": ranker,
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": selector(name, "ranker")},
-            "template": {
-                "metadata": {"labels": r_labels},
-                "spec": _pod_spec(spec, r_container, r_volumes, names.serve_account_name(name)),
-            },
+            "template": {"metadata": {"labels": r_labels}, "spec": _pod_spec(spec, r_container, r_volumes)},
         },
     })
 
     # Routers.
-    routing = ["--etcd", ",".join(endpoints)] if endpoints else ["--rankers", ",".join(ranker_urls(name, spec))]
-    t_args = ["serve", "router", *routing, "--port", str(spec.router.port)]
-    t_env = [*common_env, *objects.env_list(spec.router.env)]
-    t_container = _container(spec, "router", t_args, spec.router.port, t_env, mounts,
+    t_container = _container(spec, "router", router_args(name, namespace, spec), spec.router.port,
+                             [*common_env, *objects.env_list(spec.router.env)], mounts,
                              objects.resources(spec.router.resources, "cpu"))
     t_labels = labels(name, "router")
     out.append({
@@ -211,8 +201,7 @@ def children(svc: dict[str, Any], spec: GRRankingServiceSpec) -> list[dict[str, 
         "spec": {
             "replicas": spec.router.replicas,
             "selector": {"matchLabels": selector(name, "router")},
-            "template": {"metadata": {"labels": t_labels},
-                         "spec": _pod_spec(spec, t_container, volumes, None)},
+            "template": {"metadata": {"labels": t_labels}, "spec": _pod_spec(spec, t_container, volumes)},
         },
     })
     out.append({
@@ -282,30 +271,34 @@ def _etcd(svc: dict[str, Any], spec: GRRankingServiceSpec) -> list[dict[str, Any
     ]
 
 
-def hit_rate(pods: list[dict[str, Any]]) -> float | None:
-    """Cache hit rate over rankers: sum(hits)/sum(lookups) when reported, else the mean of their rates."""
-    hits = lookups = 0.0
-    rates = []
+def stats_targets(svc: dict[str, Any], pods: list[dict[str, Any]]) -> list[str]:
+    """``/v1/stats`` URLs of the running ranker pods (the operator polls them for the hit rate)."""
+    try:
+        port = int(((svc.get("spec") or {}).get("ranker") or {}).get("port") or 8000)
+    except (TypeError, ValueError):
+        return []
+    out = []
     for pod in pods:
-        raw = (pod.get("metadata", {}).get("annotations") or {}).get(names.ANNOTATION_STATS)
-        if not raw:
-            continue
+        ip = (pod.get("status") or {}).get("podIP")
+        if pod.get("metadata", {}).get("labels", {}).get(names.LABEL_COMPONENT) == "ranker" and ip \
+                and objects.phase(pod) == "Running" and not objects.terminating(pod):
+            host = f"[{ip}]" if ":" in ip else ip
+            out.append(f"http://{host}:{port}/v1/stats")
+    return out
+
+
+def hit_rate(stats: list[dict[str, Any]]) -> float | None:
+    """Prefix-cache hit rate over rankers: (device + DRAM hits) / (hits + misses), None before any lookup."""
+    hits = lookups = 0
+    for s in stats:
         try:
-            stats = json.loads(raw)
-        except ValueError:
+            h = int(s.get("device_hits", 0)) + int(s.get("dram_hits", 0))
+            m = int(s.get("misses", 0))
+        except (TypeError, ValueError, AttributeError):
             continue
-        if not isinstance(stats, dict):
-            continue
-        if isinstance(stats.get("cache_hits"), int | float) and isinstance(stats.get("cache_lookups"), int | float):
-            hits += stats["cache_hits"]
-            lookups += stats["cache_lookups"]
-        elif isinstance(stats.get("cache_hit_rate"), int | float):
-            rates.append(float(stats["cache_hit_rate"]))
-    if lookups > 0:
-        return round(hits / lookups, 4)
-    if rates:
-        return round(sum(rates) / len(rates), 4)
-    return None
+        hits += h
+        lookups += h + m
+    return round(hits / lookups, 4) if lookups else None
 
 
 def _ready(obj: dict[str, Any] | None) -> int:
@@ -313,8 +306,9 @@ def _ready(obj: dict[str, Any] | None) -> int:
 
 
 def reconcile_serving(svc: dict[str, Any], observed: dict[tuple[str, str], dict[str, Any]],
-                      pods: list[dict[str, Any]], now: dt.datetime) -> ServingPlan:
-    """``observed`` maps (kind, name) of existing children to their live objects (with status)."""
+                      stats: list[dict[str, Any]], now: dt.datetime) -> ServingPlan:
+    """``observed`` maps (kind, name) of existing children to their live objects (with status); ``stats``
+    holds the rankers' ``/v1/stats`` answers."""
     meta = svc["metadata"]
     name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")
     status: dict[str, Any] = json.loads(json.dumps(svc.get("status") or {}))
@@ -348,7 +342,7 @@ def reconcile_serving(svc: dict[str, Any], observed: dict[tuple[str, str], dict[
     status["routerReadyReplicas"] = ready_routers
     status["url"] = url(name, namespace, spec)
     status["selector"] = selector_string(name, "ranker")
-    rate = hit_rate([p for p in pods if p.get("metadata", {}).get("labels", {}).get(names.LABEL_COMPONENT) == "ranker"])
+    rate = hit_rate(stats)
     if rate is not None:
         status["cacheHitRate"] = rate
 

@@ -51,13 +51,6 @@ def report_progress(fields: dict[str, Any]) -> None:
         reporter.submit(fields, urgent="last_checkpoint" in fields or bool(fields.get("finished")))
 
 
-def report_stats(fields: dict[str, Any], env_var: str = "GRSTACK_STATS_ANNOTATION") -> None:
-    """The same channel for serving replicas (e.g. cache hits/lookups), keyed by another variable."""
-    reporter = _reporter(env_var)
-    if reporter is not None:
-        reporter.submit(fields, urgent=False)
-
-
 def _reporter(env_var: str) -> PodAnnotationReporter | None:
     try:
         return _reporters[env_var]

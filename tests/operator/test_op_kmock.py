@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from aiohttp import web
 from opsim import Cluster
 
 from grstack.operator import names
@@ -80,8 +81,9 @@ async def test_crashed_worker_restarts_the_gang_from_the_checkpoint(cluster: Clu
     assert st["restarts"] == 1 and st["progress"]["step"] == 8
     assert "Restarting" in cluster.states(JOBS, "crash")
     assert condition(cluster, "crash", "Restarting")["status"] == "False"
-    assert any("crash-worker-0 failed with exit status 1" in m and "crash at step 5" in m
-               for m in events(cluster, "crash", "Restarting"))
+    await cluster.wait_for("the event", lambda: any("crash-worker-0 failed with exit status 1" in m
+                                                    and "crash at step 5" in m
+                                                    for m in events(cluster, "crash", "Restarting")))
     starts = (cluster.root / "pvc" / "default" / "ckpt" / "crash" / "starts").read_text().split("\n")
     assert "crash-worker-0 4" in starts  # attempt 2 resumed from the step-4 checkpoint
     pods = cluster.pods(names.LABEL_JOB, "crash")
@@ -96,7 +98,8 @@ async def test_killed_worker_restarts(cluster: Cluster) -> None:
     cluster.kubelet.kill("kill-worker-1")
     await cluster.wait_for("Succeeded", lambda: status(cluster, "kill").get("state") == "Succeeded", timeout=90)
     assert status(cluster, "kill")["restarts"] == 1
-    assert any("kill-worker-1 failed with exit status 137" in m for m in events(cluster, "kill", "Restarting"))
+    await cluster.wait_for("the event", lambda: any("kill-worker-1 failed with exit status 137" in m
+                                                    for m in events(cluster, "kill", "Restarting")))
 
 
 async def test_backoff_limit_and_user_errors_fail(cluster: Cluster) -> None:
@@ -119,7 +122,8 @@ async def test_invalid_jobs_are_rejected_with_a_message(cluster: Cluster) -> Non
     await cluster.wait_for("InvalidSpec", lambda: condition(cluster, "badcfg", "Failed").get("reason") == "InvalidSpec")
     assert "train.epochz" in condition(cluster, "badcfg", "Failed")["message"]
     assert cluster.pods(names.LABEL_JOB, "badcfg") == []
-    assert any("train.epochz: unknown key" in m for m in events(cluster, "badcfg", "InvalidSpec"))
+    await cluster.wait_for("the event", lambda: any("train.epochz: unknown key" in m
+                                                    for m in events(cluster, "badcfg", "InvalidSpec")))
     # The create handler failed permanently: kopf does not retry it.
     await cluster.wait_for("kopf's verdict", lambda: "failed permanently: invalid spec" in cluster.op.log.read_text())
     assert "will retry" not in cluster.op.log.read_text()
@@ -166,9 +170,24 @@ def ranking_service(name: str, **spec: Any) -> dict[str, Any]:
             "spec": {"image": "grstack:test", "checkpoint": {"path": "/models/best.pt"}, **spec}}
 
 
-async def test_ranking_service_children_readiness_and_scaling(cluster: Cluster) -> None:
+async def stats_server(counters: dict[str, int]) -> tuple[web.AppRunner, int]:
+    """A stand-in ranker answering GET /v1/stats like ``grstack serve ranker``."""
+    async def stats(_: web.Request) -> web.Response:
+        return web.json_response({"replica": "r0", **counters})
+
+    app = web.Application()
+    app.router.add_get("/v1/stats", stats)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+
+async def test_ranking_service_children_readiness_scaling_and_hit_rate(cluster: Cluster) -> None:
     cluster.kubelet.enabled = False  # rankers/routers are not run here; their controllers are simulated
-    await create(cluster, ranking_service("rank", replicas=2))
+    runner, port = await stats_server({"device_hits": 6, "dram_hits": 2, "misses": 2})
+    await create(cluster, ranking_service("rank", replicas=2, ranker={"port": port}))
     await cluster.wait_for("StatefulSet", lambda: cluster.get("apps/v1/statefulsets", "rank-ranker"))
     await cluster.wait_for("not ready", lambda: condition(cluster, "rank", "Ready", SERVICES).get("reason")
                            == "RankersNotReady")
@@ -181,6 +200,15 @@ async def test_ranking_service_children_readiness_and_scaling(cluster: Cluster) 
                         sub="status")
     await cluster.wait_for("Ready", lambda: condition(cluster, "rank", "Ready", SERVICES).get("status") == "True")
     assert status(cluster, "rank", SERVICES)["readyReplicas"] == 2
+    # A running ranker pod (as the StatefulSet controller and kubelet would make it): the hit rate appears.
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "rank-ranker-0", "namespace": "default",
+                                                           "labels": {names.LABEL_SERVICE: "rank",
+                                                                      names.LABEL_COMPONENT: "ranker"}},
+           "spec": {"containers": [{"name": "ranker", "image": "grstack:test"}]}}
+    await create(cluster, pod)
+    await cluster.patch("v1/pods", "rank-ranker-0", {"status": {"phase": "Running", "podIP": "127.0.0.1"}}, sub="status")
+    await cluster.wait_for("hit rate", lambda: status(cluster, "rank", SERVICES).get("cacheHitRate") == 0.8)
+    await runner.cleanup()
     await cluster.patch(SERVICES, "rank", {"spec": {"replicas": 3}}, sub="scale")  # e.g. kubectl scale / HPA
     await cluster.wait_for("scaled", lambda: cluster.get("apps/v1/statefulsets", "rank-ranker")["spec"]["replicas"]
                            == 3)

@@ -7,11 +7,10 @@ import json
 from typing import Any
 
 import pytest
-import yaml
 
 from grstack.operator import names
 from grstack.operator.models import GRRankingServiceStatus
-from grstack.operator.serving import hit_rate, reconcile_serving
+from grstack.operator.serving import hit_rate, reconcile_serving, stats_targets
 
 NOW = dt.datetime(2026, 1, 1, 12, 0, 0, tzinfo=dt.UTC)
 
@@ -33,32 +32,49 @@ def kinds(plan: Any) -> dict[tuple[str, str], dict[str, Any]]:
 
 def test_children_for_a_minimal_service() -> None:
     plan = reconcile_serving(svc(), {}, [], NOW)
-    assert set(kinds(plan)) == {("ConfigMap", "rank-serve"), ("ServiceAccount", "rank-serve"), ("Role", "rank-serve"),
-                                ("RoleBinding", "rank-serve"), ("Service", "rank-ranker"),
-                                ("StatefulSet", "rank-ranker"), ("Deployment", "rank-router"), ("Service", "rank")}
+    assert set(kinds(plan)) == {("Service", "rank-ranker"), ("StatefulSet", "rank-ranker"),
+                                ("Deployment", "rank-router"), ("Service", "rank")}
     sts = kinds(plan)[("StatefulSet", "rank-ranker")]
-    container = sts["spec"]["template"]["spec"]["containers"][0]
-    assert container["args"] == ["serve", "ranker", "--checkpoint", "/models/best.pt", "--port", "8000"]
+    pod = sts["spec"]["template"]["spec"]
+    assert pod["containers"][0]["args"] == [
+        "serve", "ranker", "--checkpoint", "/models/best.pt", "--host", "0.0.0.0", "--port", "8000",
+        "--device", "cpu", "--device-cache-mb", "1024", "--dram-cache-mb", "4096", "--dram-ttl-s", "600"]
+    assert pod["automountServiceAccountToken"] is False  # no API access for serving pods
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in pod["volumes"]
     assert sts["spec"]["serviceName"] == "rank-ranker" and sts["spec"]["replicas"] == 1
     router = kinds(plan)[("Deployment", "rank-router")]["spec"]["template"]["spec"]["containers"][0]
     assert router["args"] == ["serve", "router", "--rankers", "http://rank-ranker-0.rank-ranker:8000",
-                              "--port", "8080"]
-    settings = yaml.safe_load(kinds(plan)[("ConfigMap", "rank-serve")]["data"]["serve.yaml"])
-    assert settings["cache"] == {"device_bytes": 1 << 30, "dram_bytes": 4 << 30, "ttl_seconds": 600}
-    assert settings["trigger"]["slo_ms"] == 50.0
-    role = kinds(plan)[("Role", "rank-serve")]
-    assert role["rules"][0]["resourceNames"] == ["rank-ranker-0"]
+                              "--host", "0.0.0.0", "--port", "8080", "--slo-ms", "50", "--prefill-budget-ms", "500",
+                              "--cache-budget-mb", "1024", "--footprint-ttl-s", "600"]
+    assert router["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert plan.status["url"] == "http://rank.prod.svc:8080"
     assert plan.status["selector"] == f"{names.LABEL_SERVICE}=rank,{names.LABEL_COMPONENT}=ranker"
+
+
+def test_trigger_and_cache_become_flags() -> None:
+    plan = reconcile_serving(svc(replicas=3, ranker={"accelerator": "nvidia"},
+                                 cache={"deviceBytes": 512 << 20, "dramBytes": 1 << 30, "ttlSeconds": 60},
+                                 trigger={"sloMs": 20, "lengthThreshold": 256, "preInferBudget": 0.25}), {}, [], NOW)
+    ranker = kinds(plan)[("StatefulSet", "rank-ranker")]["spec"]["template"]["spec"]["containers"][0]
+    assert ranker["args"][ranker["args"].index("--device") + 1] == "cuda"
+    assert ranker["args"][ranker["args"].index("--device-cache-mb") + 1] == "512"
+    assert ranker["resources"]["limits"]["nvidia.com/gpu"] == 1
+    router = kinds(plan)[("Deployment", "rank-router")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    flags = dict(zip(router[4::2], router[5::2], strict=False))
+    assert flags["--slo-ms"] == "20" and flags["--length-threshold"] == "256"
+    assert flags["--prefill-budget-ms"] == "250" and flags["--cache-budget-mb"] == "1536"
+    assert router[2] == "--rankers" and len(router[3].split(",")) == 3
 
 
 def test_etcd_modes() -> None:
     managed = kinds(reconcile_serving(svc(etcd={"managed": True}, replicas=3), {}, [], NOW))
     assert ("StatefulSet", "rank-etcd") in managed and ("Service", "rank-etcd") in managed
     router = managed[("Deployment", "rank-router")]["spec"]["template"]["spec"]["containers"][0]
-    assert router["args"][2:4] == ["--etcd", "http://rank-etcd:2379"]
-    ranker = managed[("StatefulSet", "rank-ranker")]["spec"]["template"]["spec"]["containers"][0]
-    assert "--etcd" in ranker["args"]
+    assert router["args"][2:6] == ["--etcd", "http://rank-etcd:2379", "--etcd-root", "/grstack/ranking/prod/rank"]
+    ranker = managed[("StatefulSet", "rank-ranker")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert ranker[ranker.index("--etcd"):] == [
+        "--etcd", "http://rank-etcd:2379", "--etcd-root", "/grstack/ranking/prod/rank",
+        "--replica-id", "$(GRSTACK_POD_NAME)", "--advertise-url", "http://$(GRSTACK_POD_NAME).rank-ranker:8000"]
     external = kinds(reconcile_serving(svc(etcd={"endpoints": ["http://etcd:2379"]}), {}, [], NOW))
     assert ("StatefulSet", "rank-etcd") not in external
     both = reconcile_serving(svc(etcd={"endpoints": ["http://etcd:2379"], "managed": True}), {}, [], NOW)
@@ -71,8 +87,6 @@ def test_autoscaling_targets_the_scale_subresource() -> None:
     assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": names.API_VERSION, "kind": "GRRankingService",
                                              "name": "rank"}
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 5)
-    role = kinds(plan)[("Role", "rank-serve")]
-    assert role["rules"][0]["resourceNames"] == [f"rank-ranker-{i}" for i in range(5)]
     removed = reconcile_serving(svc(), {("HorizontalPodAutoscaler", "rank-ranker"): {}}, [], NOW)
     assert removed.delete == [("autoscaling/v2", "HorizontalPodAutoscaler", "rank-ranker")]
 
@@ -103,19 +117,27 @@ def test_managed_etcd_gates_readiness() -> None:
     assert next(c for c in plan.status["conditions"] if c["type"] == "Ready")["status"] == "True"
 
 
-def _ranker(stats: dict[str, Any] | str | None) -> dict[str, Any]:
-    ann = {} if stats is None else {names.ANNOTATION_STATS: stats if isinstance(stats, str) else json.dumps(stats)}
-    return {"metadata": {"labels": {names.LABEL_COMPONENT: "ranker"}, "annotations": ann}}
-
-
-@pytest.mark.parametrize(("pods", "expected"), [
+@pytest.mark.parametrize(("stats", "expected"), [
     ([], None),
-    ([_ranker({"cache_hits": 30, "cache_lookups": 40}), _ranker({"cache_hits": 10, "cache_lookups": 60})], 0.4),
-    ([_ranker({"cache_hit_rate": 0.5}), _ranker({"cache_hit_rate": 0.7})], 0.6),
-    ([_ranker("{broken"), _ranker(None)], None),
+    ([{"device_hits": 20, "dram_hits": 10, "misses": 10}, {"device_hits": 10, "dram_hits": 0, "misses": 50}], 0.4),
+    ([{"device_hits": 0, "dram_hits": 0, "misses": 0}], None),
+    ([{"device_hits": "x"}, {"device_hits": 3, "misses": 1}], 0.75),
 ])
-def test_hit_rate(pods: list[dict[str, Any]], expected: float | None) -> None:
-    assert hit_rate(pods) == expected
+def test_hit_rate(stats: list[dict[str, Any]], expected: float | None) -> None:
+    assert hit_rate(stats) == expected
+
+
+def test_stats_are_polled_from_running_rankers_only() -> None:
+    def pod(component: str, phase: str, ip: str | None) -> dict[str, Any]:
+        return {"metadata": {"labels": {names.LABEL_COMPONENT: component}},
+                "status": {"phase": phase, **({"podIP": ip} if ip else {})}}
+
+    pods = [pod("ranker", "Running", "10.0.0.5"), pod("ranker", "Pending", None), pod("router", "Running", "10.0.0.6"),
+            pod("ranker", "Running", "fd00::7")]
+    assert stats_targets(svc(ranker={"port": 9000}), pods) == ["http://10.0.0.5:9000/v1/stats",
+                                                               "http://[fd00::7]:9000/v1/stats"]
+    plan = reconcile_serving(svc(), {}, [{"device_hits": 1, "dram_hits": 0, "misses": 3}], NOW)
+    assert plan.status["cacheHitRate"] == 0.25
 
 
 def test_invalid_spec_creates_nothing() -> None:
