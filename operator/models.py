@@ -141,6 +141,7 @@ class GRTrainingJobStatus(_Model):
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})
     workers: WorkerCounts = Field(default_factory=WorkerCounts)
     restarts: int = 0
+    gang_attempt: int | None = Field(None, description="the attempt whose pods were all seen (a later gap is a loss)")
     progress: Progress | None = None
     start_time: str | None = None
     completion_time: str | None = None

@@ -357,15 +357,25 @@ def reconcile_training(job: dict[str, Any], pods: list[dict[str, Any]], now: dt.
         _finish(plan, live, spec, now, failed=False)
         return plan
 
+    # A rank that vanished (deleted, evicted) after the whole gang of this attempt was seen: its peers cannot
+    # go on without it, so that is a gang failure too. Other missing ranks were never created (see below).
+    lost = [r for r in range(replicas) if r not in current]
+    problem: tuple[int | None, str, str] | None = None  # (exit status, message, reason)
     if failed:
-        code, msg = _failure_message(failed[0])
+        problem = (*_failure_message(failed[0]), "WorkerFailed")
+    elif lost and replicas > 1 and status.get("gangAttempt") == attempt:
+        problem = (None, f"pod {names.worker_pod_name(name, lost[0])} disappeared while its peers were running",
+                   "WorkerLost")
+
+    if problem is not None:
+        code, msg, reason = problem
         if code == USER_ERROR_EXIT:
             _fail(plan, status, "UserError", msg + " (a user error: not retried)", live, spec, now, generation)
         elif attempt < policy.backoff_limit:
             status["restarts"] = attempt + 1
             text = (f"{msg}; restarting all {replicas} workers from the last checkpoint "
                     f"(restart {attempt + 1} of {policy.backoff_limit})")
-            _set_state(status, "Restarting", "WorkerFailed", text, now, generation)
+            _set_state(status, "Restarting", reason, text, now, generation)
             plan.events.append(("Warning", "Restarting", text))
             plan.delete_pods += [p["metadata"]["name"] for p in current.values()]
             status["workers"] = {"active": 0, "succeeded": 0, "failed": 0}
@@ -374,15 +384,12 @@ def reconcile_training(job: dict[str, Any], pods: list[dict[str, Any]], now: dt.
             _fail(plan, status, "BackoffLimitExceeded", text, live, spec, now, generation)
         return plan
 
+    if len(current) == replicas:
+        status["gangAttempt"] = attempt
     blocked = {p["metadata"]["name"] for p in pods if p not in current.values()}
-    waiting = False
-    for rank in range(replicas):
-        if rank in current:
-            continue
-        if names.worker_pod_name(name, rank) in blocked:
-            waiting = True  # the previous attempt's pod still holds the name
-            continue
-        plan.create_pods.append(worker_pod(job, spec, rank, attempt))
+    waiting = any(names.worker_pod_name(name, r) in blocked for r in lost)
+    if not waiting:  # the whole gang at once, once the previous attempt's pods have released the names
+        plan.create_pods = [worker_pod(job, spec, rank, attempt) for rank in lost]
     if plan.create_pods and not status.get("startTime"):
         status["startTime"] = objects.timestamp(now)
         if policy.active_deadline_seconds is not None:

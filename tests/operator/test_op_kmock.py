@@ -102,6 +102,17 @@ async def test_killed_worker_restarts(cluster: Cluster) -> None:
                                                     for m in events(cluster, "kill", "Restarting")))
 
 
+async def test_deleted_worker_restarts_the_gang(cluster: Cluster) -> None:
+    await create(cluster, job("evict", replicas=2, env={"FAKE_STEPS": "12", "FAKE_STEP_SECONDS": "0.3"}))
+    await cluster.wait_for("all running", lambda: status(cluster, "evict").get("gangAttempt") == 0
+                           and status(cluster, "evict").get("state") == "Running")
+    await cluster.delete("v1/pods", "evict-worker-1")  # e.g. evicted from a drained node
+    await cluster.wait_for("Succeeded", lambda: status(cluster, "evict").get("state") == "Succeeded", timeout=90)
+    assert status(cluster, "evict")["restarts"] == 1
+    await cluster.wait_for("the event", lambda: any("evict-worker-1 disappeared" in m
+                                                    for m in events(cluster, "evict", "Restarting")))
+
+
 async def test_backoff_limit_and_user_errors_fail(cluster: Cluster) -> None:
     await create(cluster, job("flaky", env={"FAKE_CRASH_AT": "1", "FAKE_CRASHES": "9"},
                               runPolicy={"backoffLimit": 1}))
