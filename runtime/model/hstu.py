@@ -96,31 +96,40 @@ class HSTU(nn.Module):
             pos = torch.minimum(pos, hist)
         return pos.clamp(max=self.max_seq_len - 1)
 
-    def embed_tokens(self, batch: JaggedBatch) -> torch.Tensor:
-        emb = kernels.embedding_gather(self.item_emb.weight, batch.item_ids)
-        x = emb * math.sqrt(self.d_model) + self.pos_emb(self.token_positions(batch))
+    def embed_tokens(self, batch: JaggedBatch, item_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``item_rows`` ([sum_L, d], optional): the tokens' item-embedding rows looked up elsewhere (the
+        sharded embedding of distributed training); else they are gathered from ``item_emb``."""
+        if item_rows is None:
+            item_rows = kernels.embedding_gather(self.item_emb.weight, batch.item_ids)
+        x = item_rows * math.sqrt(self.d_model) + self.pos_emb(self.token_positions(batch))
         return F.dropout(x, self.input_dropout, self.training)
 
-    def encode(self, batch: JaggedBatch) -> torch.Tensor:
+    def encode(self, batch: JaggedBatch, item_rows: torch.Tensor | None = None) -> torch.Tensor:
         """[sum_L, d] outputs for every token (history and candidates)."""
         plan = kernels.make_plan(batch.offsets) if batch.item_ids.device.type == "cpu" else None
-        x = self.embed_tokens(batch)
+        x = self.embed_tokens(batch, item_rows)
         ts = batch.timestamps if any(layer.time_weight is not None for layer in self.layers) else None
         for layer in self.layers:
             x = layer(x, batch.offsets, ts, batch.num_targets, plan)
         return x
 
-    def item_vectors(self, ids: torch.Tensor | None = None) -> torch.Tensor:
-        """L2-normalised item vectors the retrieval head scores against (all items when ids is None)."""
+    def item_vectors(self, ids: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """L2-normalised item vectors the retrieval head scores against (all items when ids is None);
+        ``rows`` are already looked-up embedding rows to normalise instead."""
+        if rows is not None:
+            return F.normalize(rows, dim=-1)
         w = self.item_emb.weight if ids is None else kernels.embedding_gather(self.item_emb.weight, ids)
         return F.normalize(w, dim=-1)
 
     def query_vectors(self, outputs: torch.Tensor) -> torch.Tensor:
         return F.normalize(outputs, dim=-1)
 
-    def rank_logits(self, cand_outputs: torch.Tensor, cand_ids: torch.Tensor) -> torch.Tensor:
-        """[M, num_tasks] logits from candidate-token outputs and the candidates' item vectors."""
+    def rank_logits(self, cand_outputs: torch.Tensor, cand_ids: torch.Tensor,
+                    cand_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """[M, num_tasks] logits from candidate-token outputs and the candidates' item vectors
+        (``cand_rows``: those rows looked up elsewhere)."""
         if self.rank_head is None:
             raise RuntimeError("this model was built without a ranking head")
-        feats = torch.cat([cand_outputs, self.item_emb(cand_ids)], dim=-1)
+        rows = cand_rows if cand_rows is not None else self.item_emb(cand_ids)
+        feats = torch.cat([cand_outputs, rows], dim=-1)
         return self.rank_head(feats)

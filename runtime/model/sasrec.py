@@ -66,16 +66,21 @@ class SASRec(nn.Module):
         nn.init.trunc_normal_(self.item_emb.weight, std=0.02)
         nn.init.trunc_normal_(self.pos_emb.weight, std=0.02)
 
-    def encode(self, batch: JaggedBatch) -> torch.Tensor:
+    def encode(self, batch: JaggedBatch, item_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``item_rows``: the tokens' embedding rows when looked up elsewhere (the sharded embedding)."""
         plan = make_plan(batch.offsets)
         pos = positions(batch.offsets).clamp(max=self.max_len)
-        x = kernels.embedding_gather(self.item_emb.weight, batch.item_ids) * math.sqrt(self.d_model)
+        if item_rows is None:
+            item_rows = kernels.embedding_gather(self.item_emb.weight, batch.item_ids)
+        x = item_rows * math.sqrt(self.d_model)
         x = F.dropout(x + self.pos_emb(pos), self.input_dropout, self.training)
         for block in self.blocks:
             x = block(x, plan)
         return self.norm(x)
 
-    def item_vectors(self, ids: torch.Tensor | None = None) -> torch.Tensor:
+    def item_vectors(self, ids: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+        if rows is not None:
+            return F.normalize(rows, dim=-1)
         w = self.item_emb.weight if ids is None else kernels.embedding_gather(self.item_emb.weight, ids)
         return F.normalize(w, dim=-1)
 

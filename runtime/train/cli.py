@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from grstack.runtime.errors import UserError
+
 
 def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="YAML config (see configs/)")
@@ -14,6 +16,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="run directory; an existing checkpoint there is resumed")
     parser.add_argument("--stop-after-step", type=int, default=None, metavar="N",
                         help="checkpoint and exit after global step N (resume later with the same command)")
+    parser.add_argument("--nproc", type=int, default=1, metavar="N",
+                        help="train on N local ranks (sharded embeddings, gloo on CPU); inside a pod the "
+                             "torchrun environment (WORLD_SIZE, RANK, MASTER_ADDR, ...) makes this one rank")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.set_defaults(func=run)
@@ -21,10 +26,9 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from grstack.runtime.config import load_config
-    from grstack.runtime.train.loop import train
 
     cfg = load_config(args.config, args.overrides)
-    summary = train(cfg, args.out, progress=not args.no_progress, stop_after=args.stop_after_step)
+    summary = _train(cfg, args)
     if args.json:
         print(json.dumps(summary, indent=2))
     elif "stopped_at_step" in summary:
@@ -33,6 +37,28 @@ def run(args: argparse.Namespace) -> int:
         print(format_summary(summary, args.out))
     sys.stdout.flush()
     return 0
+
+
+def _train(cfg, args: argparse.Namespace) -> dict:
+    """Single process, N local ranks (--nproc), or one rank of a torchrun-style job (WORLD_SIZE set)."""
+    from grstack.runtime.train.context import DistEnv
+
+    progress, stop = not args.no_progress, args.stop_after_step
+    env = DistEnv.from_env()
+    if env is not None and env.world_size > 1:
+        if args.nproc > 1:
+            raise UserError(f"--nproc {args.nproc} inside a distributed job (WORLD_SIZE={env.world_size}): "
+                            "drop --nproc")
+        from grstack.runtime.train.launch import run_rank
+
+        return run_rank(cfg, args.out, env, progress=progress, stop_after=stop)
+    if args.nproc > 1:
+        from grstack.runtime.train.launch import train_distributed
+
+        return train_distributed(cfg, args.out, nproc=args.nproc, progress=progress, stop_after=stop)
+    from grstack.runtime.train.loop import train
+
+    return train(cfg, args.out, progress=progress, stop_after=stop)
 
 
 def format_summary(summary: dict, run_dir: str) -> str:

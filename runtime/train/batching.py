@@ -1,0 +1,305 @@
+"""What each rank trains on at each global step, prepared ahead by a background thread.
+
+``Schedule`` is a pure function of (seed, epoch, lengths): the epoch order (the single-process trainer's),
+its cut into global batches (count or token budget), and the split of each global batch across ranks
+(token balancing). ``prepare`` turns a rank's part into frozen-window micro-batches (contiguous or
+key-clustered), draws negatives and ranking candidates from per-step generators, and dedupes the ids of
+every lookup unit. ``BatchStream`` runs ``prepare`` in a thread, a bounded number of steps ahead: stage 1
+(data prefetch) of the pipeline.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from grstack.runtime.config import Config
+from grstack.runtime.data.candidates import append_candidates
+from grstack.runtime.data.jagged import JaggedBatch
+from grstack.runtime.data.splits import LeaveOneOut, ranges_index
+from grstack.runtime.embedding.sharded import LookupUnit, make_unit
+from grstack.runtime.train import balance, cluster
+from grstack.runtime.train.negatives import share_permutations, step_generator, uniform_items
+
+
+@dataclass
+class MicroBatch:
+    full: JaggedBatch  # history tokens (+ M candidate tokens per sequence when the ranking head trains)
+    is_hist: torch.Tensor | None  # [sum_L'] history mask when candidates are appended
+    targets: torch.Tensor  # [N] next item of every history token
+    cand_ids: torch.Tensor | None  # [B, M]
+    labels: torch.Tensor | None  # [B, M, T]
+    neg_ids: torch.Tensor | None  # [G, R] the negative sets of this micro-batch's tokens (sharing group/token)
+    neg_group: torch.Tensor | None  # [N] each token's set, in 0..G-1
+    unit: int  # index of this micro-batch's lookup unit in PreparedBatch.units
+    inv_input: torch.Tensor  # [sum_L'] index of every input token's id in the unit's keys
+    inv_target: torch.Tensor  # [N]
+    inv_neg: torch.Tensor | None  # [G, R]
+    share: list[torch.Tensor] = field(default_factory=list)  # logit-sharing permutations
+    num_seqs: int = 0
+    num_tokens: int = 0
+
+
+@dataclass
+class PreparedBatch:
+    epoch: int
+    step_in_epoch: int
+    global_step: int
+    micro: list[MicroBatch]
+    units: list[LookupUnit]
+    neg_unit: int | None  # the unit of the batch's shared negatives (loss.sharing=batch)
+    batch_neg_ids: torch.Tensor | None  # [R]
+    inv_batch_neg: torch.Tensor | None  # [R]
+    global_seqs: int
+    global_tokens: int
+    global_cands: int
+    local_seqs: int
+    local_tokens: int
+    rank_costs: np.ndarray  # per-rank cost under the split used
+    count_costs: np.ndarray  # per-rank cost had every rank taken an equal count (the baseline)
+    mb_unique_keys: list[int] = field(default_factory=list)
+
+
+class Schedule:
+    def __init__(self, split: LeaveOneOut, cfg: Config, world_size: int, ranking_candidates: int) -> None:
+        self.split, self.cfg, self.world_size = split, cfg, world_size
+        self.extra_tokens = ranking_candidates  # candidate tokens per sequence (0 without the ranking head)
+        u = split.train_users
+        end = split.ends[u] - 3
+        start = np.maximum(split.starts[u], end - cfg.data.max_len)
+        self.lengths = (end - start).astype(np.int64)  # history tokens per training row
+        self._cache: dict[int, tuple[np.ndarray, list[np.ndarray]]] = {}
+        self._steps: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.cfg.train.seed, epoch]).permutation(len(self.split.train_users))
+
+    def epoch(self, epoch: int) -> tuple[np.ndarray, list[np.ndarray]]:
+        """The epoch's order and its global batches (positions into the order); the last epoch is cached."""
+        with self._lock:
+            if epoch not in self._cache:
+                order = self.order(epoch)
+                b = self.cfg.balance
+                batches = balance.global_batches(self.lengths[order], self.world_size,
+                                                 self.cfg.train.batch_size, b.token_budget)
+                self._cache = {epoch: (order, batches)}
+                self._steps[epoch] = len(batches)
+            return self._cache[epoch]
+
+    def steps_in_epoch(self, epoch: int) -> int:
+        if epoch not in self._steps:
+            self.epoch(epoch)
+        return self._steps[epoch]
+
+    def total_steps(self) -> int:
+        t = self.cfg.train
+        total = sum(self.steps_in_epoch(e) for e in range(t.epochs))
+        return min(total, t.max_steps) if t.max_steps else total
+
+    def step_rows(self, epoch: int, step: int) -> np.ndarray:
+        order, batches = self.epoch(epoch)
+        return order[batches[step]]
+
+    def parts(self, rows: np.ndarray, mode: str | None = None) -> list[np.ndarray]:
+        b = self.cfg.balance
+        return balance.assign(self.lengths[rows] + self.extra_tokens, self.world_size, mode or b.mode,
+                              b.cost_a, b.cost_b)
+
+    def costs(self, rows: np.ndarray, parts: list[np.ndarray]) -> np.ndarray:
+        b = self.cfg.balance
+        return balance.rank_costs(self.lengths[rows] + self.extra_tokens, parts, b.cost_a, b.cost_b)
+
+    def positions(self, start_epoch: int, start_step: int, global_step: int) -> Iterator[tuple[int, int, int]]:
+        """(epoch, step_in_epoch, global_step) from a resume point to the end of training."""
+        total = self.total_steps()
+        e, s, g = start_epoch, start_step, global_step
+        while e < self.cfg.train.epochs and g < total:
+            if s >= self.steps_in_epoch(e):
+                e, s = e + 1, 0
+                continue
+            yield e, s, g
+            s, g = s + 1, g + 1
+
+
+def _slice(batch: JaggedBatch, target_ts: torch.Tensor, seqs: np.ndarray) -> tuple[JaggedBatch, torch.Tensor,
+                                                                                   np.ndarray]:
+    off = batch.offsets.numpy()
+    idx, offsets = ranges_index(off[:-1][seqs], off[1:][seqs])
+    t = torch.from_numpy(idx)
+    sub = JaggedBatch(item_ids=batch.item_ids[t], offsets=torch.from_numpy(offsets),
+                      timestamps=batch.timestamps[t], targets=batch.targets[t],
+                      actions=batch.actions[t] if batch.actions is not None else None,
+                      user_index=batch.user_index[torch.from_numpy(seqs)] if batch.user_index is not None else None)
+    return sub, target_ts[t], idx
+
+
+class Preparer:
+    """Builds one rank's PreparedBatch for a global step."""
+
+    def __init__(self, schedule: Schedule, cfg: Config, rank: int, num_items: int, num_tasks: int,
+                 ranking: bool) -> None:
+        self.s, self.cfg, self.rank = schedule, cfg, rank
+        self.num_items, self.num_tasks, self.ranking = num_items, num_tasks, ranking
+
+    def __call__(self, epoch: int, step: int, global_step: int) -> PreparedBatch:
+        cfg, s = self.cfg, self.s
+        rows_g = s.step_rows(epoch, step)
+        parts = s.parts(rows_g)
+        mine = rows_g[parts[self.rank]]
+        batch, target_ts = s.split.train_batch(mine, cfg.data.max_len)
+        B, N = batch.batch_size, batch.num_tokens
+        M = cfg.loss.ranking_candidates
+        R = cfg.loss.negatives
+        seed = cfg.train.seed
+        cands = None
+        if self.ranking:
+            last = batch.offsets[1:] - 1
+            g = step_generator(seed, "candidates", global_step, self.rank)
+            cands = torch.cat([batch.targets[last][:, None], uniform_items(self.num_items, (B, M - 1), g)], dim=1)
+        per_token = cfg.loss.sharing != "batch"
+        per_set = 1 if cfg.loss.sharing == "token" else cfg.loss.group_size
+        g = step_generator(seed, "negatives", global_step, self.rank)
+        negs = uniform_items(self.num_items, (-(-N // per_set), R) if per_token else (R,), g)
+        lengths = batch.lengths.numpy()
+        n_micro = min(cfg.pipeline.microbatches, min(len(p) for p in parts))
+        if cfg.pipeline.cluster and n_micro > 1:
+            # a sequence's keys: its items, targets, candidates and the negative sets its tokens use
+            off = batch.offsets.numpy()
+            ids, tg = batch.item_ids.numpy(), batch.targets.numpy()
+            none = np.zeros(0, np.int64)
+            key_sets = [np.concatenate([
+                ids[off[i]:off[i + 1]], tg[off[i]:off[i + 1]], cands[i].numpy() if cands is not None else none,
+                negs[off[i] // per_set : (off[i + 1] - 1) // per_set + 1].numpy().reshape(-1) if per_token
+                else none]) for i in range(B)]
+            groups = cluster.cluster_by_keys(key_sets, lengths, n_micro)
+        else:
+            groups = cluster.split_contiguous(lengths, n_micro)
+        fp16 = cfg.negatives.fp16
+        units: list[LookupUnit] = []
+        neg_unit = inv_batch_neg = None
+        if not per_token:
+            unit, inv_f, inv_h = make_unit(negs[:0], negs) if fp16 else make_unit(negs)
+            inv_batch_neg = inv_h if fp16 else inv_f
+            neg_unit = 0
+            units.append(unit)
+        share_gen = step_generator(seed, "share", global_step, self.rank)
+        micro = []
+        for grp in groups:
+            sub, sub_ts, tok = _slice(batch, target_ts, grp)
+            mb_cands = cands[torch.from_numpy(grp)] if cands is not None else None
+            labels = is_hist = None
+            full = sub
+            if mb_cands is not None:
+                last = sub.offsets[1:] - 1
+                full, is_hist = append_candidates(sub, mb_cands, sub_ts[last])
+                labels = torch.zeros(sub.batch_size, M, self.num_tasks)
+                labels[:, 0, 0] = 1.0
+                if sub.actions is not None:
+                    bits = sub.actions[last]
+                    for t in range(1, self.num_tasks):
+                        labels[:, 0, t] = ((bits >> (t - 1)) & 1).float()
+            n_in = full.item_ids.numel()
+            mb_negs = neg_group = None
+            if per_token:
+                sets, local = np.unique(tok // per_set, return_inverse=True)
+                mb_negs, neg_group = negs[torch.from_numpy(sets)], torch.from_numpy(local.reshape(-1))
+            full_ids = torch.cat([full.item_ids, sub.targets])
+            if mb_negs is None:
+                unit, inv_f, _ = make_unit(full_ids)
+                inv_neg = None
+            elif fp16:
+                unit, inv_f, inv_neg = make_unit(full_ids, mb_negs.reshape(-1))
+            else:
+                unit, inv_all, _ = make_unit(torch.cat([full_ids, mb_negs.reshape(-1)]))
+                inv_f, inv_neg = inv_all[: full_ids.numel()], inv_all[full_ids.numel():]
+            share = (share_permutations(mb_negs.shape[0], cfg.negatives.share_k, share_gen)
+                     if mb_negs is not None and cfg.negatives.share_k > 1 else [])
+            micro.append(MicroBatch(
+                full=full, is_hist=is_hist, targets=sub.targets, cand_ids=mb_cands, labels=labels,
+                neg_ids=mb_negs, neg_group=neg_group, unit=len(units), inv_input=inv_f[:n_in],
+                inv_target=inv_f[n_in:], inv_neg=inv_neg.reshape(mb_negs.shape) if inv_neg is not None else None,
+                share=share, num_seqs=sub.batch_size, num_tokens=sub.num_tokens))
+            units.append(unit)
+        tokens_g = int(s.lengths[rows_g].sum())
+        return PreparedBatch(
+            epoch=epoch, step_in_epoch=step, global_step=global_step, micro=micro, units=units,
+            neg_unit=neg_unit, batch_neg_ids=None if per_token else negs, inv_batch_neg=inv_batch_neg,
+            global_seqs=len(rows_g), global_tokens=tokens_g, global_cands=len(rows_g) * M if self.ranking else 0,
+            local_seqs=B, local_tokens=N, rank_costs=s.costs(rows_g, parts),
+            count_costs=s.costs(rows_g, s.parts(rows_g, "count")),
+            mb_unique_keys=[units[m.unit].num_keys for m in micro])
+
+
+class BatchStream:
+    """Prepared batches in order, produced ``depth`` steps ahead by a daemon thread (or inline)."""
+
+    _END = object()
+
+    def __init__(self, positions: Iterator[tuple[int, int, int]], prepare: Preparer, depth: int,
+                 background: bool) -> None:
+        self._positions, self._prepare = positions, prepare
+        self._ahead: list[PreparedBatch] = []
+        self._done = False
+        self._queue: queue.Queue | None = None
+        self._stop = threading.Event()
+        if background:
+            self._queue = queue.Queue(maxsize=depth)
+            self._thread = threading.Thread(target=self._produce, name="grstack-batches", daemon=True)
+            self._thread.start()
+
+    def _produce(self) -> None:
+        assert self._queue is not None
+        try:
+            for pos in self._positions:
+                item = self._prepare(*pos)
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set():
+                    return
+            self._queue.put(self._END)
+        except BaseException as exc:  # handed to the consumer
+            self._queue.put(exc)
+
+    def _fetch(self) -> PreparedBatch | None:
+        if self._done:
+            return None
+        if self._queue is None:
+            pos = next(self._positions, None)
+            if pos is None:
+                self._done = True
+                return None
+            return self._prepare(*pos)
+        item = self._queue.get()
+        if item is self._END:
+            self._done = True
+            return None
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        return item
+
+    def peek(self) -> PreparedBatch | None:
+        if not self._ahead:
+            item = self._fetch()
+            if item is None:
+                return None
+            self._ahead.append(item)
+        return self._ahead[0]
+
+    def next(self) -> PreparedBatch | None:
+        if self._ahead:
+            return self._ahead.pop(0)
+        return self._fetch()
+
+    def close(self) -> None:
+        self._stop.set()

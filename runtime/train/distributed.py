@@ -1,0 +1,439 @@
+"""A distributed training run on one rank: the single-process trainer's contract (run directory, metrics,
+exact resume, evaluation, summary) on top of the sharded engine.
+
+Every rank reads the dataset and computes the same schedule; rank 0 alone writes the run directory's shared
+files (config, dataset, metrics, best model, summary) and every rank writes its checkpoint part. Decisions
+that depend on the file system are made on rank 0 and broadcast, so all ranks fail with the same message
+(or proceed) together, and a user error is raised before anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from grstack.runtime.config import Config, dump_config
+from grstack.runtime.data.dataset import read_dataset, write_dataset
+from grstack.runtime.data.source import load_source
+from grstack.runtime.data.splits import LeaveOneOut
+from grstack.runtime.embedding.optim import make_sparse_optimizer
+from grstack.runtime.embedding.plan import ShardingPlan
+from grstack.runtime.embedding.sharded import ShardedEmbedding
+from grstack.runtime.errors import UserError
+from grstack.runtime.eval.evaluate import last_token_outputs
+from grstack.runtime.eval.metrics import metrics_from_ranks, target_ranks
+from grstack.runtime.model import build_model
+from grstack.runtime.train import checkpoint as single_ckpt
+from grstack.runtime.train import dist_checkpoint as dckpt
+from grstack.runtime.train.batching import BatchStream, Preparer, Schedule
+from grstack.runtime.train.context import DistContext
+from grstack.runtime.train.loop import (
+    BEST_MODEL,
+    DATASET_DIR,
+    RESUME_FIELDS,
+    TrainState,
+    export_model,
+    task_names,
+)
+from grstack.runtime.train.pipeline import Engine, ShardedItemEmbedding
+
+# Settings a sharded checkpoint must agree on, besides the single-process trainer's.
+DIST_RESUME_FIELDS = (*RESUME_FIELDS, "distributed.sparse_optimizer", "distributed.sparse_lr", "balance")
+
+
+def _get(tree: dict[str, Any], dotted: str) -> Any:
+    for key in dotted.split("."):
+        tree = tree.get(key, {}) if isinstance(tree, dict) else {}
+    return tree
+
+
+def config_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    diffs = []
+    for path in DIST_RESUME_FIELDS:
+        a, b = _get(saved, path), _get(current, path)
+        if isinstance(a, dict) and isinstance(b, dict):
+            diffs += [f"{path}.{k}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+        elif a != b:
+            diffs.append(path)
+    return diffs
+
+
+@torch.no_grad()
+def eval_ranks(model: nn.Module, split: LeaveOneOut, which: str, rows: np.ndarray, *, max_len: int,
+               batch_size: int, device: torch.device) -> np.ndarray:
+    """0-based target ranks of the users at ``rows`` (the protocol of ``grstack.runtime.eval.evaluate``)."""
+    was_training = model.training
+    model.eval()
+    items = model.item_vectors()
+    out = []
+    for lo in range(0, len(rows), batch_size):
+        chunk = rows[lo : lo + batch_size]
+        batch, targets = split.eval_batch(which, chunk, max_len)
+        batch, targets = batch.to(device), targets.to(device)
+        q = model.query_vectors(last_token_outputs(model.encode(batch), batch.offsets))
+        scores = q @ items.t()
+        scores[:, 0] = -torch.inf
+        hist, hoff = split.full_history(which, chunk)
+        row_of = np.repeat(np.arange(len(chunk)), np.diff(hoff))
+        keep = scores.gather(1, targets[:, None]).clone()
+        scores[torch.from_numpy(row_of).to(device), torch.from_numpy(hist).to(device)] = -torch.inf
+        scores.scatter_(1, targets[:, None], keep)
+        out.append(target_ranks(scores, targets).cpu().numpy())
+    model.train(was_training)
+    return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+
+@dataclass
+class Built:
+    model: nn.Module
+    table: ShardedEmbedding
+    engine: Engine
+    schedule: Schedule
+    preparer: Preparer
+
+
+def build_engine(cfg: Config, ctx: DistContext, plan: ShardingPlan, split: LeaveOneOut, tasks: list[str]) -> Built:
+    """The model (its item table replaced by this rank's shard), sparse and dense optimizers, the engine and
+    the batch schedule. Every rank builds the full initial model from the same seed and keeps its rows, so a
+    job's initial state does not depend on the number of ranks."""
+    ds = split.ds
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg.model, ds.num_items, cfg.data.max_len, num_tasks=len(tasks))
+    full = model.item_emb.weight.detach()
+    shard = full[plan.shard_of(ctx.rank) :: plan.group_size].clone()
+    model.item_emb = ShardedItemEmbedding(plan.num_rows, plan.dim)
+    model = model.to(ctx.device)
+    if ctx.rank > 0:  # dropout masks differ between ranks
+        torch.manual_seed(cfg.train.seed * 1_000_003 + ctx.rank)
+    d = cfg.distributed
+    opt = make_sparse_optimizer(d.sparse_optimizer, shard, d.sparse_lr or cfg.optim.lr,
+                                (cfg.optim.beta1, cfg.optim.beta2))
+    table = ShardedEmbedding(plan, ctx.rank, shard, opt)
+    engine = Engine(cfg, ctx, model, table, ctx.device)
+    extra = cfg.loss.ranking_candidates if engine.ranking else 0
+    schedule = Schedule(split, cfg, ctx.world_size, extra)
+    preparer = Preparer(schedule, cfg, ctx.rank, ds.num_items, len(tasks), engine.ranking)
+    return Built(model, table, engine, schedule, preparer)
+
+
+def make_plan(cfg: Config, ctx: DistContext, num_items: int) -> ShardingPlan:
+    return ShardingPlan.make(num_items + 1, cfg.model.d_model, ctx.world_size, ctx.group_size,
+                             cfg.distributed.max_shard_rows)
+
+
+class DistributedTrainer:
+    def __init__(self, cfg: Config, run_dir: str | Path, ctx: DistContext, *, progress: bool = True,
+                 stop_after: int | None = None, heartbeat: Callable[..., None] | None = None) -> None:
+        self.cfg, self.run_dir, self.ctx = cfg, Path(run_dir), ctx
+        self.progress = progress and ctx.rank == 0
+        self.stop_after = stop_after
+        self.beat = heartbeat or (lambda step=None: None)
+        self.device = ctx.device
+        if cfg.train.num_threads:
+            torch.set_num_threads(cfg.train.num_threads)
+        self.resume_path: Path | None = ctx.agree(self._decide)
+        if self.resume_path is not None:
+            self.ds = ctx.check_all(lambda: read_dataset(self.run_dir / DATASET_DIR))
+        else:
+            self.ds = ctx.check_all(lambda: load_source(cfg.data))
+        self.split = LeaveOneOut(self.ds, min_len=cfg.data.min_len)
+        self.tasks = task_names(self.ds)
+        self.plan = make_plan(cfg, ctx, self.ds.num_items)
+        self._check_sizes()
+
+    # -- decisions made on rank 0 -------------------------------------------------------------------------
+    def _decide(self) -> Path | None:
+        d = self.run_dir
+        if not d.exists() or not any(d.iterdir()):
+            return None
+        if single_ckpt.list_checkpoints(d):
+            raise UserError(f"{d} holds checkpoints of a single-process run; resume it without --nproc or use a "
+                            f"new --out directory")
+        path = dckpt.latest(d)
+        if path is None:
+            if (d / "summary.json").exists():
+                raise UserError(f"{d} holds a finished run; use a new --out directory")
+            raise UserError(f"{d} exists, is not empty and holds no checkpoint to resume")
+        manifest = dckpt.read_manifest(path)
+        dckpt.check_layout(path, manifest, self.ctx.world_size, self.ctx.group_size)
+        diffs = config_mismatch(manifest.get("config", {}), self.cfg.model_dump(mode="json"))
+        if diffs:
+            raise UserError(f"checkpoint {path} was written by another config ({', '.join(diffs)} differ); use a "
+                            f"new --out directory")
+        dckpt.remove_partial(d)
+        return path
+
+    def _check_sizes(self) -> None:
+        n = len(self.split.train_users)
+        W = self.ctx.world_size
+        if n == 0:
+            raise UserError(f"data.source {self.cfg.data.source}: no user has the >= 4 events training needs")
+        if n < W:
+            raise UserError(f"{n} training sequences cannot feed {W} ranks")
+        if self.cfg.balance.token_budget is None and self.cfg.train.batch_size < W:
+            raise UserError(f"train.batch_size={self.cfg.train.batch_size} is the global batch: it must be at "
+                            f"least the number of ranks ({W})")
+
+    def _prepare_run_dir(self) -> None:
+        created = not self.run_dir.exists()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            (self.run_dir / "config.yaml").write_text(dump_config(self.cfg))
+            write_dataset(self.ds, self.run_dir / DATASET_DIR)
+        except OSError as exc:
+            if created:
+                shutil.rmtree(self.run_dir, ignore_errors=True)
+            raise UserError(f"cannot write the run directory {self.run_dir}: {exc}") from None
+
+    # -- set-up ---------------------------------------------------------------------------------------------
+    def _build(self) -> None:
+        cfg, ctx = self.cfg, self.ctx
+        b = build_engine(cfg, ctx, self.plan, self.split, self.tasks)
+        self.model, self.table, self.engine = b.model, b.table, b.engine
+        self.schedule, self.preparer = b.schedule, b.preparer
+        self.state = TrainState()
+        self.best_state: dict[str, torch.Tensor] | None = None
+        with torch.random.fork_rng(devices=[]):
+            self.eval_model = build_model(cfg.model, self.ds.num_items, cfg.data.max_len,
+                                          num_tasks=len(self.tasks)).to(self.device)
+        if self.resume_path is not None:
+            dense = dckpt.load_dense(self.resume_path)
+            part = dckpt.load_part(self.resume_path, ctx.rank)
+            self.model.load_state_dict(dense["model"])
+            self.engine.optimizer.load_state_dict(dense["optimizer"])
+            self.state = TrainState(**dense["state"])
+            self.table.weight.copy_(part["shard"])
+            self.table.optimizer.load_state_dict(part["sparse_optimizer"])
+            torch.set_rng_state(part["rng"])
+            if ctx.rank == 0:
+                self._trim_metrics(self.state.global_step)
+            if self.state.best_epoch >= 0:
+                self.best_state = dense.get("best_state")
+
+    def _trim_metrics(self, step: int) -> None:
+        path = self.run_dir / "metrics.jsonl"
+        if path.exists():
+            keep = [x for x in path.read_text().splitlines() if x and json.loads(x)["step"] <= step]
+            path.write_text("".join(k + "\n" for k in keep))
+
+    # -- whole model, evaluation --------------------------------------------------------------------------------
+    def full_model(self) -> nn.Module:
+        """The dense model with the gathered item table (evaluation, export); every rank gets it."""
+        table = self.table.full_table(self.ctx.world)
+        state = {k: v for k, v in self.model.state_dict().items()}
+        state["item_emb.weight"] = table.to(self.device)
+        self.eval_model.load_state_dict(state)
+        return self.eval_model
+
+    def _evaluate(self, which: str, model: nn.Module) -> dict[str, float]:
+        e, ctx = self.cfg.eval, self.ctx
+        rows = np.arange(self.split.num_users)
+        if e.max_users is not None and e.max_users < len(rows):
+            rows = np.sort(np.random.default_rng(0).choice(rows, size=e.max_users, replace=False))
+        mine = eval_ranks(model, self.split, which, rows[ctx.rank :: ctx.world_size],
+                          max_len=self.cfg.data.max_len, batch_size=e.batch_size, device=self.device)
+        self.beat()
+        ranks = np.concatenate([np.asarray(r) for r in ctx.world.all_gather_object(mine)])
+        return metrics_from_ranks(ranks, e.ks)
+
+    # -- bookkeeping ----------------------------------------------------------------------------------------------
+    def _log(self, record: dict[str, Any]) -> None:
+        if self.ctx.rank == 0:
+            with (self.run_dir / "metrics.jsonl").open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def _report(self, fields: dict[str, Any]) -> None:
+        if self.ctx.rank != 0:
+            return
+        try:
+            from grstack.runtime.train.progress import report_progress
+        except ImportError:
+            return
+        report_progress({"step": self.state.global_step, "epoch": self.state.epoch,
+                         "total_steps": self.schedule.total_steps(), **fields})
+
+    def _lr(self, step: int) -> float:
+        warm = self.cfg.optim.warmup_steps
+        return self.cfg.optim.lr * min(1.0, (step + 1) / warm) if warm else self.cfg.optim.lr
+
+    def _save(self) -> Path:
+        cfg, ctx = self.cfg, self.ctx
+        manifest = {**self.plan.describe(), "config": cfg.model_dump(mode="json")}
+        dense = {"model": self.model.state_dict(), "optimizer": self.engine.optimizer.state_dict(),
+                 "state": self.state.__dict__, "best_state": self.best_state} if ctx.rank == 0 else {}
+        part = {"shard": self.table.weight, "sparse_optimizer": self.table.optimizer.state_dict(),
+                "rng": torch.get_rng_state()}
+        path = dckpt.save(ctx, self.run_dir, self.state.global_step, manifest, dense, part,
+                          cfg.train.keep_checkpoints)
+        self._report({"last_checkpoint": str(path)})
+        self.beat()
+        return path
+
+    # -- the loop -------------------------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        if self.resume_path is None:
+            self.ctx.agree(self._prepare_run_dir)
+        self._build()
+        try:
+            return self._loop()
+        finally:
+            self.engine.close()
+
+    def _loop(self) -> dict[str, Any]:
+        cfg, st, ctx = self.cfg, self.state, self.ctx
+        total = self.schedule.total_steps()
+        stream = BatchStream(self.schedule.positions(st.epoch, st.step_in_epoch, st.global_step), self.preparer,
+                             cfg.negatives.prefetch, cfg.negatives.background)
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, initial=st.global_step, disable=not self.progress, file=sys.stderr, unit="step",
+                   dynamic_ncols=True, desc=f"{cfg.name} x{ctx.world_size}")
+        window: dict[str, float] = {"t": 0.0, "samples": 0, "tokens": 0}
+        self.totals = {"imbalance": 0.0, "imbalance_count_split": 0.0, "exposed_comm_ms": 0.0, "comm_ms": 0.0,
+                       "stale_rows": 0, "steps": 0}
+        stopped_early = False
+        try:
+            while not stopped_early:
+                batch = stream.next()
+                if batch is None:
+                    break
+                stopping = self.stop_after is not None and st.global_step + 1 >= self.stop_after
+                upcoming = None if stopping else stream.peek()
+                t0 = time.perf_counter()
+                out = self.engine.step(batch, upcoming, self._lr(st.global_step))
+                dt = time.perf_counter() - t0
+                self.beat(st.global_step + 1)
+                st.train_seconds += dt
+                st.samples += out["samples"]
+                st.tokens += out["tokens"]
+                st.step_in_epoch += 1
+                st.global_step += 1
+                window["t"] += dt
+                window["samples"] += out["samples"]
+                window["tokens"] += out["tokens"]
+                for k in ("imbalance", "imbalance_count_split", "exposed_comm_ms", "comm_ms", "stale_rows"):
+                    self.totals[k] += out[k]
+                self.totals["steps"] += 1
+                if not np.isfinite(out["loss"]):
+                    raise RuntimeError(f"loss is {out['loss']} at step {st.global_step}; lower optim.lr")
+                bar.update(1)
+                epoch_done = st.step_in_epoch == self.schedule.steps_in_epoch(st.epoch)
+                if st.global_step % cfg.train.log_every == 0 or epoch_done:
+                    rec = {"kind": "train", "step": st.global_step, "epoch": st.epoch, "loss": out["loss"],
+                           "retrieval_loss": out["retrieval_loss"], "ranking_loss": out["ranking_loss"],
+                           "lr": self._lr(st.global_step - 1),
+                           "samples_per_second": window["samples"] / max(window["t"], 1e-9),
+                           "tokens_per_second": window["tokens"] / max(window["t"], 1e-9),
+                           **{k: out[k] for k in ("step_ms", "compute_ms", "exposed_comm_ms", "comm_ms",
+                                                  "microbatches", "unique_keys_per_microbatch",
+                                                  "imbalance", "imbalance_count_split", "wait_ratio",
+                                                  "refreshed_rows", "stale_rows", "staleness")}}
+                    self._log(rec)
+                    self._report({k: rec[k] for k in ("loss", "samples_per_second", "tokens_per_second")})
+                    bar.set_postfix(loss=f"{out['loss']:.4f}", sps=f"{rec['samples_per_second']:.0f}")
+                    window = {"t": 0.0, "samples": 0, "tokens": 0}
+                if epoch_done:
+                    st.epoch += 1
+                    st.step_in_epoch = 0
+                    if st.epoch % cfg.train.eval_every_epochs == 0 or st.epoch == cfg.train.epochs:
+                        stopped_early = self._epoch_eval()
+                    if stopped_early:
+                        self.engine.drain()
+                    self._save()
+                elif cfg.train.checkpoint_every and st.global_step % cfg.train.checkpoint_every == 0:
+                    self._save()
+                if stopping:
+                    if not epoch_done:
+                        self._save()
+                    bar.close()
+                    return {"stopped_at_step": st.global_step}
+        finally:
+            stream.close()
+            bar.close()
+        self.engine.drain()
+        if st.best_epoch < 0:
+            self._epoch_eval()
+        return self._finish()
+
+    def _epoch_eval(self) -> bool:
+        st, cfg = self.state, self.cfg
+        model = self.full_model()
+        metrics = self._evaluate("valid", model)
+        value = metrics[cfg.train.select_metric]
+        rec = {"kind": "eval", "split": "valid", "step": st.global_step, "epoch": st.epoch, **metrics}
+        st.history.append(rec)
+        self._log(rec)
+        if self.progress:
+            print(f"epoch {st.epoch}: valid " + " ".join(f"{k}={v:.4f}" for k, v in metrics.items()),
+                  file=sys.stderr)
+        if value > st.best_metric:
+            st.best_metric, st.best_epoch, st.evals_since_best = value, st.epoch, 0
+            self.best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            if self.ctx.rank == 0:
+                export_model(model, cfg, self.ds, self.run_dir / BEST_MODEL)
+            return False
+        st.evals_since_best += 1
+        return cfg.train.patience is not None and st.evals_since_best >= cfg.train.patience
+
+    def _finish(self) -> dict[str, Any]:
+        st, cfg, ctx = self.state, self.cfg, self.ctx
+        model = self.eval_model
+        if self.best_state is not None:
+            model.load_state_dict(self.best_state)
+        else:
+            model = self.full_model()
+        results = {which: self._evaluate(which, model) for which in ("valid", "test")}
+        n = max(1, self.totals["steps"])
+        summary = {
+            "model": cfg.model.type,
+            "dataset": self.ds.name,
+            "config": cfg.name,
+            "steps": st.global_step,
+            "epochs": st.epoch,
+            "best_epoch": st.best_epoch,
+            "train_seconds": st.train_seconds,
+            "samples_per_second": st.samples / max(st.train_seconds, 1e-9),
+            "tokens_per_second": st.tokens / max(st.train_seconds, 1e-9),
+            "device": str(self.device),
+            "threads": torch.get_num_threads(),
+            "num_users": self.split.num_users,
+            "num_items": self.ds.num_items,
+            "metrics": results,
+            "model_path": str(self.run_dir / BEST_MODEL),
+            "distributed": {
+                "world_size": ctx.world_size,
+                "sparse_group_size": ctx.group_size,
+                "backend": ctx.backend,
+                "pipeline": cfg.pipeline.model_dump(),
+                "balance": cfg.balance.mode,
+                "mean_imbalance": self.totals["imbalance"] / n,
+                "mean_imbalance_count_split": self.totals["imbalance_count_split"] / n,
+                "exposed_comm_ratio": self.totals["exposed_comm_ms"] / max(self.totals["comm_ms"], 1e-9),
+                "stale_rows": self.totals["stale_rows"],
+            },
+        }
+        if ctx.rank == 0:
+            tmp = self.run_dir / ".summary.json.tmp"
+            tmp.write_text(json.dumps(summary, indent=2) + "\n")
+            tmp.replace(self.run_dir / "summary.json")
+            try:
+                from grstack.runtime.train.plot import plot_training_curves
+
+                plot_training_curves(self.run_dir / "metrics.jsonl", self.run_dir / "training_curve.png",
+                                     title=f"{cfg.name}: {cfg.model.type} on {self.ds.name}, "
+                                           f"{ctx.world_size} ranks")
+            except ImportError:
+                pass
+            self._report({"finished": True, "metrics": results["test"]})
+        ctx.world.barrier()
+        return summary

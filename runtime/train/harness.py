@@ -1,0 +1,70 @@
+"""Fixed-step runs of the distributed engine under several settings, from the same initial state and on the
+same data, without a run directory: the equivalence checks (DBP on/off, FWP N vs 1, clustering) and the
+``grstack bench train`` measurements both use it. Called on every rank through ``launch.call_ranks``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+
+from grstack.runtime.config import Config
+from grstack.runtime.data.source import load_source
+from grstack.runtime.data.splits import LeaveOneOut
+from grstack.runtime.train.batching import BatchStream
+from grstack.runtime.train.context import DistContext
+from grstack.runtime.train.distributed import build_engine, make_plan
+from grstack.runtime.train.launch import rank_device
+from grstack.runtime.train.loop import task_names
+
+
+def with_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
+    tree = cfg.model_dump(mode="json")
+    for dotted, value in overrides.items():
+        node = tree
+        *path, last = dotted.split(".")
+        for key in path:
+            node = node[key]
+        node[last] = value
+    return Config.model_validate(tree)
+
+
+def run_modes(env: Any, payload: dict[str, Any]) -> dict[str, Any]:
+    """payload: ``config`` (a Config dump), ``modes`` ({name: {dotted key: value}}), ``steps``, and
+    ``params`` (return final parameters, on rank 0). Returns {mode: {"records": [...], "params": ...,
+    "shard": this rank's shard (``shards`` true)}}."""
+    base = Config.model_validate(payload["config"])
+    ctx = DistContext(env, rank_device(base, env), base.distributed.sparse_group_size, base.distributed.timeout_s)
+    ds = load_source(base.data)
+    split = LeaveOneOut(ds, min_len=base.data.min_len)
+    tasks = task_names(ds)
+    out: dict[str, Any] = {}
+    for name, overrides in payload["modes"].items():
+        cfg = with_overrides(base, overrides)
+        built = build_engine(cfg, ctx, make_plan(cfg, ctx, ds.num_items), split, tasks)
+        positions = itertools.islice(built.schedule.positions(0, 0, 0), payload["steps"])
+        stream = BatchStream(positions, built.preparer, cfg.negatives.prefetch, cfg.negatives.background)
+        records = []
+        ctx.world.barrier()
+        while (batch := stream.next()) is not None:
+            records.append(built.engine.step(batch, stream.peek(), cfg.optim.lr))
+        built.engine.drain()
+        built.engine.close()
+        stream.close()
+        result: dict[str, Any] = {"records": records}
+        if payload.get("params", True):
+            table = built.table.full_table(ctx.world)
+            if ctx.rank == 0:
+                result["params"] = {**{k: v.detach().clone() for k, v in built.model.state_dict().items()},
+                                    "item_emb.weight": table}
+        if payload.get("shards", False):
+            result["shard"] = built.table.weight.clone()
+        out[name] = result
+    ctx.world.barrier()
+    return out
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k].double() - b[k].double()).abs().max()) if a[k].numel() else 0.0 for k in a)

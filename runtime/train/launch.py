@@ -1,0 +1,315 @@
+"""Starting ranks: ``grstack train --nproc N`` spawns N local processes; inside a pod (or under torchrun) the
+environment MASTER_ADDR / MASTER_PORT / WORLD_SIZE / RANK / LOCAL_RANK makes ``grstack train`` one rank.
+
+Failure policy: a rank that loses a peer (a collective fails or waits past ``distributed.timeout_s``) or
+stops making progress (a watchdog) prints one ``error:`` line naming its rank and exits at once with status
+3, without waiting for threads stuck in collectives; a user error exits with status 2 on every rank. The
+operator (or the local launcher) then restarts the gang, which resumes from the last complete checkpoint.
+
+``GRSTACK_FAULT_EXIT=RANK:STEP`` makes that rank die abruptly after that global step (tests of this path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from grstack.runtime.errors import UserError
+
+ENV_FAULT = "GRSTACK_FAULT_EXIT"
+ENV_ERROR_FILE = "GRSTACK_ERROR_FILE"
+ENV_RESULT_FILE = "GRSTACK_RESULT_FILE"
+ENV_THREADS = "GRSTACK_RANK_THREADS"
+EXIT_USER, EXIT_PEER, EXIT_CRASH = 2, 3, 1
+T = TypeVar("T")
+_PEER_HINTS = ("gloo", "connection", "timed out", "timeout", "closed", "nccl", "hccl", "socket", "peer",
+               "broken pipe", "reset")
+
+
+class PeerFailure(UserError):
+    """A rank of the job died or hung; every rank exits so the gang can be restarted."""
+
+    exit_code = EXIT_PEER
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    import torch.distributed as dist
+
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(h in text for h in _PEER_HINTS)
+
+
+class Watchdog:
+    """Exits the process when no heartbeat arrives for ``limit_s`` (a hang that no collective timeout sees)."""
+
+    def __init__(self, rank: int, limit_s: float) -> None:
+        self.rank, self.limit_s = rank, limit_s
+        self.last = time.monotonic()
+        self.fault = _parse_fault(os.environ.get(ENV_FAULT, ""), rank)
+        threading.Thread(target=self._watch, name="grstack-watchdog", daemon=True).start()
+
+    def beat(self, step: int | None = None) -> None:
+        self.last = time.monotonic()
+        if self.fault is not None and step is not None and step >= self.fault:
+            print(f"grstack: fault injection: rank {self.rank} exits abruptly after step {step}", file=sys.stderr,
+                  flush=True)
+            os._exit(17)
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.limit_s / 4))
+            idle = time.monotonic() - self.last
+            if idle > self.limit_s:
+                _die(EXIT_PEER, f"rank {self.rank}: no progress for {idle:.0f} s (a peer is stuck or dead); "
+                                "exiting so the job can be restarted from its last checkpoint")
+
+
+def _parse_fault(spec: str, rank: int) -> int | None:
+    if not spec:
+        return None
+    r, _, step = spec.partition(":")
+    return int(step) if int(r) == rank else None
+
+
+def _die(code: int, message: str) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    path = os.environ.get(ENV_ERROR_FILE)
+    if path:
+        with contextlib.suppress(OSError):
+            Path(path).write_text(message)
+    sys.stdout.flush()
+    os._exit(code)
+
+
+def guarded(rank: int, fn: Callable[[], T]) -> T:
+    """Runs ``fn``; any failure prints one line and ends the process with the policy's exit status."""
+    try:
+        return fn()
+    except PeerFailure as exc:
+        _die(EXIT_PEER, f"rank {rank}: {exc}")
+    except UserError as exc:
+        _die(EXIT_USER, f"rank {rank}: {exc}")
+    except BaseException as exc:
+        if is_peer_failure(exc):
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            _die(EXIT_PEER, f"rank {rank}: lost contact with a peer ({first[:200]}); every rank exits so the "
+                            "job can be restarted from its last checkpoint")
+        traceback.print_exc()
+        _die(EXIT_CRASH, f"rank {rank}: {type(exc).__name__}: {exc}")
+    raise AssertionError("unreachable")
+
+
+def rank_device(cfg: Any, env: Any) -> Any:
+    import torch
+
+    from grstack.runtime.device import resolve_device
+
+    threads = os.environ.get(ENV_THREADS)
+    if threads and not cfg.train.num_threads:
+        torch.set_num_threads(int(threads))
+    device = resolve_device(cfg.train.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", env.local_rank % max(1, torch.cuda.device_count()))
+    return device
+
+
+def run_rank(cfg: Any, run_dir: str | Path, env: Any, *, progress: bool = True,
+             stop_after: int | None = None) -> dict[str, Any]:
+    """Runs this process as one rank; failures end the process (see the module docstring)."""
+
+    def train() -> dict[str, Any]:
+        from grstack.runtime.train.context import DistContext
+        from grstack.runtime.train.distributed import DistributedTrainer
+
+        ctx = DistContext(env, rank_device(cfg, env), cfg.distributed.sparse_group_size,
+                          cfg.distributed.timeout_s)
+        watchdog = Watchdog(env.rank, 3 * cfg.distributed.timeout_s)
+        return DistributedTrainer(cfg, run_dir, ctx, progress=progress, stop_after=stop_after,
+                                  heartbeat=watchdog.beat).run()
+
+    result = guarded(env.rank, train)
+    path = os.environ.get(ENV_RESULT_FILE)
+    if path and env.rank == 0:
+        Path(path).write_text(json.dumps(result))
+    return result
+
+
+# -- local launcher ---------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(rank: int, nproc: int, port: int, threads: int | None = None) -> dict[str, str]:
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc), "RANK": str(rank),
+           "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(nproc)}
+    if threads:
+        env[ENV_THREADS] = str(threads)
+    return env
+
+
+def spawn_local(nproc: int, argv: list[str], tmp: Path, extra_env: dict[str, str] | None = None,
+                per_rank_env: dict[int, dict[str, str]] | None = None) -> list[subprocess.Popen]:
+    """Starts ``python -m <argv>`` as ``nproc`` local ranks with the torchrun environment."""
+    port = free_port()
+    threads = max(1, (os.cpu_count() or 1) // nproc)
+    procs = []
+    for r in range(nproc):
+        env = {**os.environ, **(extra_env or {}), **rank_env(r, nproc, port, threads),
+               ENV_ERROR_FILE: str(tmp / f"error-{r}.txt"), **((per_rank_env or {}).get(r, {}))}
+        if r == 0:
+            env[ENV_RESULT_FILE] = str(tmp / "result.json")
+        procs.append(subprocess.Popen([sys.executable, "-m", *argv], env=env))
+    return procs
+
+
+def wait_all(procs: list[subprocess.Popen], grace_s: float, limit_s: float | None = None) -> list[int]:
+    """Waits for every rank; once one fails, the others get ``grace_s`` to exit on their own, then are killed
+    (as is everything still running after ``limit_s``)."""
+    start = time.monotonic()
+    failed_at = None
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            return [int(c) for c in codes]
+        if failed_at is None and any(c not in (None, 0) for c in codes):
+            failed_at = time.monotonic()
+        late = limit_s is not None and time.monotonic() - start > limit_s
+        if late or (failed_at is not None and time.monotonic() - failed_at > grace_s):
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        time.sleep(0.05)
+
+
+def failure_message(codes: list[int], tmp: Path) -> tuple[int, str]:
+    """The most useful error of a failed gang: a user error first, then the first rank that died."""
+    messages = {}
+    for r, code in enumerate(codes):
+        f = tmp / f"error-{r}.txt"
+        if f.is_file():
+            messages[r] = f.read_text().strip()
+        elif code != 0:
+            messages[r] = f"rank {r} exited with status {code}" + (" (killed by a signal)" if code < 0 else "")
+    users = [r for r, c in enumerate(codes) if c == EXIT_USER and r in messages]
+    if users:
+        return EXIT_USER, messages[users[0]]
+    dead = [r for r, c in enumerate(codes) if c not in (0, EXIT_PEER, EXIT_USER)]
+    first = dead[0] if dead else min(messages)
+    others = sorted(set(messages) - {first})
+    note = f"; the other ranks stopped ({', '.join(messages[r] for r in others)})" if others else ""
+    return EXIT_PEER, messages[first] + note
+
+
+def train_distributed(cfg: Any, run_dir: str | Path, nproc: int = 2, progress: bool = True,
+                      stop_after: int | None = None) -> dict[str, Any]:
+    """Trains ``cfg`` on ``nproc`` local ranks (gloo on CPU); returns rank 0's summary (or
+    ``{"stopped_at_step": N}``). Failures raise UserError (exit status 2) or PeerFailure (3), one line each."""
+    from grstack.runtime.train.context import resolve_group_size
+
+    if nproc < 1:
+        raise UserError(f"--nproc must be >= 1, got {nproc}")
+    resolve_group_size(nproc, cfg.distributed.sparse_group_size)
+    with tempfile.TemporaryDirectory(prefix="grstack-launch-") as tmpdir:
+        tmp = Path(tmpdir)
+        (tmp / "config.json").write_text(json.dumps(cfg.model_dump(mode="json")))
+        argv = ["grstack.runtime.train.launch", "--config-json", str(tmp / "config.json"), "--out", str(run_dir)]
+        if stop_after is not None:
+            argv += ["--stop-after-step", str(stop_after)]
+        if not progress:
+            argv.append("--no-progress")
+        procs = spawn_local(nproc, argv, tmp)
+        try:
+            codes = wait_all(procs, grace_s=cfg.distributed.timeout_s + 15)
+        except KeyboardInterrupt:
+            for p in procs:
+                p.terminate()
+            raise
+        if any(codes):
+            code, message = failure_message(codes, tmp)
+            raise (UserError if code == EXIT_USER else PeerFailure)(message)
+        return json.loads((tmp / "result.json").read_text())
+
+
+def call_ranks(target: str, nproc: int, payload: Any, *, limit_s: float = 600.0, grace_s: float = 30.0,
+               env: dict[str, str] | None = None, per_rank_env: dict[int, dict[str, str]] | None = None
+               ) -> list[Any]:
+    """Runs ``module:function(env, payload)`` on ``nproc`` local ranks and returns each rank's result
+    (benchmarks and multi-process tests). A failure raises UserError / PeerFailure with the rank's message."""
+    import torch
+
+    with tempfile.TemporaryDirectory(prefix="grstack-call-") as tmpdir:
+        tmp = Path(tmpdir)
+        torch.save(payload, tmp / "payload.pt")
+        argv = ["grstack.runtime.train.launch", "--call", target, "--payload", str(tmp / "payload.pt"),
+                "--result-dir", str(tmp)]
+        procs = spawn_local(nproc, argv, tmp, extra_env=env, per_rank_env=per_rank_env)
+        try:
+            codes = wait_all(procs, grace_s=grace_s, limit_s=limit_s)
+        except KeyboardInterrupt:
+            for p in procs:
+                p.terminate()
+            raise
+        if any(codes):
+            code, message = failure_message(codes, tmp)
+            raise (UserError if code == EXIT_USER else PeerFailure)(message)
+        return [torch.load(tmp / f"result-{r}.pt", weights_only=False) for r in range(nproc)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """One rank of a local gang (started by ``spawn_local``): a training run, or ``--call`` a function."""
+    from grstack.runtime.config import Config
+    from grstack.runtime.train.context import DistEnv
+
+    ap = argparse.ArgumentParser(prog="python -m grstack.runtime.train.launch")
+    ap.add_argument("--config-json")
+    ap.add_argument("--out")
+    ap.add_argument("--stop-after-step", type=int, default=None)
+    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--call", metavar="MODULE:FUNCTION")
+    ap.add_argument("--payload")
+    ap.add_argument("--result-dir")
+    args = ap.parse_args(argv)
+    env = DistEnv.from_env()
+    if env is None:
+        _die(EXIT_USER, "not started as a rank: WORLD_SIZE is not set")
+    if args.call:
+        import importlib
+
+        import torch
+
+        def call() -> Any:
+            module, _, name = args.call.partition(":")
+            fn = getattr(importlib.import_module(module), name)
+            return fn(env, torch.load(args.payload, weights_only=False))
+
+        result = guarded(env.rank, call)
+        torch.save(result, Path(args.result_dir) / f"result-{env.rank}.pt")
+    else:
+        try:
+            cfg = Config.model_validate(json.loads(Path(args.config_json).read_text()))
+        except (OSError, ValueError) as exc:
+            _die(EXIT_USER, f"rank {env.rank}: cannot read the config: {exc}")
+        run_rank(cfg, args.out, env, progress=not args.no_progress, stop_after=args.stop_after_step)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # collective threads and gloo teardown must not delay the exit
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""Cheap negatives (DESIGN §4.7): per-step generators, intra-batch logit sharing, host offload.
+
+* Every random draw of a step (negatives, ranking candidates, logit-sharing shuffles) comes from a
+  generator seeded by (seed, purpose, step, rank). A background thread can therefore prepare batches
+  ahead of time and a resumed job draws exactly what the uninterrupted one drew, with no state to save.
+* Negatives are shared by the whole batch (``loss.sharing=batch``), or drawn per set of ``loss.group_size``
+  consecutive tokens of the rank's batch (``group``; ``token`` is groups of one). Sets belong to tokens, not
+  to micro-batches, so splitting a batch into micro-batches does not change any token's negatives.
+* Logit sharing: token i also scores the negative sets drawn for k-1 other tokens' sets (shuffled), k·R
+  negatives per token for the lookups of R.
+* ``HostOffload`` keeps looked-up rows that wait for a later micro-batch in host memory (FP16 when asked)
+  and reloads them one micro-batch ahead; on a CPU job host and device are the same memory, so it only
+  applies the dtype.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+NEG_INF = -1e9
+PURPOSES = {"negatives": 1, "candidates": 2, "share": 3}
+
+
+def step_generator(seed: int, purpose: str, step: int, rank: int) -> torch.Generator:
+    state = np.random.SeedSequence([seed, PURPOSES[purpose], step, rank]).generate_state(2, dtype=np.uint32)
+    return torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
+
+
+def uniform_items(num_items: int, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """Item ids in 1..num_items (0 is padding), as ``loss.sample_negatives`` draws them."""
+    return torch.randint(1, num_items + 1, shape, generator=generator)
+
+
+def share_permutations(n: int, k: int, generator: torch.Generator) -> list[torch.Tensor]:
+    return [torch.randperm(n, generator=generator) for _ in range(k - 1)]
+
+
+def grouped_logits(query: torch.Tensor, neg: torch.Tensor, group_of: torch.Tensor) -> torch.Tensor:
+    """[N, R] scores of every token against its group's negatives (neg [G, R, d]; group_of [N] in 0..G-1),
+    as one batched matmul over groups padded to the largest group (no [N, R, d] gather)."""
+    n, d = query.shape
+    G = neg.shape[0]
+    order = torch.argsort(group_of, stable=True)
+    g_sorted = group_of[order]
+    counts = torch.bincount(group_of, minlength=G)
+    k = int(counts.max()) if n else 0
+    starts = torch.cumsum(counts, 0) - counts
+    slot = torch.arange(n, device=query.device) - starts[g_sorted]
+    padded = query.new_zeros((G, k, d)).index_put((g_sorted, slot), query[order])
+    scores = torch.bmm(padded, neg.transpose(1, 2))  # [G, k, R]
+    out = query.new_empty((n, neg.shape[1]))
+    return out.index_put((order,), scores[g_sorted, slot])
+
+
+def sampled_softmax_sum(query: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor, targets: torch.Tensor,
+                        neg_ids: torch.Tensor, temperature: float, group_of: torch.Tensor | None = None,
+                        share: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """Sum over tokens of InfoNCE (``loss.sampled_softmax_loss`` times N, for global normalisation).
+
+    neg: [R, d] shared by all tokens, or [G, R, d] with ``group_of`` [N] naming each token's set (one set per
+    token or per group of tokens). ``share``: permutations of the G sets; token i also scores the negatives
+    of set ``perm[group_of[i]]`` (intra-batch logit sharing). Negatives equal to the target are masked.
+    """
+    pos_logit = (query * pos).sum(-1, keepdim=True)
+    if neg.dim() == 2:
+        neg_logits = query @ neg.t()
+        blocks = [neg_logits.masked_fill(neg_ids[None, :] == targets[:, None], NEG_INF)]
+    else:
+        assert group_of is not None
+        blocks = []
+        for perm in [None, *(share or [])]:
+            ids = neg_ids if perm is None else neg_ids[perm]
+            vecs = neg if perm is None else neg[perm]
+            logits = grouped_logits(query, vecs, group_of)
+            blocks.append(logits.masked_fill(ids[group_of] == targets[:, None], NEG_INF))
+    logits = torch.cat([pos_logit, *blocks], dim=1) / temperature
+    return (torch.logsumexp(logits, dim=1) - logits[:, 0]).sum()
+
+
+class HostOffload:
+    """Rows parked in host memory until their micro-batch; ``prefetch`` starts the reload of the next.
+
+    ``park(rows, half=True)`` stores negative-only rows in FP16; positives are parked at full precision.
+    """
+
+    def __init__(self, device: torch.device, fp16: bool) -> None:
+        self.device = device
+        self.fp16 = fp16
+        self.parked: list[torch.Tensor] = []
+        self.loaded: dict[int, torch.Tensor] = {}
+
+    def park(self, rows: torch.Tensor, half: bool = False) -> int:
+        host = rows.to(torch.float16) if half and self.fp16 else rows
+        if self.device.type != "cpu":
+            host = host.to("cpu").pin_memory()
+        self.parked.append(host)
+        return len(self.parked) - 1
+
+    def prefetch(self, slot: int) -> None:
+        if 0 <= slot < len(self.parked) and slot not in self.loaded:
+            self.loaded[slot] = self.parked[slot].to(self.device, non_blocking=True)
+
+    def take(self, slot: int) -> torch.Tensor:
+        self.prefetch(slot)
+        rows = self.loaded.pop(slot)
+        return rows.float() if rows.dtype != torch.float32 else rows

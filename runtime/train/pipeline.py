@@ -1,0 +1,278 @@
+"""One training step of the distributed engine, with nested pipelining (DESIGN §4.4-4.6).
+
+The five stages of a batch: (1) data prefetch — ``BatchStream`` prepares batches in a thread; (2) H2D —
+the prepared tensors move to the device; (3) key routing — dedupe, bucket by owner, All2All of keys;
+(4) retrieval — the owner reads the requested rows from its shard (the store) into the batch buffer;
+(5) forward/backward — rows All2All to the requesters, compute, gradients All2All to the owners, dense
+all-reduce, sparse and dense updates.
+
+* Synchronous (``pipeline.dbp`` off): stages 3-4 run at the start of the step.
+* Dual-buffer (``dbp``): stages 3-4 of batch t+1 run in the prefetch thread while t computes; before t+1
+  uses its buffer, rows that t's update changed are refreshed from the update's output (``refresh``).
+  Every number equals the synchronous loop's, bit for bit.
+* Frozen-window (``microbatches`` N): parameters do not change inside a batch, so the communication thread
+  moves the rows of micro-batch m+1 and the gradients of m-1 while the main thread computes m; one update
+  per batch. Results equal N=1 up to the order of gradient sums.
+* Semi-asynchronous (``semi_async``): the prefetch thread also returns t+1's rows before t's update (they
+  are read before it: at most one step stale, counted in ``stale_rows``); nothing is refreshed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from grstack.runtime.config import Config
+from grstack.runtime.embedding.sharded import ActiveRows, RoutedBatch, ShardedEmbedding
+from grstack.runtime.train.balance import imbalance, wait_ratio
+from grstack.runtime.train.batching import MicroBatch, PreparedBatch
+from grstack.runtime.train.context import DistContext
+from grstack.runtime.train.negatives import HostOffload, sampled_softmax_sum
+
+
+class ShardedItemEmbedding(nn.Module):
+    """Stands in for ``model.item_emb`` in distributed training: the rows live in ShardedEmbedding."""
+
+    def __init__(self, num_rows: int, dim: int) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_rows, dim
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("item embeddings are sharded: pass looked-up rows (item_rows=/rows=/cand_rows=)")
+
+
+@dataclass
+class _Pending:
+    step: int
+    future: Future
+    retrieved: threading.Event
+    parked: list[int] = field(default_factory=list)
+
+
+class Engine:
+    def __init__(self, cfg: Config, ctx: DistContext, model: nn.Module, table: ShardedEmbedding,
+                 device: torch.device) -> None:
+        self.cfg, self.ctx, self.model, self.table, self.device = cfg, ctx, model, table, device
+        self.dense_params = [p for p in model.parameters() if p.requires_grad]
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(self.dense_params, lr=o.lr, betas=(o.beta1, o.beta2),
+                                           weight_decay=o.weight_decay)
+        p = cfg.pipeline
+        self.prefetching = p.dbp or p.semi_async
+        self.ranking = getattr(model, "rank_head", None) is not None and cfg.loss.ranking_weight > 0
+        self.comm_pool = ThreadPoolExecutor(1, thread_name_prefix="grstack-comm")
+        self.pre_pool = ThreadPoolExecutor(1, thread_name_prefix="grstack-prefetch")
+        self.offload = HostOffload(device, cfg.negatives.fp16)
+        self.active: ActiveRows | None = None
+        self.pending: _Pending | None = None
+        self.comm_device = torch.device("cpu") if ctx.backend == "gloo" else device
+
+    # -- stages 3-4 (and, semi-async, the rows) of a batch --------------------------------------------------
+    def _lookup(self, batch: PreparedBatch, pending: _Pending | None) -> RoutedBatch:
+        comm = self.ctx.sparse_pre if pending is not None else self.ctx.sparse_fwd
+        rb = self.table.route(batch.units, comm)
+        self.table.retrieve(rb)
+        if pending is not None:
+            pending.retrieved.set()
+            if self.cfg.pipeline.semi_async:
+                fp16 = self.cfg.negatives.fp16
+                for u, unit in enumerate(batch.units):
+                    rows = self.table.send_rows(rb, unit, comm, fp16)
+                    pending.parked.append(self.offload.park(rows, half=u == batch.neg_unit))
+        return rb
+
+    def _start_prefetch(self, batch: PreparedBatch) -> None:
+        pending = _Pending(step=batch.global_step, future=Future(), retrieved=threading.Event())
+        pending.future = self.pre_pool.submit(self._lookup, batch, pending)
+        self.pending = pending
+
+    # -- stage 5 --------------------------------------------------------------------------------------------
+    def _forward(self, batch: PreparedBatch, mb: MicroBatch, rows: torch.Tensor,
+                 neg_rows: torch.Tensor | None) -> tuple[torch.Tensor, float, float]:
+        cfg, dev = self.cfg, self.device
+        full = mb.full.to(dev, non_blocking=True)
+        item_rows = rows[mb.inv_input.to(dev)]
+        out = self.model.encode(full, item_rows=item_rows)
+        is_hist = mb.is_hist.to(dev) if mb.is_hist is not None else None
+        hist_out = out[is_hist] if is_hist is not None else out
+        q = self.model.query_vectors(hist_out)
+        targets = mb.targets.to(dev)
+        pos = self.model.item_vectors(rows=rows[mb.inv_target.to(dev)])
+        if mb.inv_neg is not None:
+            neg = self.model.item_vectors(rows=rows[mb.inv_neg.to(dev)])
+            neg_ids = mb.neg_ids.to(dev)
+        else:
+            assert neg_rows is not None and batch.inv_batch_neg is not None and batch.batch_neg_ids is not None
+            neg = self.model.item_vectors(rows=neg_rows[batch.inv_batch_neg.to(dev)])
+            neg_ids = batch.batch_neg_ids.to(dev)
+        share = [p.to(dev) for p in mb.share]
+        group_of = mb.neg_group.to(dev) if mb.neg_group is not None else None
+        ret = sampled_softmax_sum(q, pos, neg, targets, neg_ids, cfg.loss.temperature, group_of, share)
+        ret = ret / batch.global_tokens
+        loss = ret
+        rank_part = 0.0
+        if self.ranking and mb.labels is not None and is_hist is not None:
+            cand_out = out[~is_hist]
+            logits = self.model.rank_logits(cand_out, mb.cand_ids.reshape(-1).to(dev),
+                                            cand_rows=item_rows[~is_hist])
+            T = mb.labels.shape[-1]
+            bce = F.binary_cross_entropy_with_logits(logits, mb.labels.reshape(-1, T).to(dev), reduction="sum")
+            rank_t = bce / (batch.global_cands * T)
+            loss = loss + cfg.loss.ranking_weight * rank_t
+            rank_part = float(rank_t.detach())
+        return loss, float(ret.detach()), rank_part
+
+    def step(self, batch: PreparedBatch, upcoming: PreparedBatch | None, lr: float) -> dict[str, Any]:
+        cfg, ctx, table = self.cfg, self.ctx, self.table
+        t_start = time.perf_counter()
+        comm_before = sum(c.seconds for c in ctx.comms)
+        exposed = 0.0
+        compute = 0.0
+        fp16 = cfg.negatives.fp16
+        semi = cfg.pipeline.semi_async
+        pending = self.pending if self.pending is not None and self.pending.step == batch.global_step else None
+        self.pending = None
+        t0 = time.perf_counter()
+        stale = 0
+        if pending is not None:
+            rb = pending.future.result()
+            if semi:
+                stale = 0 if self.active is None else table.overlap(rb, self.active)[0].numel()
+            else:
+                table.refresh(rb, self.active)
+        else:
+            rb = self.comm_pool.submit(self._lookup, batch, None).result()
+        exposed += time.perf_counter() - t0
+        semi_rows = pending is not None and semi
+        if self.prefetching and upcoming is not None:
+            self._start_prefetch(upcoming)
+
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+
+        def fetch(u: int) -> Future:
+            return self.comm_pool.submit(table.send_rows, rb, batch.units[u], ctx.sparse_fwd, fp16)
+
+        def rows_of(u: int, fut: Future | None) -> torch.Tensor:
+            if semi_rows:
+                return self.offload.take(pending.parked[u])
+            assert fut is not None
+            return fut.result().to(self.device, non_blocking=True)
+
+        n = len(batch.micro)
+        futures: dict[int, Future] = {}
+        if not semi_rows:
+            if batch.neg_unit is not None:
+                futures[batch.neg_unit] = fetch(batch.neg_unit)
+            futures[batch.micro[0].unit] = fetch(batch.micro[0].unit)
+        neg_leaf = None
+        grad_futures: list[Future] = []
+        ret_total = rank_total = 0.0
+        for m, mb in enumerate(batch.micro):
+            t0 = time.perf_counter()
+            if batch.neg_unit is not None and neg_leaf is None:
+                neg_leaf = rows_of(batch.neg_unit, futures.get(batch.neg_unit)).requires_grad_(True)
+            leaf = rows_of(mb.unit, futures.get(mb.unit)).requires_grad_(True)
+            exposed += time.perf_counter() - t0
+            if m + 1 < n:
+                if semi_rows:
+                    self.offload.prefetch(pending.parked[batch.micro[m + 1].unit])
+                else:
+                    futures[batch.micro[m + 1].unit] = fetch(batch.micro[m + 1].unit)
+            t0 = time.perf_counter()
+            loss, ret_part, rank_part = self._forward(batch, mb, leaf, neg_leaf)
+            loss.backward()
+            compute += time.perf_counter() - t0
+            ret_total += ret_part
+            rank_total += rank_part
+            grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            grad_futures.append(self.comm_pool.submit(table.send_grads, rb, batch.units[mb.unit],
+                                                      grad.to(self.comm_device), ctx.sparse_fwd))
+        if batch.neg_unit is not None:
+            assert neg_leaf is not None
+            grad = neg_leaf.grad if neg_leaf.grad is not None else torch.zeros_like(neg_leaf)
+            grad_futures.append(self.comm_pool.submit(table.send_grads, rb, batch.units[batch.neg_unit],
+                                                      grad.to(self.comm_device), ctx.sparse_fwd))
+        t0 = time.perf_counter()
+        for f in grad_futures:
+            f.result()
+        exposed += time.perf_counter() - t0
+
+        # the dense all-reduce (async) overlaps the sparse replica sum and update
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.dense_params]
+        stats = torch.tensor([ret_total, rank_total, float(rb.refreshed), float(stale)], dtype=torch.float32,
+                             device=grads[0].device if grads else self.device)
+        flat = torch.cat([g.reshape(-1) for g in grads] + [stats])
+        work = ctx.world.all_reduce(flat, async_op=True)
+        t0 = time.perf_counter()
+        if semi and self.pending is not None:
+            self._wait_retrieved(self.pending)
+        exposed += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        self.active = table.apply(rb, ctx.replica)
+        update = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        if work is not None:
+            work.wait()
+        exposed += time.perf_counter() - t0
+        at = 0
+        for p, g in zip(self.dense_params, grads, strict=True):
+            k = g.numel()
+            chunk = flat[at : at + k].view_as(g)
+            if p.grad is None:
+                p.grad = chunk.clone()
+            else:
+                p.grad.copy_(chunk)
+            at += k
+        if cfg.optim.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.dense_params, cfg.optim.grad_clip)
+        self.optimizer.step()
+        ret_g, rank_g, refreshed, stale_g = flat[at:].tolist()
+        comm_total = sum(c.seconds for c in ctx.comms) - comm_before
+        step_s = time.perf_counter() - t_start
+        return {
+            "loss": ret_g + cfg.loss.ranking_weight * rank_g if self.ranking else ret_g,
+            "retrieval_loss": ret_g,
+            "ranking_loss": rank_g if self.ranking else None,
+            "samples": batch.global_seqs,
+            "tokens": batch.global_tokens,
+            "step_ms": 1e3 * step_s,
+            "compute_ms": 1e3 * compute,
+            "sparse_update_ms": 1e3 * update,
+            "exposed_comm_ms": 1e3 * exposed,
+            "comm_ms": 1e3 * comm_total,
+            "microbatches": len(batch.micro),
+            "unique_keys_per_microbatch": sum(batch.mb_unique_keys) / max(1, len(batch.mb_unique_keys)),
+            "refreshed_rows": int(refreshed),
+            "stale_rows": int(stale_g),
+            "staleness": 1 if semi else 0,
+            "imbalance": imbalance(batch.rank_costs),
+            "imbalance_count_split": imbalance(batch.count_costs),
+            "wait_ratio": wait_ratio(batch.rank_costs),
+        }
+
+    @staticmethod
+    def _wait_retrieved(pending: _Pending) -> None:
+        """Semi-async: the next batch's rows must be read before this update writes them."""
+        while not pending.retrieved.wait(0.05):
+            if pending.future.done():
+                pending.future.result()  # raises what stopped the prefetch
+                return
+
+    def drain(self) -> None:
+        """Finishes an in-flight prefetch (its result is dropped: the next step looks up afresh)."""
+        if self.pending is not None:
+            self.pending.future.result()
+            self.pending = None
+
+    def close(self) -> None:
+        self.comm_pool.shutdown(wait=False, cancel_futures=True)
+        self.pre_pool.shutdown(wait=False, cancel_futures=True)

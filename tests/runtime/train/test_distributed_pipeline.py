@@ -1,0 +1,108 @@
+"""Nested pipelining on real gloo ranks changes when things happen, not what is computed.
+
+All modes start from the same initial state and train 20 steps on the same data. Dual-buffer pipelining is
+compared bit for bit (the same floating-point operations on the same values). Frozen-window pipelining with
+N micro-batches sums each batch's gradients (and its loss) as N partial sums instead of one, so it is
+compared within 1e-6 (relative for the loss, whose magnitude is ~10: one float32 ulp there is ~1e-6);
+dropout is off for that comparison because N forward calls draw the dropout masks in a different order.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+from grstack_testing import tiny_config_args, write_cyclic
+
+from grstack.runtime.config import load_config
+from grstack.runtime.train.harness import max_abs_diff
+from grstack.runtime.train.launch import call_ranks
+
+CONFIG = Path(__file__).resolve().parents[3] / "configs" / "synthetic-tiny-hstu.yaml"
+STEPS = 20
+DROPOUT = {"model.dropout": 0.1, "model.input_dropout": 0.1}
+MODES = {
+    "sync": {},
+    "fwp4": {"pipeline.microbatches": 4},
+    "fwp4_dbp": {"pipeline.microbatches": 4, "pipeline.dbp": True},
+    "fwp4_cluster": {"pipeline.microbatches": 4, "pipeline.cluster": True},
+    "sync_dropout": DROPOUT,
+    "dbp_dropout": {**DROPOUT, "pipeline.dbp": True},
+    "semi_async": {"pipeline.semi_async": True},
+    "fp16_negatives": {"negatives.fp16": True},
+    "batch_sharing": {"loss.sharing": "batch"},
+    "batch_sharing_fwp3": {"loss.sharing": "batch", "pipeline.microbatches": 3},
+    "batch_sharing_fwp3_cluster": {"loss.sharing": "batch", "pipeline.microbatches": 3, "pipeline.cluster": True},
+    "token_sharing_k2": {"loss.sharing": "token", "negatives.share_k": 2, "negatives.fp16": True},
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    data = write_cyclic(tmp_path_factory.mktemp("data") / "cyclic")
+    cfg = load_config(CONFIG, [*tiny_config_args(data), "model.dropout=0", "model.input_dropout=0"])
+    out = call_ranks("grstack.runtime.train.harness:run_modes", 2,
+                     {"config": cfg.model_dump(mode="json"), "modes": MODES, "steps": STEPS}, limit_s=300)
+    return out[0]
+
+
+def _losses(runs, mode):
+    return [r["loss"] for r in runs[mode]["records"]]
+
+
+def test_dual_buffer_pipelining_is_bitwise_identical(runs):
+    for a, b in (("sync_dropout", "dbp_dropout"), ("fwp4", "fwp4_dbp")):
+        assert _losses(runs, a) == _losses(runs, b)
+        assert max_abs_diff(runs[a]["params"], runs[b]["params"]) == 0.0
+        # the pipelined run did prefetch rows that the previous update then changed, and refreshed them
+        assert sum(r["refreshed_rows"] for r in runs[b]["records"]) > 0
+    assert len(_losses(runs, "sync")) == STEPS
+
+
+def test_frozen_window_matches_one_micro_batch_within_1e6(runs):
+    for base, mode in (("sync", "fwp4"), ("sync", "fwp4_cluster"), ("batch_sharing", "batch_sharing_fwp3"),
+                       ("batch_sharing", "batch_sharing_fwp3_cluster")):
+        assert all(r["microbatches"] > 1 for r in runs[mode]["records"])
+        for a, b in zip(_losses(runs, base), _losses(runs, mode), strict=True):
+            assert abs(a - b) <= 1e-6 * max(1.0, abs(a))
+        assert max_abs_diff(runs[base]["params"], runs[mode]["params"]) <= 1e-6
+    assert _losses(runs, "sync")[-1] < 0.5 * _losses(runs, "sync")[0]  # it is training
+
+
+def test_clustering_lowers_unique_keys_per_micro_batch(runs):
+    def keys(mode):
+        return sum(r["unique_keys_per_microbatch"] for r in runs[mode]["records"])
+
+    assert keys("batch_sharing_fwp3_cluster") < keys("batch_sharing_fwp3")
+    # with group-shared negatives, the batch order keeps a set's tokens together; clustering keeps that
+    assert keys("fwp4_cluster") <= keys("fwp4") < keys("sync")
+
+
+def test_semi_async_is_one_step_stale_and_logged(runs):
+    recs = runs["semi_async"]["records"]
+    assert all(r["staleness"] == 1 for r in recs)
+    assert sum(r["stale_rows"] for r in recs) > 0 and recs[0]["stale_rows"] == 0
+    assert _losses(runs, "semi_async") != _losses(runs, "sync")
+    assert _losses(runs, "semi_async")[-1] < 0.5 * _losses(runs, "semi_async")[0]
+
+
+def test_fp16_negatives_stay_close_and_logit_sharing_trains(runs):
+    sync, half = _losses(runs, "sync"), _losses(runs, "fp16_negatives")
+    assert half != sync
+    assert all(abs(a - b) <= 0.05 * abs(a) for a, b in zip(sync[:5], half[:5], strict=True))
+    shared = _losses(runs, "token_sharing_k2")
+    assert shared[-1] < 0.5 * shared[0]
+    assert all(torch.isfinite(torch.tensor(shared)))
+
+
+def test_hierarchical_groups_keep_replicas_identical(tmp_path):
+    data = write_cyclic(tmp_path / "cyclic")
+    cfg = load_config(CONFIG, [*tiny_config_args(data), "distributed.sparse_group_size=2"])
+    out = call_ranks("grstack.runtime.train.harness:run_modes", 4,
+                     {"config": cfg.model_dump(mode="json"), "steps": 8, "shards": True,
+                      "modes": {"sync": {}, "dbp": {"pipeline.dbp": True}}}, limit_s=300)
+    for mode in ("sync", "dbp"):
+        assert torch.equal(out[0][mode]["shard"], out[2][mode]["shard"])
+        assert torch.equal(out[1][mode]["shard"], out[3][mode]["shard"])
+        assert not torch.equal(out[0][mode]["shard"][:5], out[1][mode]["shard"][:5])
+    assert _losses(out[0], "sync") == _losses(out[0], "dbp")
+    assert max_abs_diff(out[0]["sync"]["params"], out[0]["dbp"]["params"]) == 0.0
