@@ -1,0 +1,170 @@
+"""Two-tier prefix KV cache: device memory (byte budget, LRU) and a host-DRAM expander (byte budget, TTL).
+
+Entries are keyed by user and versioned by the hash of the prefix they hold: a user has at most one entry,
+and storing a new version drops the old one from both tiers. Entries evicted from the device tier move to
+DRAM; a later lookup promotes them back to the device exactly once even when many requests ask at the same
+time (single-flight: the others await the same promotion). Used from one asyncio event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from grstack.runtime.serve.engine import PrefixKV
+
+Tier = Literal["device", "dram"]
+
+
+@dataclass
+class CacheStats:
+    device_hits: int = 0
+    dram_hits: int = 0
+    misses: int = 0
+    promotions: int = 0
+    evictions_to_dram: int = 0
+    dram_expired: int = 0
+    dram_dropped: int = 0
+    rejected_too_large: int = 0
+
+
+@dataclass
+class _Entry:
+    version: str
+    kv: PrefixKV
+    nbytes: int
+    expires: float = 0.0  # DRAM tier only
+
+
+@dataclass
+class TieredKVCache:
+    """``lookup``/``put`` by (user, version). ``to_host``/``to_device`` move tensors between tiers."""
+
+    device_bytes: int
+    dram_bytes: int
+    dram_ttl_s: float
+    to_host: Callable[[PrefixKV], PrefixKV] = lambda kv: kv
+    to_device: Callable[[PrefixKV], Awaitable[PrefixKV]] | None = None
+    clock: Callable[[], float] = time.monotonic
+    stats: CacheStats = field(default_factory=CacheStats)
+
+    def __post_init__(self) -> None:
+        self._device: OrderedDict[str, _Entry] = OrderedDict()
+        self._dram: OrderedDict[str, _Entry] = OrderedDict()
+        self._promoting: dict[tuple[str, str], asyncio.Future[PrefixKV | None]] = {}
+        self.device_used = 0
+        self.dram_used = 0
+
+    # -- inspection ---------------------------------------------------------------------------------
+    def tier_of(self, user: str, version: str) -> Tier | None:
+        e = self._device.get(user)
+        if e is not None and e.version == version:
+            return "device"
+        e = self._dram.get(user)
+        if e is not None and e.version == version and e.expires > self.clock():
+            return "dram"
+        return None
+
+    def entries(self, tier: Tier) -> int:
+        return len(self._device if tier == "device" else self._dram)
+
+    # -- mutation -----------------------------------------------------------------------------------
+    def put(self, user: str, version: str, kv: PrefixKV) -> bool:
+        """Stores (replacing any other version of the user); False when it exceeds the device budget."""
+        self._drop(user)
+        nbytes = kv.nbytes
+        if nbytes > self.device_bytes:
+            self.stats.rejected_too_large += 1
+            return False
+        self._device[user] = _Entry(version, kv, nbytes)
+        self.device_used += nbytes
+        self._evict_device()
+        return True
+
+    def _drop(self, user: str) -> None:
+        e = self._device.pop(user, None)
+        if e is not None:
+            self.device_used -= e.nbytes
+        e = self._dram.pop(user, None)
+        if e is not None:
+            self.dram_used -= e.nbytes
+
+    def _evict_device(self) -> None:
+        while self.device_used > self.device_bytes and self._device:
+            user, e = self._device.popitem(last=False)
+            self.device_used -= e.nbytes
+            self.stats.evictions_to_dram += 1
+            self._to_dram(user, e)
+
+    def _to_dram(self, user: str, e: _Entry) -> None:
+        if e.nbytes > self.dram_bytes or self.dram_ttl_s <= 0:
+            self.stats.dram_dropped += 1
+            return
+        self.expire()
+        self._dram[user] = _Entry(e.version, self.to_host(e.kv), e.nbytes, self.clock() + self.dram_ttl_s)
+        self.dram_used += e.nbytes
+        while self.dram_used > self.dram_bytes:
+            _, old = self._dram.popitem(last=False)
+            self.dram_used -= old.nbytes
+            self.stats.dram_dropped += 1
+
+    def expire(self) -> int:
+        """Drops DRAM entries past their TTL (oldest first: insertion order is expiry order)."""
+        now, n = self.clock(), 0
+        while self._dram:
+            user, e = next(iter(self._dram.items()))
+            if e.expires > now:
+                break
+            del self._dram[user]
+            self.dram_used -= e.nbytes
+            n += 1
+        self.stats.dram_expired += n
+        return n
+
+    # -- lookup -------------------------------------------------------------------------------------
+    async def lookup(self, user: str, version: str) -> tuple[PrefixKV | None, Tier | None]:
+        """The user's prefix K/V on the device (promoting it from DRAM if needed), and where it was."""
+        e = self._device.get(user)
+        if e is not None and e.version == version:
+            self._device.move_to_end(user)
+            self.stats.device_hits += 1
+            return e.kv, "device"
+        key = (user, version)
+        pending = self._promoting.get(key)
+        if pending is not None:
+            kv = await asyncio.shield(pending)
+            if kv is not None:
+                self.stats.dram_hits += 1
+                return kv, "dram"
+            self.stats.misses += 1
+            return None, None
+        self.expire()
+        e = self._dram.get(user)
+        if e is None or e.version != version:
+            self.stats.misses += 1
+            return None, None
+        fut: asyncio.Future[PrefixKV | None] = asyncio.get_running_loop().create_future()
+        self._promoting[key] = fut
+        del self._dram[user]
+        self.dram_used -= e.nbytes
+        try:
+            kv = await self.to_device(e.kv) if self.to_device is not None else e.kv
+        except BaseException as exc:
+            fut.set_result(None)
+            del self._promoting[key]
+            if isinstance(exc, Exception):
+                self.stats.misses += 1
+                return None, None
+            raise
+        self.stats.promotions += 1
+        self.stats.dram_hits += 1
+        current = self._device.get(user) or self._dram.get(user)
+        if current is None:  # nobody stored a newer version while we were copying
+            self.put(user, version, kv)
+        fut.set_result(kv)
+        del self._promoting[key]
+        return kv, "dram"

@@ -1,0 +1,185 @@
+"""The placement store on etcd (aetcd, the maintained asyncio fork of python-etcd3).
+
+Layout under ``root`` (default ``/grstack/ranking/default``)::
+
+    {root}/replicas/{replica_id}  = {"id", "url"}         attached to the replica's lease
+    {root}/placements/{user}      = {"replica", "version"}  attached to the same replica's lease
+
+A placement is written in one transaction that checks the replica is still the same registration (its
+key's create revision) and that the placement key is unchanged (absent, or at the expected mod revision):
+compare-and-swap. Because a placement shares its replica's lease, a crashed replica's placements vanish
+with it. Every call has a deadline; a lost etcd surfaces as :class:`StoreUnavailable`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+from urllib.parse import urlparse
+
+import aetcd
+import aetcd.exceptions
+
+from grstack.runtime.serve.placement import Event, Placement, PlacementStore, Replica, StoreUnavailable
+
+log = logging.getLogger(__name__)
+
+
+def parse_etcd_url(url: str) -> tuple[str, int]:
+    u = urlparse(url if "://" in url else f"http://{url}")
+    if not u.hostname:
+        raise ValueError(f"etcd URL {url!r} has no host; expected e.g. http://127.0.0.1:2379")
+    return u.hostname, u.port or 2379
+
+
+class EtcdPlacementStore(PlacementStore):
+    def __init__(self, url: str, root: str = "/grstack/ranking/default", timeout_s: float = 1.0) -> None:
+        host, port = parse_etcd_url(url)
+        self.url = url
+        self.root = root.rstrip("/")
+        self.timeout_s = timeout_s
+        self._client = aetcd.Client(host=host, port=port, timeout=timeout_s)
+        self._keepalive: dict[str, asyncio.Task[None]] = {}
+
+    # -- keys ---------------------------------------------------------------------------------------
+    def _rkey(self, rid: str) -> bytes:
+        return f"{self.root}/replicas/{rid}".encode()
+
+    def _pkey(self, user: str) -> bytes:
+        return f"{self.root}/placements/{user}".encode()
+
+    async def _call(self, coro: Any) -> Any:
+        try:
+            return await asyncio.wait_for(coro, self.timeout_s)
+        except (TimeoutError, aetcd.exceptions.ClientError, OSError) as exc:
+            raise StoreUnavailable(f"etcd {self.url}: {type(exc).__name__}: {exc}") from exc
+
+    # -- replicas -----------------------------------------------------------------------------------
+    async def _put_replica(self, replica: Replica, ttl_s: float) -> int:
+        lease = await self._call(self._client.lease(max(1, round(ttl_s))))
+        value = json.dumps({"id": replica.id, "url": replica.url}).encode()
+        await self._call(self._client.put(self._rkey(replica.id), value, lease=lease))
+        return lease.id
+
+    async def register(self, replica: Replica, ttl_s: float) -> None:
+        lease_id = await self._put_replica(replica, ttl_s)
+        old = self._keepalive.pop(replica.id, None)
+        if old is not None:
+            old.cancel()
+        self._keepalive[replica.id] = asyncio.get_running_loop().create_task(
+            self._keep(replica, ttl_s, lease_id))
+
+    async def _keep(self, replica: Replica, ttl_s: float, lease_id: int) -> None:
+        """Refreshes the lease every ttl/3; re-registers when the lease was lost (e.g. etcd was down)."""
+        while True:
+            await asyncio.sleep(max(ttl_s / 3, 0.1))
+            try:
+                reply = await self._call(self._client.refresh_lease(lease_id))
+                if reply is None or reply.TTL <= 0:
+                    lease_id = await self._put_replica(replica, ttl_s)
+                    log.info("re-registered replica %s in etcd", replica.id)
+            except StoreUnavailable as exc:
+                log.debug("lease keep-alive for %s failed: %s", replica.id, exc)
+
+    def stop_keepalive(self, replica_id: str) -> None:
+        task = self._keepalive.pop(replica_id, None)
+        if task is not None:
+            task.cancel()
+
+    async def unregister(self, replica_id: str) -> None:
+        self.stop_keepalive(replica_id)
+        got = await self._call(self._client.get(self._rkey(replica_id)))
+        if got is not None and got.lease:
+            await self._call(self._client.revoke_lease(got.lease))
+
+    def _replica_of(self, kv: Any) -> Replica:
+        d = json.loads(kv.value)
+        return Replica(d["id"], d["url"], kv.lease)
+
+    def _placement_of(self, user: str, kv: Any) -> Placement:
+        d = json.loads(kv.value)
+        return Placement(user, d["replica"], d.get("version", ""), kv.mod_revision)
+
+    async def replicas(self) -> dict[str, Replica]:
+        rng = await self._call(self._client.get_prefix(f"{self.root}/replicas/".encode()))
+        return {r.id: r for r in (self._replica_of(kv) for kv in rng)}
+
+    # -- placements ---------------------------------------------------------------------------------
+    async def get_placement(self, user: str) -> Placement | None:
+        kv = await self._call(self._client.get(self._pkey(user)))
+        return self._placement_of(user, kv) if kv is not None else None
+
+    async def cas_placement(self, user: str, replica_id: str, version: str,
+                            expected: Placement | None) -> Placement | None:
+        rep = await self._call(self._client.get(self._rkey(replica_id)))
+        if rep is None:
+            return None
+        t = self._client.transactions
+        pkey = self._pkey(user)
+        cond = t.version(pkey) == 0 if expected is None else t.mod(pkey) == expected.revision
+        value = json.dumps({"replica": replica_id, "version": version}).encode()
+        try:
+            ok, responses = await self._call(self._client.transaction(
+                compare=[t.create(self._rkey(replica_id)) == rep.create_revision, cond],
+                success=[t.put(pkey, value, lease=rep.lease)], failure=[]))
+        except StoreUnavailable as exc:
+            if "lease not found" in str(exc):  # the replica's lease expired between the two calls
+                return None
+            raise
+        if not ok:
+            return None
+        return Placement(user, replica_id, version, responses[0].response_put.header.revision)
+
+    # -- watch --------------------------------------------------------------------------------------
+    async def watch(self) -> AsyncIterator[Event]:  # type: ignore[override]
+        prefix = f"{self.root}/"
+        rng = await self._call(self._client.get_prefix(prefix.encode()))
+        replicas, placements = [], []
+        for kv in rng:
+            kind, name = self._classify(kv.key, prefix)
+            if kind == "replicas":
+                replicas.append(self._replica_of(kv))
+            elif kind == "placements":
+                placements.append(self._placement_of(name, kv))
+        yield Event("snapshot", replicas=tuple(replicas), placements=tuple(placements))
+        try:
+            w = await self._call(self._client.watch_prefix(prefix.encode(),
+                                                           start_revision=rng.header.revision + 1))
+        except StoreUnavailable:
+            raise
+        try:
+            async for ev in w:
+                kind, name = self._classify(ev.kv.key, prefix)
+                put = ev.kind == "PUT"
+                if kind == "replicas":
+                    yield Event("replica", replica=self._replica_of(ev.kv)) if put else Event(
+                        "replica-gone", key=name)
+                elif kind == "placements":
+                    yield Event("placement", placement=self._placement_of(name, ev.kv)) if put else Event(
+                        "placement-gone", key=name)
+        except (aetcd.exceptions.ClientError, OSError) as exc:
+            raise StoreUnavailable(f"etcd {self.url}: watch lost: {exc}") from exc
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(w.cancel(), self.timeout_s)
+        raise StoreUnavailable(f"etcd {self.url}: watch ended")
+
+    @staticmethod
+    def _classify(key: bytes, prefix: str) -> tuple[str, str]:
+        rest = key.decode()[len(prefix):]
+        kind, _, name = rest.partition("/")
+        return kind, name
+
+    async def ping(self) -> None:
+        await self._call(self._client.status())
+
+    async def close(self) -> None:
+        for task in self._keepalive.values():
+            task.cancel()
+        self._keepalive.clear()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._client.close(), self.timeout_s)

@@ -1,0 +1,127 @@
+"""Relay inference is exact: cached-prefix ranking equals HSTU.encode + rank_logits on the full sequence."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from grstack.runtime.serve import attention as serve_attention
+from grstack.runtime.serve.engine import RankItem, RelayEngine
+from grstack.runtime.serve.prefix import prefix_hash
+
+TOL = 1e-5
+NUM_ITEMS = 300  # conftest's tiny model
+
+
+@pytest.fixture
+def make_model(kit: SimpleNamespace):
+    return kit.make_model
+
+
+def random_request(eng: RelayEngine, rng: np.random.Generator, n_long: int, n_short: int, m: int) -> RankItem:
+    n = n_long + n_short
+    items = rng.integers(1, NUM_ITEMS + 1, n)
+    ts = 1_600_000_000 + np.cumsum(rng.integers(0, 5000, n))  # includes equal timestamps
+    cands = rng.integers(1, NUM_ITEMS + 1, m)
+    return eng.canonical(items[:n_long], ts[:n_long], items[n_long:], ts[n_long:], cands, int(ts[-1]) + 7)
+
+
+@pytest.mark.parametrize("attention", ["serve", "kernels"])
+@pytest.mark.parametrize(("time_bias", "position_bias"), [(True, True), (False, True), (True, False)])
+def test_cached_scores_equal_full_inference(make_model, attention: str, time_bias: bool,
+                                            position_bias: bool) -> None:
+    eng = RelayEngine(make_model(time_bias=time_bias, position_bias=position_bias), max_suffix=8, chunk=5,
+                      attention=attention)
+    rng = np.random.default_rng(1)
+    worst = 0.0
+    for n_long, n_short, m in [(1, 0, 1), (7, 3, 4), (17, 8, 6), (40, 8, 3), (0, 5, 2), (23, 0, 5)]:
+        req = random_request(eng, rng, n_long, n_short, m)
+        full = eng.rank_encode([req])[0]
+        assert full.shape == (m, 2)
+        prefix = eng.prefill(req.long_items, req.long_ts)
+        assert prefix.length == len(req.long_items)
+        cached = eng.rank_cached([prefix], [req])[0]
+        worst = max(worst, float((cached - full).abs().max()))
+        assert torch.allclose(eng.rank_full([req])[0], full, atol=TOL, rtol=0)
+    assert worst <= TOL
+
+
+def test_batched_requests_match_one_by_one_and_the_oracle(make_model) -> None:
+    eng = RelayEngine(make_model(), max_suffix=8, chunk=16)
+    rng = np.random.default_rng(2)
+    reqs = [random_request(eng, rng, n_long, n_short, m) for n_long, n_short, m in
+            [(30, 8, 3), (5, 1, 7), (12, 0, 2), (39, 4, 5)]]
+    prefixes = [eng.prefill(r.long_items, r.long_ts) for r in reqs]
+    together = eng.rank_cached(prefixes, reqs)
+    oracle = eng.rank_encode(reqs)  # jagged batch of different lengths and candidate counts
+    for r, p, t, o in zip(reqs, prefixes, together, oracle, strict=True):
+        assert torch.allclose(t, eng.rank_cached([p], [r])[0], atol=TOL, rtol=0)
+        assert torch.allclose(t, o, atol=TOL, rtol=0)
+    assert [t.shape[0] for t in together] == [3, 7, 2, 5]
+
+
+def test_prefix_kv_does_not_depend_on_chunking(make_model) -> None:
+    model = make_model()
+    rng = np.random.default_rng(3)
+    items = rng.integers(1, NUM_ITEMS + 1, 37)
+    ts = 1_600_000_000 + np.cumsum(rng.integers(1, 100, 37))
+    whole = RelayEngine(model, max_suffix=8, chunk=1000).prefill(items, ts)
+    steps = RelayEngine(model, max_suffix=8, chunk=4).prefill(items, ts)
+    for a, b in zip(whole.keys + whole.values, steps.keys + steps.values, strict=True):
+        assert a.shape == b.shape == (2, 37, 8)
+        assert torch.allclose(a, b, atol=1e-6, rtol=0)
+    assert whole.nbytes == 2 * 2 * 2 * 37 * 8 * 4 + 37 * 8
+
+
+def test_serving_truncation_is_the_same_for_cached_and_full(make_model, kit: SimpleNamespace) -> None:
+    eng = RelayEngine(make_model(), max_suffix=6, chunk=8)
+    MAX_LEN = kit.MAX_LEN
+    assert eng.max_prefix == MAX_LEN - 6
+    rng = np.random.default_rng(4)
+    req = random_request(eng, rng, 100, 20, 3)  # both parts longer than their budgets
+    assert len(req.long_items) == MAX_LEN - 6 and len(req.short_items) == 6
+    prefix = eng.prefill(req.long_items, req.long_ts)
+    assert torch.allclose(eng.rank_cached([prefix], [req])[0], eng.rank_encode([req])[0], atol=TOL, rtol=0)
+
+
+def test_serve_attention_matches_the_kernels_reference() -> None:
+    from grstack.kernels.reference import hstu_attention_with_prefix_reference
+
+    torch.manual_seed(5)
+    h, d, n_pos, n_tb = 2, 4, 64, 16
+    pos_w, time_w = torch.randn(n_pos), torch.randn(n_tb + 1)
+    plens, news, nts = [0, 9, 20], [4, 6, 1], [2, 3, 1]
+    offsets = np.concatenate([[0], np.cumsum(news)]).tolist()
+    q, k, v = (torch.randn(offsets[-1], h, d) for _ in range(3))
+    kp = [torch.randn(h, p, d) for p in plens]
+    vp = [torch.randn(h, p, d) for p in plens]
+    pts = [torch.randint(0, 10**6, (p,)).sort().values for p in plens]
+    ts = torch.randint(10**6, 2 * 10**6, (offsets[-1],))
+    plan = serve_attention.make_plan(offsets, plens, nts, ts, pts, max_seq_len=n_pos, num_pos=n_pos,
+                                     num_time_buckets=n_tb)
+    ours = serve_attention.prefix_attention(q, k, v, kp, vp, plan, pos_w, time_w)
+    ref = hstu_attention_with_prefix_reference(
+        q, k, v, torch.tensor(offsets), torch.cat([x.transpose(0, 1) for x in kp]),
+        torch.cat([x.transpose(0, 1) for x in vp]), torch.tensor(np.concatenate([[0], np.cumsum(plens)])),
+        max_seq_len=n_pos, timestamps=ts, prefix_timestamps=torch.cat(pts), pos_weight=pos_w, time_weight=time_w,
+        num_targets=torch.tensor(nts))
+    assert torch.allclose(ours, ref, atol=1e-6, rtol=0)
+
+
+def test_prefix_hash_versions_content() -> None:
+    a = prefix_hash(np.array([1, 2, 3]), np.array([10, 20, 30]))
+    assert a == prefix_hash(np.array([1, 2, 3]), np.array([10, 20, 30]))
+    assert a != prefix_hash(np.array([1, 2, 3]), np.array([10, 20, 31]))
+    assert a != prefix_hash(np.array([1, 2, 4]), np.array([10, 20, 30]))
+
+
+def test_engine_rejects_a_model_without_ranking_head(make_model, kit: SimpleNamespace) -> None:
+    from grstack.runtime.model.hstu import HSTU
+
+    with pytest.raises(ValueError, match="ranking head"):
+        RelayEngine(HSTU(10, max_len=8, d_model=8, num_blocks=1, num_heads=1, dqk=4, dv=4, ranking_head=False))
+    with pytest.raises(ValueError, match="max_suffix"):
+        RelayEngine(make_model(), max_suffix=kit.MAX_LEN)

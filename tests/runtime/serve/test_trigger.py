@@ -1,0 +1,102 @@
+"""The sequence-aware trigger admits and rejects exactly at its risk threshold and budget edges."""
+
+from __future__ import annotations
+
+import pytest
+
+from grstack.runtime.serve.trigger import LatencyModel, SequenceAwareTrigger, TriggerConfig
+
+# full(L) = L / 10 ms, cached(L) = 1 ms, prefill(L) = 10 ms flat, 100 bytes per token.
+MODEL = LatencyModel(full_ms=(0.1, 0.0), cached_ms=(1.0,), prefill_ms=(10.0,), kv_bytes_per_token=100)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def trigger(clock: Clock | None = None, **cfg: object) -> SequenceAwareTrigger:
+    base = {"slo_ms": 100.0, "risk_fraction": 0.5, "cache_budget_bytes": 10**9, "prefill_budget_ms": 10**6}
+    return SequenceAwareTrigger(MODEL, TriggerConfig(**{**base, **cfg}), clock=clock or Clock())
+
+
+def test_at_risk_exactly_above_the_latency_threshold() -> None:
+    t = trigger()  # threshold: full(L) > 50 ms, i.e. L > 500
+    assert t.decide("a", "h", 500).reason == "not-at-risk"
+    d = t.decide("b", "h", 501)
+    assert d.admitted and d.reason == "admitted" and d.predicted_full_ms == pytest.approx(50.1)
+
+
+def test_length_threshold_overrides_the_latency_model() -> None:
+    t = trigger(length_threshold=64)
+    assert t.decide("a", "h", 63).reason == "not-at-risk"
+    assert t.decide("b", "h", 64).admitted
+
+
+@pytest.mark.parametrize(("budget", "admitted"), [(3 * 1000 * 100, 3), (3 * 1000 * 100 - 1, 2)])
+def test_cache_footprint_budget_edge(budget: int, admitted: int) -> None:
+    t = trigger(cache_budget_bytes=budget)
+    decisions = [t.decide(f"u{i}", "h", 1000) for i in range(4)]
+    assert [d.admitted for d in decisions] == [True] * admitted + [False] * (4 - admitted)
+    assert decisions[admitted].reason == "cache-budget"
+    assert t.live_bytes == admitted * 100_000
+
+
+@pytest.mark.parametrize(("budget", "admitted"), [(30.0, 3), (29.999, 2)])
+def test_prefill_load_budget_edge(budget: float, admitted: int) -> None:
+    clock = Clock()
+    t = trigger(clock, prefill_budget_ms=budget, window_s=1.0)
+    decisions = [t.decide(f"u{i}", "h", 1000) for i in range(4)]
+    assert [d.admitted for d in decisions] == [True] * admitted + [False] * (4 - admitted)
+    assert decisions[admitted].reason == "load-budget"
+    clock.t = 1000.999  # still inside the window
+    assert t.decide("late", "h", 1000).reason == "load-budget"
+    clock.t = 1001.0  # the first admissions leave the window
+    assert t.decide("late", "h", 1000).admitted
+
+
+def test_a_live_prefix_is_admitted_again_without_a_second_charge() -> None:
+    t = trigger(cache_budget_bytes=100_000, prefill_budget_ms=10.0)
+    assert t.decide("a", "h1", 1000).reason == "admitted"
+    again = t.decide("a", "h1", 1000)
+    assert again.admitted and again.reason == "live"
+    assert t.live_bytes == 100_000 and t.window_load_ms == 10.0
+    assert t.decide("b", "h1", 1000).reason == "cache-budget"
+
+
+def test_a_new_version_replaces_the_users_charge() -> None:
+    clock = Clock()
+    t = trigger(clock, cache_budget_bytes=100_000)
+    assert t.decide("a", "h1", 1000).admitted
+    assert t.decide("a", "h2", 1000).admitted  # would not fit next to h1, but replaces it
+    assert t.live_bytes == 100_000
+
+
+def test_footprint_expires_and_forget_releases() -> None:
+    clock = Clock()
+    t = trigger(clock, cache_budget_bytes=100_000, footprint_ttl_s=60.0)
+    assert t.decide("a", "h", 1000).admitted
+    assert t.decide("b", "h", 1000).reason == "cache-budget"
+    clock.t += 60.0
+    assert t.decide("b", "h", 1000).admitted
+    t.forget("b")
+    assert t.live_bytes == 0
+
+
+def test_disabled_trigger_admits_nothing() -> None:
+    t = trigger()
+    t.enabled = False
+    assert t.decide("a", "h", 10_000).reason == "disabled"
+
+
+def test_latency_model_fit_and_round_trip() -> None:
+    lengths = [32, 64, 128, 256, 512]
+    m = LatencyModel.fit(lengths, [1 + L * L / 1000 for L in lengths], [0.5 + L / 100 for L in lengths],
+                         [L * L / 1000 for L in lengths], 1032)
+    assert m.predict_full_ms(1024) == pytest.approx(1 + 1024**2 / 1000, rel=1e-6)
+    assert m.predict_cached_ms(1024) == pytest.approx(0.5 + 10.24, rel=1e-6)
+    assert m.kv_bytes(10) == 10_320
+    assert LatencyModel.from_json(m.to_json()) == m
