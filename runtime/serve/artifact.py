@@ -1,0 +1,62 @@
+"""Loading the serving artefact (``RUN/model.pt`` written by training) and making untrained ones.
+
+Untrained artefacts are for latency benchmarks and tests: the relay path's cost and exactness do not
+depend on the weights, and a benchmark needs a ``max_len`` that covers its length sweep.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from grstack.runtime.errors import UserError
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A model file, or a run directory holding ``model.pt``."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "model.pt"
+    if not p.is_file():
+        raise UserError(f"checkpoint {path} not found (expected an exported model.pt or a run directory "
+                        f"containing one; `grstack train` writes it)")
+    return p
+
+
+def load_ranking_model(path: str | Path) -> tuple[nn.Module, list[str]]:
+    from grstack.runtime.train.loop import load_exported
+
+    p = resolve_checkpoint(path)
+    model, cfg, tasks = load_exported(p)
+    if cfg.model.type != "hstu" or getattr(model, "rank_head", None) is None:
+        raise UserError(f"{p}: relay serving needs an HSTU model trained with the ranking head "
+                        f"(model.type=hstu, model.ranking_head=true); this one is {cfg.model.type}")
+    return model, tasks
+
+
+def write_untrained_model(path: str | Path, *, num_items: int = 10_000, max_len: int = 512, d_model: int = 64,
+                          num_blocks: int = 2, num_heads: int = 2, dqk: int = 32, dv: int = 32,
+                          actions: tuple[str, ...] = (), seed: int = 0) -> Path:
+    """An exported HSTU (random weights, the same format as training's ``model.pt``)."""
+    from grstack.runtime.config import Config
+    from grstack.runtime.data.dataset import from_sequences
+    from grstack.runtime.model import build_model
+    from grstack.runtime.train.loop import export_model, task_names
+
+    cfg = Config.model_validate({
+        "name": "untrained-serving-model",
+        "data": {"format": "parquet", "source": "(none)", "max_len": max_len},
+        "model": {"type": "hstu", "d_model": d_model, "num_blocks": num_blocks, "num_heads": num_heads,
+                  "dqk": dqk, "dv": dv, "dropout": 0.0, "input_dropout": 0.0, "ranking_head": True}})
+    acts = [np.zeros(3, dtype=np.int64)] if actions else None
+    ds = from_sequences([0], [np.array([1, 2, 3])], [np.array([1, 2, 3])], num_items=num_items, actions=acts,
+                        action_names=list(actions))
+    torch.manual_seed(seed)
+    model = build_model(cfg.model, num_items, max_len, num_tasks=len(task_names(ds)))
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    export_model(model, cfg, ds, out)
+    return out

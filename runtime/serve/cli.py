@@ -1,0 +1,234 @@
+"""``grstack serve ranker | router | local``: the relay-race ranking service (see docs/serving.md).
+
+Every server binds 127.0.0.1 unless ``--host`` says otherwise (in a pod: ``--host 0.0.0.0``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+from typing import Any
+
+MB = 1 << 20
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="serve_command", metavar="ROLE")
+    sub.required = True
+
+    r = sub.add_parser("ranker", help="a ranker replica (model + prefix KV cache)",
+                       description="Serve an exported HSTU ranking model with a relay (prefix) KV cache.")
+    r.add_argument("--checkpoint", required=True, help="exported model.pt, or a run directory holding one")
+    _server_args(r, 8081)
+    _ranker_args(r)
+    r.add_argument("--replica-id", default=None, help="name in the placement store (default: the URL)")
+    r.add_argument("--advertise-url", default=None, help="URL routers use to reach this replica "
+                                                         "(default: the listen URL)")
+    r.add_argument("--etcd", default=None, metavar="URL", help="register in etcd under a lease")
+    r.add_argument("--etcd-root", default="/grstack/ranking/default")
+    r.add_argument("--lease-ttl-s", type=float, default=5.0)
+    r.set_defaults(func=run_ranker)
+
+    ro = sub.add_parser("router", help="the router: sequence-aware trigger + affinity routing",
+                        description="Route prefill signals and rank requests to ranker replicas.")
+    src = ro.add_mutually_exclusive_group(required=True)
+    src.add_argument("--rankers", help="comma-separated ranker URLs (static replicas, in-memory placements)")
+    src.add_argument("--etcd", metavar="URL", help="discover replicas and keep placements in etcd")
+    ro.add_argument("--etcd-root", default="/grstack/ranking/default")
+    _server_args(ro, 8080)
+    _router_args(ro)
+    ro.set_defaults(func=run_router)
+
+    lo = sub.add_parser("local", help="router + N rankers on this machine (the embedded default)",
+                        description="Start N ranker processes and a router in one command.")
+    lo.add_argument("--checkpoint", required=True, help="exported model.pt, or a run directory holding one")
+    lo.add_argument("--replicas", type=int, default=2)
+    _server_args(lo, 8080)
+    _ranker_args(lo)
+    _router_args(lo)
+    lo.set_defaults(func=run_local)
+
+
+def _server_args(p: argparse.ArgumentParser, port: int) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=port, help=f"listen port (default {port}; 0 = any free port)")
+    p.add_argument("--log-level", default="INFO")
+
+
+def _ranker_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("ranker")
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] | npu[:N]")
+    g.add_argument("--threads", type=int, default=1, help="torch CPU threads per replica (default 1)")
+    g.add_argument("--device-cache-mb", type=float, default=512, help="device KV cache budget")
+    g.add_argument("--dram-cache-mb", type=float, default=2048, help="host-DRAM expander budget")
+    g.add_argument("--dram-ttl-s", type=float, default=600, help="how long evicted prefixes stay in DRAM")
+    g.add_argument("--max-suffix", type=int, default=None,
+                   help="short-term tokens kept per rank (default min(64, max_len/4)); the long-term prefix "
+                        "keeps the last max_len - max_suffix")
+    g.add_argument("--max-candidates", type=int, default=1024)
+    g.add_argument("--max-batch", type=int, default=32, help="rank requests per compute step")
+    g.add_argument("--chunk", type=int, default=256, help="prefill chunk (tokens per compute step)")
+    g.add_argument("--prefill-wait-ms", type=float, default=200,
+                   help="how long a rank waits for its in-flight prefill before full inference")
+
+
+def _router_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("router")
+    g.add_argument("--slo-ms", type=float, default=50.0, help="P99 latency budget of a rank request")
+    g.add_argument("--risk-fraction", type=float, default=0.5,
+                   help="a prefix is at risk when predicted full inference exceeds this fraction of the SLO")
+    g.add_argument("--length-threshold", type=int, default=None,
+                   help="admit prefixes of at least this many tokens (overrides the latency model)")
+    g.add_argument("--cache-budget-mb", type=float, default=1024, help="footprint of admitted prefixes")
+    g.add_argument("--footprint-ttl-s", type=float, default=600)
+    g.add_argument("--prefill-budget-ms", type=float, default=500,
+                   help="predicted pre-infer compute admitted per replica per second")
+    g.add_argument("--no-relay", action="store_true", help="ignore prefill signals (full inference only)")
+    g.add_argument("--rank-timeout-ms", type=float, default=2000)
+
+
+def ranker_config(args: argparse.Namespace, max_len: int) -> Any:
+    from grstack.runtime.device import resolve_device
+    from grstack.runtime.errors import UserError
+    from grstack.runtime.serve.ranker import RankerConfig
+
+    max_suffix = args.max_suffix if args.max_suffix is not None else max(1, min(64, max_len // 4))
+    if not 0 < max_suffix < max_len:
+        raise UserError(f"--max-suffix {max_suffix}: must be between 1 and the model's max_len - 1 "
+                        f"({max_len - 1})")
+    for name in ("max_candidates", "max_batch", "chunk", "threads"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1")
+    return RankerConfig(replica_id=getattr(args, "replica_id", None), device=str(resolve_device(args.device)),
+                        device_cache_bytes=int(args.device_cache_mb * MB), dram_cache_bytes=int(args.dram_cache_mb * MB),
+                        dram_ttl_s=args.dram_ttl_s, max_suffix=max_suffix, max_candidates=args.max_candidates,
+                        max_batch=args.max_batch, chunk=args.chunk, prefill_wait_ms=args.prefill_wait_ms,
+                        lease_ttl_s=getattr(args, "lease_ttl_s", 5.0), num_threads=args.threads)
+
+
+def ranker_flags(args: argparse.Namespace) -> list[str]:
+    """The ranker options of ``args`` as command-line flags (for ``local``'s child processes)."""
+    out = ["--device", args.device, "--threads", str(args.threads), "--device-cache-mb", str(args.device_cache_mb),
+           "--dram-cache-mb", str(args.dram_cache_mb), "--dram-ttl-s", str(args.dram_ttl_s),
+           "--max-candidates", str(args.max_candidates), "--max-batch", str(args.max_batch),
+           "--chunk", str(args.chunk), "--prefill-wait-ms", str(args.prefill_wait_ms),
+           "--log-level", args.log_level]
+    if args.max_suffix is not None:
+        out += ["--max-suffix", str(args.max_suffix)]
+    return out
+
+
+def router_config(args: argparse.Namespace, rankers: tuple[str, ...] = ()) -> Any:
+    from grstack.runtime.errors import UserError
+    from grstack.runtime.serve.router import RouterConfig
+    from grstack.runtime.serve.trigger import TriggerConfig
+
+    if args.slo_ms <= 0 or not 0 < args.risk_fraction <= 1:
+        raise UserError("--slo-ms must be positive and --risk-fraction in (0, 1]")
+    trig = TriggerConfig(slo_ms=args.slo_ms, risk_fraction=args.risk_fraction,
+                         length_threshold=args.length_threshold,
+                         cache_budget_bytes=int(args.cache_budget_mb * MB), footprint_ttl_s=args.footprint_ttl_s)
+    return RouterConfig(rankers=rankers, relay=not args.no_relay, trigger=trig,
+                        prefill_budget_per_replica_ms=args.prefill_budget_ms,
+                        rank_timeout_s=args.rank_timeout_ms / 1e3)
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+async def _serve_until_signal(stop_cb: Any) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await stop_cb()
+
+
+def run_ranker(args: argparse.Namespace) -> int:
+    from grstack.runtime.serve.artifact import load_ranking_model
+    from grstack.runtime.serve.ranker import RankerService, start_ranker
+
+    _logging(args.log_level)
+    model, tasks = load_ranking_model(args.checkpoint)
+    cfg = ranker_config(args, int(model.max_len))
+
+    async def main() -> None:
+        store = None
+        if args.etcd:
+            from grstack.runtime.serve.etcd_store import EtcdPlacementStore
+
+            store = EtcdPlacementStore(args.etcd, args.etcd_root)
+        service = RankerService(model, tasks, cfg, store=store)
+        from grstack.runtime.serve.http import start_site
+        from grstack.runtime.serve.ranker import make_ranker_app
+
+        if args.advertise_url:
+            runner, _ = await start_site(make_ranker_app(service), args.host, args.port)
+            await service.start(args.advertise_url)
+            url = args.advertise_url
+        else:
+            runner, url = await start_ranker(service, args.host, args.port)
+        print(json.dumps({"event": "ready", "url": url, "replica": service.replica_id}), flush=True)
+
+        async def stop() -> None:
+            await runner.cleanup()
+            if args.advertise_url:
+                await service.stop()
+
+        await _serve_until_signal(stop)
+
+    asyncio.run(main())
+    return 0
+
+
+def run_router(args: argparse.Namespace) -> int:
+    from grstack.runtime.serve.router import Router, start_router
+
+    _logging(args.log_level)
+    rankers = tuple(u.strip().rstrip("/") for u in (args.rankers or "").split(",") if u.strip())
+    cfg = router_config(args, rankers)
+
+    async def main() -> None:
+        store = None
+        if args.etcd:
+            from grstack.runtime.serve.etcd_store import EtcdPlacementStore
+
+            store = EtcdPlacementStore(args.etcd, args.etcd_root)
+        router = Router(cfg, store)
+        runner, url = await start_router(router, args.host, args.port)
+        print(json.dumps({"event": "ready", "url": url, "replicas": router.up_replicas()}), flush=True)
+        await _serve_until_signal(runner.cleanup)
+
+    asyncio.run(main())
+    return 0
+
+
+def run_local(args: argparse.Namespace) -> int:
+    from grstack.runtime.errors import UserError
+    from grstack.runtime.serve.artifact import resolve_checkpoint
+    from grstack.runtime.serve.local import LocalCluster
+
+    _logging(args.log_level)
+    if args.replicas < 1:
+        raise UserError("--replicas must be at least 1")
+    checkpoint = resolve_checkpoint(args.checkpoint)
+    cfg = router_config(args)
+
+    async def main() -> None:
+        cluster = LocalCluster(checkpoint, args.replicas, ranker_flags(args), cfg, host=args.host, port=args.port)
+        await cluster.start()
+        print(json.dumps({"event": "ready", "url": cluster.url, "rankers": [r.url for r in cluster.rankers]}),
+              flush=True)
+        print(f"router at {cluster.url} with {args.replicas} ranker(s); POST /v1/prefill and /v1/rank, API at "
+              f"{cluster.url}/openapi.json; Ctrl-C stops", file=sys.stderr)
+        await _serve_until_signal(cluster.stop)
+
+    asyncio.run(main())
+    return 0

@@ -1,0 +1,134 @@
+"""Embedded deployment on one machine: ranker replicas as child processes, the router in this process.
+
+This is what ``grstack serve local``, the demo, the benchmark and the multi-process tests run. Rankers are
+started with ``--port 0`` and report their address with one JSON line on stdout once they are ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from aiohttp import web
+
+from grstack.runtime.errors import UserError
+from grstack.runtime.serve.placement import PlacementStore
+from grstack.runtime.serve.router import Router, RouterConfig, start_router
+
+
+@dataclass
+class RankerProcess:
+    proc: asyncio.subprocess.Process
+    url: str
+    replica: str
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def kill(self) -> None:
+        """SIGKILL: the crash case (no deregistration, connections reset)."""
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(self.proc.wait(), timeout_s)
+            except TimeoutError:
+                self.kill()
+                await self.proc.wait()
+
+
+def _die_with_parent() -> None:
+    """Linux: the child gets SIGTERM when the process that started it dies (no orphaned rankers)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def ranker_command(checkpoint: str | Path, args: list[str] | None = None) -> list[str]:
+    return [sys.executable, "-m", "grstack.runtime.cli", "serve", "ranker", "--checkpoint", str(checkpoint),
+            "--port", "0", *(args or [])]
+
+
+async def spawn_ranker(checkpoint: str | Path, args: list[str] | None = None, *, timeout_s: float = 180.0,
+                       stderr: IO[Any] | int | None = None, env: dict[str, str] | None = None) -> RankerProcess:
+    """Starts ``grstack serve ranker`` and waits until it reports ready."""
+    full_env = {**os.environ, **(env or {})}
+    proc = await asyncio.create_subprocess_exec(*ranker_command(checkpoint, args), stdout=asyncio.subprocess.PIPE,
+                                                stderr=stderr, env=full_env,
+                                                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+    assert proc.stdout is not None
+    try:
+        while True:
+            line = await asyncio.wait_for(proc.stdout.readline(), timeout_s)
+            if not line:
+                await proc.wait()
+                raise UserError(f"ranker for {checkpoint} exited with status {proc.returncode} before it was "
+                                f"ready (see its log above)")
+            with contextlib.suppress(ValueError):
+                msg = json.loads(line)
+                if msg.get("event") == "ready":
+                    return RankerProcess(proc, msg["url"], msg["replica"])
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+        raise
+
+
+@dataclass
+class LocalCluster:
+    """N ranker processes plus an in-process router (static replicas, in-memory placement store)."""
+
+    checkpoint: str | Path
+    replicas: int = 2
+    ranker_args: list[str] = field(default_factory=list)
+    router_config: RouterConfig = field(default_factory=RouterConfig)
+    store: PlacementStore | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    stderr: IO[Any] | int | None = None
+    rankers: list[RankerProcess] = field(default_factory=list)
+    router: Router | None = None
+    url: str = ""
+    _runner: web.AppRunner | None = None
+
+    async def start(self) -> LocalCluster:
+        try:
+            self.rankers = list(await asyncio.gather(*(
+                spawn_ranker(self.checkpoint, self.ranker_args, stderr=self.stderr) for _ in range(self.replicas))))
+            cfg = self.router_config
+            if not cfg.rankers and self.store is None:
+                from dataclasses import replace
+
+                cfg = replace(cfg, rankers=tuple(r.url for r in self.rankers))
+            self.router = Router(cfg, self.store)
+            self._runner, self.url = await start_router(self.router, self.host, self.port)
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        await asyncio.gather(*(r.stop() for r in self.rankers), return_exceptions=True)
+
+    async def __aenter__(self) -> LocalCluster:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()

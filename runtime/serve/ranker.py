@@ -1,0 +1,358 @@
+"""The ranker replica: holds the model and the prefix KV cache; serves prefill and rank over HTTP.
+
+``POST /v1/prefill`` computes (or finds) the K/V of a user's long-term prefix and caches it;
+``POST /v1/rank`` ranks candidates against the cached prefix when it is there (device or DRAM tier, or
+a prefill for it is in flight and finishes within ``prefill_wait_ms``) and by full inference otherwise —
+a miss is never an error. ``GET /v1/profile`` returns the latency profile measured at start-up (the
+router's trigger fits its latency model to it); ``/healthz`` is liveness, ``/readyz`` readiness (model
+loaded, warmed up, profiled), ``/metrics`` Prometheus, ``/openapi.json`` the API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from torch import nn
+
+from grstack.runtime.serve.cache import TieredKVCache
+from grstack.runtime.serve.engine import PrefixKV, RankItem, RelayEngine, prefix_hash
+from grstack.runtime.serve.http import (
+    MAX_BODY,
+    RequestError,
+    json_errors,
+    metrics_handler,
+    model_response,
+    openapi_document,
+    openapi_handler,
+    parse_body,
+)
+from grstack.runtime.serve.placement import PlacementStore, Replica
+from grstack.runtime.serve.scheduler import ComputeScheduler, Timing
+from grstack.runtime.serve.schemas import (
+    MAX_BODY_BYTES,
+    CacheStatsModel,
+    Health,
+    PrefillRequest,
+    PrefillResponse,
+    Profile,
+    RankRequest,
+    RankResponse,
+)
+
+log = logging.getLogger(__name__)
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+@dataclass
+class RankerConfig:
+    replica_id: str | None = None  # default: the URL the ranker listens on
+    device: str = "cpu"
+    device_cache_bytes: int = 512 << 20
+    dram_cache_bytes: int = 2 << 30
+    dram_ttl_s: float = 600.0
+    max_suffix: int = 64
+    max_candidates: int = 1024
+    max_batch: int = 32
+    chunk: int = 256
+    prefill_wait_ms: float = 200.0
+    profile_candidates: int = 64
+    profile_short: int = 16
+    profile_cap_ms: float = 400.0
+    max_body_bytes: int = MAX_BODY_BYTES
+    lease_ttl_s: float = 5.0
+    num_threads: int | None = 1  # torch intra-op threads on CPU (process-wide); None keeps torch's default
+
+
+class _Metrics:
+    def __init__(self, service: RankerService) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("grstack_ranker_requests", "HTTP requests", ["endpoint", "status"], registry=r)
+        self.latency = Histogram("grstack_ranker_rank_seconds", "rank latency inside the ranker", ["cache"],
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.lookups = Counter("grstack_ranker_cache_lookups", "prefix cache lookups by rank requests",
+                               ["result"], registry=r)
+        self.prefills = Counter("grstack_ranker_prefills", "prefill signals by outcome", ["status"], registry=r)
+        self.prefill_tokens = Counter("grstack_ranker_prefill_tokens", "prefix tokens computed", registry=r)
+        self.batch = Histogram("grstack_ranker_batch_size", "requests per compute step",
+                               buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
+        cache_bytes = Gauge("grstack_ranker_cache_bytes", "bytes held by the prefix cache", ["tier"], registry=r)
+        cache_bytes.labels("device").set_function(lambda: service.cache.device_used)
+        cache_bytes.labels("dram").set_function(lambda: service.cache.dram_used)
+        entries = Gauge("grstack_ranker_cache_entries", "prefixes held", ["tier"], registry=r)
+        entries.labels("device").set_function(lambda: service.cache.entries("device"))
+        entries.labels("dram").set_function(lambda: service.cache.entries("dram"))
+        depth = Gauge("grstack_ranker_queue_depth", "requests waiting for compute", ["queue"], registry=r)
+        for q in ("hits", "misses", "prefills"):
+            depth.labels(q).set_function(lambda q=q: service.scheduler.depth()[q])
+
+
+def _check_items(name: str, items: Sequence[int], num_items: int) -> None:
+    if items and max(items) > num_items:
+        i = next(i for i, x in enumerate(items) if x > num_items)
+        raise RequestError(422, f"{name}[{i}]: item id {items[i]} is beyond the model's catalogue "
+                                f"(1..{num_items})")
+
+
+class RankerService:
+    def __init__(self, model: nn.Module, tasks: list[str], config: RankerConfig | None = None,
+                 store: PlacementStore | None = None) -> None:
+        self.config = cfg = config or RankerConfig()
+        self.tasks = list(tasks)
+        self.num_items = int(model.num_items)
+        device = torch.device(cfg.device)
+        if device.type == "cpu" and cfg.num_threads:
+            # One replica per core: more threads than cores makes small ops spin (10-100x slower under load).
+            torch.set_num_threads(cfg.num_threads)
+        self.engine = RelayEngine(model, device=device, max_suffix=cfg.max_suffix, chunk=cfg.chunk)
+        to_host = (lambda kv: kv.to("cpu").pin_memory()) if device.type == "cuda" else (lambda kv: kv.to("cpu"))
+        self.cache = TieredKVCache(cfg.device_cache_bytes, cfg.dram_cache_bytes, cfg.dram_ttl_s,
+                                   to_host=to_host, to_device=self._to_device if device.type != "cpu" else None)
+        self.metrics = _Metrics(self)
+        self.scheduler = ComputeScheduler(self.engine, max_batch=cfg.max_batch,
+                                          on_batch=self.metrics.batch.observe)
+        self.store = store
+        self.replica_id = cfg.replica_id or ""
+        self.url = ""
+        self.profile: Profile | None = None
+        self.ready = False
+        self._inflight: dict[tuple[str, str], asyncio.Task[tuple[PrefixKV, float]]] = {}
+        self._prefills_computed = 0
+        self._ranks = 0
+
+    async def _to_device(self, kv: PrefixKV) -> PrefixKV:
+        return await self.scheduler.run_sync(lambda: kv.to(self.engine.device, non_blocking=True))
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    async def start(self, url: str) -> None:
+        self.url = url
+        self.replica_id = self.replica_id or url
+        self.scheduler.start()
+        self.profile = await self.scheduler.run_sync(self._measure_profile)
+        self.ready = True
+        if self.store is not None:
+            await self.store.register(Replica(self.replica_id, url), self.config.lease_ttl_s)
+        log.info("ranker %s ready (%s)", self.replica_id, url)
+
+    async def stop(self) -> None:
+        self.ready = False
+        if self.store is not None:
+            with contextlib.suppress(Exception):
+                await self.store.unregister(self.replica_id)
+            await self.store.close()
+        for task in self._inflight.values():
+            task.cancel()
+        await self.scheduler.stop()
+
+    # -- profile ------------------------------------------------------------------------------------
+    def _synthetic(self, prefix_len: int, rng: np.random.Generator) -> RankItem:
+        cfg = self.config
+        s = min(cfg.profile_short, self.engine.max_suffix)
+        n = prefix_len + s
+        items = rng.integers(1, self.num_items + 1, n)
+        ts = 1_600_000_000 + np.cumsum(rng.integers(1, 3600, n))
+        cands = rng.integers(1, self.num_items + 1, min(cfg.profile_candidates, cfg.max_candidates))
+        return self.engine.canonical(items[:prefix_len], ts[:prefix_len], items[prefix_len:], ts[prefix_len:],
+                                     cands, int(ts[-1]) + 1)
+
+    def _measure_profile(self) -> Profile:
+        """Times full ranking, prefill and cached ranking at doubling prefix lengths (warms up too)."""
+        eng, cfg = self.engine, self.config
+        rng = np.random.default_rng(0)
+        lengths = []
+        length = min(32, eng.max_prefix)
+        while True:
+            lengths.append(length)
+            if length >= eng.max_prefix:
+                break
+            length = min(2 * length, eng.max_prefix)
+        timed = lambda fn: (time.perf_counter(), fn(), time.perf_counter())  # noqa: E731
+        eng.rank_full([self._synthetic(lengths[0], rng)])  # warm-up
+        out_l, full, cached, prefill = [], [], [], []
+        for length in lengths:
+            item = self._synthetic(length, rng)
+            t0, _, t1 = timed(lambda item=item: eng.rank_full([item]))
+            t2, kv, t3 = timed(lambda item=item: eng.prefill(item.long_items, item.long_ts))
+            reps = []
+            for _ in range(3):
+                t4, _, t5 = timed(lambda kv=kv, item=item: eng.rank_cached([kv], [item]))
+                reps.append(t5 - t4)
+            out_l.append(length)
+            full.append((t1 - t0) * 1e3)
+            prefill.append((t3 - t2) * 1e3)
+            cached.append(float(np.median(reps)) * 1e3)
+            if full[-1] > cfg.profile_cap_ms:
+                break
+        return Profile(replica=self.replica_id, max_len=eng.max_len, max_suffix=eng.max_suffix,
+                       max_candidates=cfg.max_candidates, candidates=cfg.profile_candidates, lengths=out_l,
+                       full_ms=full, cached_ms=cached, prefill_ms=prefill,
+                       kv_bytes_per_token=eng.kv_bytes_per_token, tasks=self.tasks, num_items=self.num_items)
+
+    # -- prefill ------------------------------------------------------------------------------------
+    async def _compute_prefix(self, user: str, version: str, items: np.ndarray,
+                              ts: np.ndarray) -> tuple[PrefixKV, float]:
+        kv, timing = await self.scheduler.prefill(items, ts)
+        self.cache.put(user, version, kv)
+        self._prefills_computed += 1
+        self.metrics.prefill_tokens.inc(len(items))
+        return kv, timing.compute_ms
+
+    async def prefill(self, req: PrefillRequest) -> PrefillResponse:
+        _check_items("long_term.items", req.long_term.items, self.num_items)
+        items, ts = self.engine.truncate_prefix(req.long_term.items, req.long_term.timestamps)
+        version = prefix_hash(items, ts)
+        user = req.user_id
+        key = (user, version)
+        compute_ms = 0.0
+        kv: PrefixKV | None = None
+        if self.cache.tier_of(user, version) is not None:
+            kv, tier = await self.cache.lookup(user, version)
+            status = "cached" if tier == "device" else "promoted"
+        if kv is None:
+            task = self._inflight.get(key)
+            status = "joined"
+            if task is None:
+                status = "computed"
+                task = asyncio.get_running_loop().create_task(self._compute_prefix(user, version, items, ts))
+                self._inflight[key] = task
+                task.add_done_callback(lambda _t, key=key: self._inflight.pop(key, None))
+            kv, compute_ms = await asyncio.shield(task)
+        self.metrics.prefills.labels(status).inc()
+        return PrefillResponse(user_id=user, replica=self.replica_id, prefix_hash=version, prefix_len=len(items),
+                               status=status, kv_bytes=kv.nbytes, compute_ms=compute_ms)
+
+    # -- rank ---------------------------------------------------------------------------------------
+    async def rank(self, req: RankRequest) -> RankResponse:
+        if len(req.candidates) > self.config.max_candidates:
+            raise RequestError(422, f"candidates: {len(req.candidates)} candidates, this ranker accepts at most "
+                                    f"{self.config.max_candidates}")
+        for name, items in (("long_term.items", req.long_term.items), ("short_term.items", req.short_term.items),
+                            ("candidates", req.candidates)):
+            _check_items(name, items, self.num_items)
+        t0 = time.perf_counter()
+        eng = self.engine
+        item = eng.canonical(req.long_term.items, req.long_term.timestamps, req.short_term.items,
+                             req.short_term.timestamps, req.candidates, req.request_ts())
+        truncated = (len(req.long_term.items) - len(item.long_items)
+                     + len(req.short_term.items) - len(item.short_items))
+        version = prefix_hash(item.long_items, item.long_ts)
+        kv, tier = None, None
+        if len(item.long_items):
+            kv, tier = await self.cache.lookup(req.user_id, version)
+            task = self._inflight.get((req.user_id, version)) if kv is None else None
+            if task is not None:
+                with contextlib.suppress(TimeoutError):
+                    kv, _ = await asyncio.wait_for(asyncio.shield(task), self.config.prefill_wait_ms / 1e3)
+                    tier = "device"
+                self.metrics.lookups.labels("waited" if kv is not None else "wait-timeout").inc()
+        self.metrics.lookups.labels(tier or "miss").inc()
+        timing: Timing
+        if kv is not None:
+            logits, timing = await self.scheduler.rank_cached(kv, item)
+        else:
+            logits, timing = await self.scheduler.rank_full(item)
+        self._ranks += 1
+        cache = tier or "miss"
+        self.metrics.latency.labels(cache).observe(time.perf_counter() - t0)
+        return RankResponse(user_id=req.user_id, replica=self.replica_id, tasks=self.tasks,
+                            scores=logits.cpu().tolist(), cache=cache, prefix_hash=version,
+                            prefix_len=len(item.long_items), short_len=len(item.short_items), truncated=truncated,
+                            queue_ms=timing.queue_ms, compute_ms=timing.compute_ms)
+
+    def stats(self) -> CacheStatsModel:
+        s = self.cache.stats
+        return CacheStatsModel(replica=self.replica_id, device_hits=s.device_hits, dram_hits=s.dram_hits,
+                               misses=s.misses, promotions=s.promotions, device_bytes=self.cache.device_used,
+                               dram_bytes=self.cache.dram_used, device_entries=self.cache.entries("device"),
+                               dram_entries=self.cache.entries("dram"),
+                               prefills_computed=self._prefills_computed, ranks=self._ranks,
+                               queued=sum(self.scheduler.depth().values()))
+
+
+# -- HTTP ---------------------------------------------------------------------------------------------
+ROUTES: list[dict[str, Any]] = [
+    {"method": "POST", "path": "/v1/prefill", "summary": "pre-infer a user's long-term prefix and cache its K/V",
+     "request": PrefillRequest, "responses": {200: PrefillResponse}},
+    {"method": "POST", "path": "/v1/rank", "summary": "score candidates (cached prefix, else full inference)",
+     "request": RankRequest, "responses": {200: RankResponse}},
+    {"method": "GET", "path": "/v1/profile", "summary": "latency profile measured at start-up",
+     "responses": {200: Profile, 503: Health}},
+    {"method": "GET", "path": "/v1/stats", "summary": "prefix cache counters", "responses": {200: CacheStatsModel}},
+    {"method": "GET", "path": "/healthz", "summary": "liveness", "responses": {200: Health}},
+    {"method": "GET", "path": "/readyz", "summary": "readiness: warmed up and profiled",
+     "responses": {200: Health, 503: Health}},
+    {"method": "GET", "path": "/metrics", "summary": "Prometheus metrics", "responses": {200: None}},
+]
+
+
+def make_ranker_app(service: RankerService) -> web.Application:
+    @web.middleware
+    async def count(request: web.Request, handler: Any) -> web.StreamResponse:
+        resp = await handler(request)
+        service.metrics.requests.labels(request.path if request.path.startswith("/v1/") else "other",
+                                        str(resp.status)).inc()
+        return resp
+
+    app = web.Application(client_max_size=service.config.max_body_bytes, middlewares=[count, json_errors])
+    app[MAX_BODY] = service.config.max_body_bytes
+
+    async def prefill(request: web.Request) -> web.Response:
+        if not service.ready:
+            raise RequestError(503, "ranker is starting")
+        return model_response(await service.prefill(await parse_body(request, PrefillRequest)))
+
+    async def rank(request: web.Request) -> web.Response:
+        if not service.ready:
+            raise RequestError(503, "ranker is starting")
+        return model_response(await service.rank(await parse_body(request, RankRequest)))
+
+    async def profile(_: web.Request) -> web.Response:
+        if service.profile is None:
+            return model_response(Health(status="starting"), 503)
+        return model_response(service.profile)
+
+    async def stats(_: web.Request) -> web.Response:
+        return model_response(service.stats())
+
+    async def healthz(_: web.Request) -> web.Response:
+        return model_response(Health(status="ok", detail={"replica": service.replica_id}))
+
+    async def readyz(_: web.Request) -> web.Response:
+        if not service.ready:
+            return model_response(Health(status="starting", detail={"replica": service.replica_id}), 503)
+        return model_response(Health(status="ok", detail={"replica": service.replica_id}))
+
+    app.router.add_post("/v1/prefill", prefill)
+    app.router.add_post("/v1/rank", rank)
+    app.router.add_get("/v1/profile", profile)
+    app.router.add_get("/v1/stats", stats)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics_handler(service.metrics.registry))
+    app.router.add_get("/openapi.json", openapi_handler(openapi_document("grstack ranker", "v1", ROUTES)))
+    return app
+
+
+async def start_ranker(service: RankerService, host: str = "127.0.0.1",
+                       port: int = 0) -> tuple[web.AppRunner, str]:
+    """Binds, then warms up and profiles (``/readyz`` turns 200 when done). Returns the runner and URL."""
+    from grstack.runtime.serve.http import start_site
+
+    app = make_ranker_app(service)
+
+    async def _stop(_: web.Application) -> None:
+        await service.stop()
+
+    app.on_cleanup.append(_stop)
+    runner, url = await start_site(app, host, port)
+    await service.start(url)
+    return runner, url

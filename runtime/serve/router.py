@@ -1,0 +1,432 @@
+"""The stateless router: the sequence-aware trigger for prefill signals and affinity routing for ranks.
+
+Routing of a user: the placement recorded in the store (if its replica is up), else consistent hashing
+with bounded load over the replicas that are up. The router keeps a local view of replicas and
+placements fed by the store's watch, so no store round trip sits on the request path; when the store
+(etcd) is unreachable the view keeps its last state, new placements are kept locally, and routing goes on
+over the hash ring. A rank whose replica fails (connection error, timeout, 5xx) is retried on the next
+replica in ring order, where it is a cache miss and runs full inference: a lost replica costs latency,
+never a failed request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from grstack.runtime.serve.http import (
+    MAX_BODY,
+    RequestError,
+    json_errors,
+    metrics_handler,
+    model_response,
+    openapi_document,
+    openapi_handler,
+    parse_body,
+)
+from grstack.runtime.serve.placement import (
+    Event,
+    MemoryPlacementStore,
+    Placement,
+    PlacementStore,
+    Replica,
+    StoreUnavailable,
+)
+from grstack.runtime.serve.prefix import prefix_hash, truncate_prefix
+from grstack.runtime.serve.ring import HashRing
+from grstack.runtime.serve.schemas import (
+    MAX_BODY_BYTES,
+    Health,
+    PrefillRequest,
+    PrefillResponse,
+    Profile,
+    RankRequest,
+    RankResponse,
+    RouterPrefillResponse,
+)
+from grstack.runtime.serve.trigger import LatencyModel, SequenceAwareTrigger, TriggerConfig
+
+log = logging.getLogger(__name__)
+LOCAL = -1  # revision of a placement known only to this router (written while the store was down)
+
+
+@dataclass
+class RouterConfig:
+    rankers: tuple[str, ...] = ()  # static replicas (embedded mode); empty: discover them in the store
+    relay: bool = True  # False: prefill signals are ignored (the baseline)
+    trigger: TriggerConfig = field(default_factory=TriggerConfig)
+    prefill_budget_per_replica_ms: float = 500.0  # pre-infer compute per replica per trigger window
+    rank_timeout_s: float = 2.0
+    prefill_timeout_s: float = 120.0
+    max_attempts: int = 3
+    load_factor: float = 1.25
+    health_interval_s: float = 1.0
+    startup_timeout_s: float = 60.0
+    max_body_bytes: int = MAX_BODY_BYTES
+
+
+class _Metrics:
+    def __init__(self, router: Router) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("grstack_router_requests", "HTTP requests", ["endpoint", "status"], registry=r)
+        self.latency = Histogram("grstack_router_rank_seconds", "rank latency through the router",
+                                 buckets=(0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5,
+                                          1.0, 2.5, 5.0), registry=r)
+        self.routes = Counter("grstack_router_routes", "rank routing decisions", ["kind"], registry=r)
+        self.retries = Counter("grstack_router_retries", "rank attempts retried on another replica", registry=r)
+        self.trigger = Counter("grstack_router_trigger", "prefill signals by trigger decision", ["reason"],
+                               registry=r)
+        store_up = Gauge("grstack_router_store_up", "1 while the placement store is reachable", registry=r)
+        store_up.set_function(lambda: float(router.store_up))
+        reps = Gauge("grstack_router_replicas", "ranker replicas known to the router", ["state"], registry=r)
+        reps.labels("up").set_function(lambda: len(router.up_replicas()))
+        reps.labels("down").set_function(lambda: len(router.replicas) - len(router.up_replicas()))
+
+
+class Router:
+    def __init__(self, config: RouterConfig, store: PlacementStore | None = None) -> None:
+        self.config = config
+        self.store = store if store is not None else MemoryPlacementStore()
+        self.replicas: dict[str, Replica] = {}
+        self.placements: dict[str, Placement] = {}
+        self.down: set[str] = set()
+        self.inflight: dict[str, int] = {}
+        self.ring = HashRing()
+        self.store_up = False
+        self.synced = asyncio.Event()
+        self.profile: Profile | None = None
+        self.trigger: SequenceAwareTrigger | None = None
+        self.metrics = _Metrics(self)
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._background: set[asyncio.Task[Any]] = set()
+        self._session: aiohttp.ClientSession | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=512),
+                                              timeout=aiohttp.ClientTimeout(total=None))
+        for url in self.config.rankers:
+            await self.store.register(Replica(url, url), ttl_s=0)
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._watch_loop()), loop.create_task(self._health_loop())]
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.synced.wait(), 5.0)
+        await self._load_profile()
+
+    async def stop(self) -> None:
+        for task in [*self._tasks, *self._background]:
+            task.cancel()
+        for task in [*self._tasks, *self._background]:
+            with contextlib.suppress(BaseException):
+                await task
+        if self._session is not None:
+            await self._session.close()
+        await self.store.close()
+
+    async def _load_profile(self) -> None:
+        """Fetches the latency profile from the first ready replica (waits up to startup_timeout_s)."""
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while time.monotonic() < deadline:
+            for rid in self.up_replicas():
+                try:
+                    async with self._http().get(self.replicas[rid].url + "/v1/profile",
+                                                timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                        if resp.status == 200:
+                            self.set_profile(Profile.model_validate(await resp.json()))
+                            return
+                except (aiohttp.ClientError, TimeoutError):
+                    continue
+            await asyncio.sleep(0.2)
+        log.warning("no ranker profile within %.0f s; prefill signals are rejected until one is loaded",
+                    self.config.startup_timeout_s)
+
+    def set_profile(self, profile: Profile) -> None:
+        self.profile = profile
+        model = LatencyModel.fit(profile.lengths, profile.full_ms, profile.cached_ms, profile.prefill_ms,
+                                 profile.kv_bytes_per_token)
+        self.trigger = SequenceAwareTrigger(model, self.config.trigger, enabled=self.config.relay)
+        self._update_budget()
+
+    def _update_budget(self) -> None:
+        if self.trigger is not None:
+            budget = self.config.prefill_budget_per_replica_ms * max(1, len(self.up_replicas()))
+            if budget != self.trigger.config.prefill_budget_ms:
+                self.trigger.config = dataclasses.replace(self.trigger.config, prefill_budget_ms=budget)
+
+    def _http(self) -> aiohttp.ClientSession:
+        assert self._session is not None, "Router.start() was not called"
+        return self._session
+
+    # -- the view -----------------------------------------------------------------------------------
+    def up_replicas(self) -> list[str]:
+        return sorted(r for r in self.replicas if r not in self.down)
+
+    def _refresh_ring(self) -> None:
+        self.ring.set_nodes(self.up_replicas())
+        self._update_budget()
+
+    def apply(self, ev: Event) -> None:
+        if ev.kind == "snapshot":
+            self.replicas = {r.id: r for r in ev.replicas}
+            local = {u: p for u, p in self.placements.items() if p.revision == LOCAL and p.replica in self.replicas}
+            self.placements = {**local, **{p.user: p for p in ev.placements}}
+            self.synced.set()
+        elif ev.kind == "replica" and ev.replica is not None:
+            self.replicas[ev.replica.id] = ev.replica
+        elif ev.kind == "replica-gone":
+            self.replicas.pop(ev.key, None)
+            self.down.discard(ev.key)
+            self.placements = {u: p for u, p in self.placements.items() if p.replica != ev.key}
+        elif ev.kind == "placement" and ev.placement is not None:
+            self.placements[ev.placement.user] = ev.placement
+        elif ev.kind == "placement-gone":
+            self.placements.pop(ev.key, None)
+        self._refresh_ring()
+
+    async def _watch_loop(self) -> None:
+        backoff = 0.1
+        while True:
+            try:
+                async for ev in self.store.watch():
+                    self.store_up = True
+                    backoff = 0.1
+                    self.apply(ev)
+            except StoreUnavailable as exc:
+                if self.store_up:
+                    log.warning("placement store unavailable, routing on the local view and the hash ring: %s",
+                                exc)
+            except Exception:
+                log.exception("placement watch failed")
+            self.store_up = False
+            self.synced.set()  # nothing to wait for: route on what we have
+            await asyncio.sleep(backoff)
+            backoff = min(2 * backoff, 2.0)
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.gather(*(self._probe(rid) for rid in list(self.replicas)), return_exceptions=True)
+            await asyncio.sleep(self.config.health_interval_s)
+
+    async def _probe(self, rid: str) -> None:
+        replica = self.replicas.get(rid)
+        if replica is None:
+            return
+        ok = False
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            async with self._http().get(replica.url + "/readyz", timeout=aiohttp.ClientTimeout(total=1)) as resp:
+                ok = resp.status == 200
+        if ok and rid in self.down:
+            self.down.discard(rid)
+            self._refresh_ring()
+        elif not ok and rid not in self.down:
+            self.mark_down(rid)
+
+    def mark_down(self, rid: str) -> None:
+        if rid not in self.down:
+            log.warning("ranker %s is down", rid)
+            self.down.add(rid)
+            self._refresh_ring()
+
+    # -- routing ------------------------------------------------------------------------------------
+    def route(self, user: str) -> tuple[list[str], str]:
+        """Replicas to try for ``user`` in order, and how the first was chosen (affinity | ring)."""
+        up = self.up_replicas()
+        placed = self.placements.get(user)
+        if placed is not None and placed.replica in up:
+            first, kind = placed.replica, "affinity"
+        else:
+            first, kind = self.ring.choose(user, self.inflight, self.config.load_factor), "ring"
+        if first is None:
+            return [], kind
+        rest = [r for r in self.ring.order(user) if r != first]
+        return [first, *rest][: self.config.max_attempts], kind
+
+    async def _post(self, rid: str, path: str, body: bytes, timeout_s: float) -> tuple[int, bytes]:
+        url = self.replicas[rid].url + path
+        self.inflight[rid] = self.inflight.get(rid, 0) + 1
+        try:
+            async with self._http().post(url, data=body, headers={"Content-Type": "application/json"},
+                                         timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                return resp.status, await resp.read()
+        finally:
+            self.inflight[rid] -= 1
+
+    async def rank(self, body: bytes, req: RankRequest) -> web.Response:
+        order, kind = self.route(req.user_id)
+        if not order:
+            raise RequestError(503, "no ranker replica is available")
+        self.metrics.routes.labels(kind).inc()
+        last_error = ""
+        for attempt, rid in enumerate(order):
+            if rid not in self.replicas:
+                continue
+            if attempt:
+                self.metrics.retries.inc()
+            try:
+                status, payload = await self._post(rid, "/v1/rank", body, self.config.rank_timeout_s)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                last_error = f"{rid}: {type(exc).__name__}"
+                self.mark_down(rid)
+                continue
+            if status >= 500:
+                last_error = f"{rid}: HTTP {status}"
+                continue
+            return web.Response(status=status, body=payload, content_type="application/json",
+                                headers={"X-Grstack-Route": kind, "X-Grstack-Attempts": str(attempt + 1)})
+        raise RequestError(503, f"every ranker replica failed ({last_error})")
+
+    # -- prefill ------------------------------------------------------------------------------------
+    async def prefill(self, body: bytes, req: PrefillRequest) -> RouterPrefillResponse:
+        user = req.user_id
+        if self.trigger is None or self.profile is None:
+            self.metrics.trigger.labels("no-profile").inc()
+            return RouterPrefillResponse(user_id=user, admitted=False, reason="no-profile", replica=None,
+                                         prefix_len=len(req.long_term.items), predicted_full_ms=0.0)
+        max_prefix = self.profile.max_len - self.profile.max_suffix
+        items, ts = truncate_prefix(req.long_term.items, req.long_term.timestamps, max_prefix)
+        version = prefix_hash(items, ts)
+        decision = self.trigger.decide(user, version, len(items))
+        self.metrics.trigger.labels(decision.reason).inc()
+        out = RouterPrefillResponse(user_id=user, admitted=decision.admitted, reason=decision.reason,
+                                    replica=None, prefix_len=len(items),
+                                    predicted_full_ms=decision.predicted_full_ms)
+        if not decision.admitted:
+            return out
+        order, _ = self.route(user)
+        if not order:
+            self.trigger.forget(user)
+            return out.model_copy(update={"admitted": False, "reason": "no-replica"})
+        replica = order[0]
+        current = self.placements.get(user)
+        if current is None or current.replica != replica:
+            self.placements[user] = Placement(user, replica, version, LOCAL)
+        task = asyncio.get_running_loop().create_task(self._place_and_prefill(user, version, replica, current,
+                                                                              body))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        if req.wait:
+            ranker = await asyncio.shield(task)
+            return out.model_copy(update={"replica": ranker.replica if ranker else replica, "ranker": ranker})
+        return out.model_copy(update={"replica": replica})
+
+    async def _place(self, user: str, version: str, replica: str, seen: Placement | None) -> str:
+        """Records user -> replica in the store (CAS); returns the replica that won."""
+        if seen is not None and seen.replica == replica and seen.revision != LOCAL:
+            return replica
+        expected = seen if seen is not None and seen.revision != LOCAL else None
+        try:
+            placed = await self.store.cas_placement(user, replica, version, expected)
+            if placed is not None:
+                self.placements[user] = placed
+                return replica
+            winner = await self.store.get_placement(user)
+        except StoreUnavailable:
+            return replica  # keep the local placement; the ring is the fallback for other routers
+        if winner is not None and winner.replica in self.up_replicas():
+            self.placements[user] = winner
+            return winner.replica
+        return replica
+
+    async def _place_and_prefill(self, user: str, version: str, replica: str, seen: Placement | None,
+                                 body: bytes) -> PrefillResponse | None:
+        replica = await self._place(user, version, replica, seen)
+        try:
+            status, payload = await self._post(replica, "/v1/prefill", body, self.config.prefill_timeout_s)
+        except (aiohttp.ClientError, TimeoutError, KeyError) as exc:
+            log.warning("prefill for %s on %s failed: %s", user, replica, type(exc).__name__)
+            if self.trigger is not None:
+                self.trigger.forget(user)
+            return None
+        if status != 200:
+            log.warning("prefill for %s on %s answered %d: %s", user, replica, status, payload[:200])
+            if self.trigger is not None:
+                self.trigger.forget(user)
+            return None
+        return PrefillResponse.model_validate_json(payload)
+
+
+# -- HTTP ---------------------------------------------------------------------------------------------
+ROUTES: list[dict[str, Any]] = [
+    {"method": "POST", "path": "/v1/prefill",
+     "summary": "pre-infer signal: admitted by the sequence-aware trigger, sent to the user's replica",
+     "request": PrefillRequest, "responses": {200: RouterPrefillResponse}},
+    {"method": "POST", "path": "/v1/rank", "summary": "rank on the replica holding the user's prefix",
+     "request": RankRequest, "responses": {200: RankResponse, 503: None}},
+    {"method": "GET", "path": "/v1/replicas", "summary": "the router's view of replicas and the store",
+     "responses": {200: Health}},
+    {"method": "GET", "path": "/healthz", "summary": "liveness", "responses": {200: Health}},
+    {"method": "GET", "path": "/readyz", "summary": "readiness: at least one ranker is up",
+     "responses": {200: Health, 503: Health}},
+    {"method": "GET", "path": "/metrics", "summary": "Prometheus metrics", "responses": {200: None}},
+]
+
+
+def make_router_app(router: Router) -> web.Application:
+    @web.middleware
+    async def count(request: web.Request, handler: Any) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        resp = await handler(request)
+        endpoint = request.path if request.path.startswith("/v1/") else "other"
+        router.metrics.requests.labels(endpoint, str(resp.status)).inc()
+        if endpoint == "/v1/rank" and resp.status == 200:
+            router.metrics.latency.observe(time.perf_counter() - t0)
+        return resp
+
+    app = web.Application(client_max_size=router.config.max_body_bytes, middlewares=[count, json_errors])
+    app[MAX_BODY] = router.config.max_body_bytes
+
+    async def prefill(request: web.Request) -> web.Response:
+        req = await parse_body(request, PrefillRequest)
+        return model_response(await router.prefill(await request.read(), req))
+
+    async def rank(request: web.Request) -> web.Response:
+        req = await parse_body(request, RankRequest)
+        return await router.rank(await request.read(), req)
+
+    def view() -> dict[str, Any]:
+        return {"store_up": router.store_up, "up": router.up_replicas(), "down": sorted(router.down),
+                "replicas": {r.id: r.url for r in router.replicas.values()}, "placements": len(router.placements),
+                "profile": router.profile is not None}
+
+    async def replicas(_: web.Request) -> web.Response:
+        return model_response(Health(status="ok", detail=view()))
+
+    async def healthz(_: web.Request) -> web.Response:
+        return model_response(Health(status="ok"))
+
+    async def readyz(_: web.Request) -> web.Response:
+        ok = bool(router.up_replicas())
+        return model_response(Health(status="ok" if ok else "unavailable", detail=view()), 200 if ok else 503)
+
+    app.router.add_post("/v1/prefill", prefill)
+    app.router.add_post("/v1/rank", rank)
+    app.router.add_get("/v1/replicas", replicas)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics_handler(router.metrics.registry))
+    app.router.add_get("/openapi.json", openapi_handler(openapi_document("grstack router", "v1", ROUTES)))
+
+    async def _stop(_: web.Application) -> None:
+        await router.stop()
+
+    app.on_cleanup.append(_stop)
+    return app
+
+
+async def start_router(router: Router, host: str = "127.0.0.1", port: int = 0) -> tuple[web.AppRunner, str]:
+    from grstack.runtime.serve.http import start_site
+
+    app = make_router_app(router)
+    await router.start()
+    runner, url = await start_site(app, host, port)
+    return runner, url
+

@@ -1,0 +1,150 @@
+"""Request and response models of the ranker and router HTTP APIs (the OpenAPI document is built from them).
+
+Types are strict (a string is not an item id, a float is not a timestamp) and unknown fields are rejected,
+so client mistakes come back as 422 with the offending field named instead of silently coerced.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
+
+# Hard caps that hold for every deployment; a ranker may be configured tighter (see RankerConfig).
+MAX_EVENTS = 100_000
+MAX_CANDIDATES = 10_000
+MAX_BODY_BYTES = 4 * 1024 * 1024
+
+ItemId = Annotated[int, Field(strict=True, ge=1, le=2**62)]
+Timestamp = Annotated[int, Field(strict=True, ge=0, le=2**62)]
+UserId = Annotated[str, Field(strict=True, min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:@-]+$")]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Events(_Model):
+    """A time-ordered behaviour sequence: item ids and their timestamps (seconds), equally long."""
+
+    items: list[ItemId] = Field(default_factory=list, max_length=MAX_EVENTS)
+    timestamps: list[Timestamp] = Field(default_factory=list, max_length=MAX_EVENTS)
+
+    @model_validator(mode="after")
+    def _same_length(self) -> Events:
+        if len(self.items) != len(self.timestamps):
+            raise ValueError(f"items ({len(self.items)}) and timestamps ({len(self.timestamps)}) must have the "
+                             f"same length")
+        return self
+
+
+class PrefillRequest(_Model):
+    """The pre-infer signal, sent at retrieval time with the user's long-term behaviours."""
+
+    user_id: UserId
+    long_term: Events
+    wait: StrictBool = Field(False, description="router: answer after the ranker finished the prefill")
+
+    @model_validator(mode="after")
+    def _nonempty(self) -> PrefillRequest:
+        if not self.long_term.items:
+            raise ValueError(f"user {self.user_id!r} has no long-term history to pre-infer")
+        return self
+
+
+class RankRequest(_Model):
+    """Score candidates for a user: long-term + short-term behaviours, then the candidates."""
+
+    user_id: UserId
+    long_term: Events = Field(default_factory=Events)
+    short_term: Events = Field(default_factory=Events)
+    candidates: list[ItemId] = Field(min_length=1, max_length=MAX_CANDIDATES)
+    timestamp: Timestamp | None = Field(None, description="request time (default: the last event's)")
+
+    @model_validator(mode="after")
+    def _has_history(self) -> RankRequest:
+        if not self.long_term.items and not self.short_term.items:
+            raise ValueError(f"user {self.user_id!r} has no history (long_term and short_term are empty)")
+        return self
+
+    def request_ts(self) -> int:
+        if self.timestamp is not None:
+            return self.timestamp
+        last = self.short_term.timestamps or self.long_term.timestamps
+        return last[-1]
+
+
+class PrefillResponse(_Model):
+    user_id: str
+    replica: str
+    prefix_hash: str
+    prefix_len: int
+    status: Literal["computed", "cached", "promoted", "joined"]
+    kv_bytes: int
+    compute_ms: float
+
+
+class RankResponse(_Model):
+    user_id: str
+    replica: str
+    tasks: list[str]
+    scores: list[list[float]] = Field(description="[candidate][task] logits, in request order")
+    cache: Literal["device", "dram", "miss"]
+    prefix_hash: str
+    prefix_len: int
+    short_len: int
+    truncated: int = Field(description="oldest history tokens dropped to fit the model's max_len")
+    queue_ms: float
+    compute_ms: float
+
+
+class RouterPrefillResponse(_Model):
+    user_id: str
+    admitted: bool
+    reason: str
+    replica: str | None
+    prefix_len: int
+    predicted_full_ms: float
+    ranker: PrefillResponse | None = None
+
+
+class ErrorResponse(_Model):
+    error: str
+    status: int
+
+
+class Health(_Model):
+    status: Literal["ok", "starting", "unavailable"]
+    detail: dict[str, Any] = Field(default_factory=dict)
+
+
+class Profile(_Model):
+    """What a ranker measured at start-up; the router fits its latency model to it."""
+
+    replica: str
+    max_len: int
+    max_suffix: int
+    max_candidates: int
+    candidates: int
+    lengths: list[int]
+    full_ms: list[float]
+    cached_ms: list[float]
+    prefill_ms: list[float]
+    kv_bytes_per_token: int
+    tasks: list[str]
+    num_items: int
+
+
+class CacheStatsModel(_Model):
+    replica: str
+    device_hits: int
+    dram_hits: int
+    misses: int
+    promotions: int
+    device_bytes: int
+    dram_bytes: int
+    device_entries: int
+    dram_entries: int
+    prefills_computed: int
+    ranks: int
+    queued: int = Field(description="requests and prefills waiting for compute")
