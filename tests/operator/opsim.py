@@ -4,6 +4,7 @@ relies on, a garbage collector, and a local kubelet that runs pod commands as pr
 KMock stores objects and streams watch events but is deliberately simple (see DESIGN §7). What it lacks and
 this module adds:
 
+- ``/api/v1/namespaces`` (create, get, list, watch, delete), which KMock cannot route;
 - uid, creationTimestamp, resourceVersion and generation on writes (kopf and ownerReferences need them);
   a ``metadata.uid`` in a patch is a precondition (409 on mismatch), as in the real API server;
 - for the grstack CRDs: structural pruning, defaulting and validation against the generated
@@ -23,6 +24,7 @@ import contextlib
 import copy
 import datetime as dt
 import itertools
+import json
 import os
 import re
 import signal
@@ -50,6 +52,7 @@ CORE = {
     "v1/configmaps": ("ConfigMap", set()),
     "v1/serviceaccounts": ("ServiceAccount", set()),
     "v1/events": ("Event", set()),
+    "v1/persistentvolumeclaims": ("PersistentVolumeClaim", {"status"}),
     "rbac.authorization.k8s.io/v1/roles": ("Role", set()),
     "rbac.authorization.k8s.io/v1/rolebindings": ("RoleBinding", set()),
     "apps/v1/statefulsets": ("StatefulSet", {"status", "scale"}),
@@ -149,6 +152,7 @@ class ApiServer(kmock.KubernetesEmulator):
     """KMock's emulator plus the API-server behaviour listed in the module docstring."""
 
     custom: dict[Any, tuple[str, dict[str, Any]]] = attrs.field(factory=dict)  # resource -> (kind, schema)
+    namespaces: dict[str, dict[str, Any]] = attrs.field(factory=dict)
     _versions: Any = attrs.field(factory=lambda: itertools.count(1))
 
     def __attrs_post_init__(self) -> None:
@@ -165,6 +169,43 @@ class ApiServer(kmock.KubernetesEmulator):
                                                      subresources=subresources, singular=res.singular)
             schema = crds.crd(res)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
             self.custom[kmock.resource(key)] = (res.kind, schema)
+
+    async def __call__(self, raw: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        # KMock cannot parse /api/v1/namespaces[/name] (it reads "namespaces" as the namespace prefix).
+        match = re.fullmatch(r"/api/v1/namespaces(?:/([^/]+))?/?", raw.path)
+        if match is None:
+            return await super().__call__(raw)
+        return await self._namespace(raw, match.group(1))
+
+    async def _namespace(self, raw: aiohttp.web.BaseRequest, name: str | None) -> aiohttp.web.StreamResponse:
+        web = aiohttp.web
+        self.namespaces.setdefault("default", self._namespace_object("default"))
+        if raw.method == "POST":
+            obj = self._namespace_object((await raw.json())["metadata"]["name"])
+            if obj["metadata"]["name"] in self.namespaces:
+                return web.json_response({"kind": "Status", "code": 409, "reason": "AlreadyExists"}, status=409)
+            self.namespaces[obj["metadata"]["name"]] = obj
+            return web.json_response(obj, status=201)
+        if name is not None:
+            obj = self.namespaces.pop(name, None) if raw.method == "DELETE" else self.namespaces.get(name)
+            if obj is None:
+                return web.json_response({"kind": "Status", "code": 404, "reason": "NotFound"}, status=404)
+            return web.json_response(obj)
+        if raw.query.get("watch") == "true":  # the current namespaces, then silence until the client leaves
+            response = web.StreamResponse()
+            await response.prepare(raw)
+            for obj in list(self.namespaces.values()):
+                await response.write(json.dumps({"type": "ADDED", "object": obj}).encode() + b"\n")
+            await asyncio.sleep(float(raw.query.get("timeoutSeconds", 3600)))
+            return response
+        return web.json_response({"kind": "NamespaceList", "apiVersion": "v1",
+                                  "metadata": {"resourceVersion": str(next(self._versions))},
+                                  "items": list(self.namespaces.values())})
+
+    def _namespace_object(self, name: str) -> dict[str, Any]:
+        return {"apiVersion": "v1", "kind": "Namespace",
+                "metadata": {"name": name, "uid": str(uuid.uuid4()), "creationTimestamp": _now(),
+                             "resourceVersion": str(next(self._versions))}, "status": {"phase": "Active"}}
 
     async def _handle(self, request: kmock.Request) -> Any:
         if request.resource is not None and isinstance(request.data, dict):
