@@ -621,3 +621,25 @@ def _plural_key(obj: dict[str, Any]) -> str:
         if res.kind == obj["kind"]:
             return f"{crds.GROUP}/{crds.VERSION}/{res.plural}"
     raise KeyError(obj["kind"])
+
+
+async def _serve(kubeconfig: Path) -> None:
+    """An emulated cluster for trying things by hand or dry-running the ``cluster`` suite against it."""
+    import tempfile
+
+    async with Cluster.start(Path(tempfile.mkdtemp(prefix="grstack-kmock-"))) as c:
+        kubeconfig.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
+            "clusters": [{"name": "kmock", "cluster": {"server": c.url}}],
+            "users": [{"name": "kmock", "user": {"token": "kmock"}}],
+            "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock"}}]}))
+        print(f"emulated cluster at {c.url}; KUBECONFIG={kubeconfig}; pods run here under {c.root}", flush=True)
+        await asyncio.Event().wait()
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description=_serve.__doc__)
+    parser.add_argument("--kubeconfig", type=Path, default=Path("kmock.kubeconfig"))
+    asyncio.run(_serve(parser.parse_args().kubeconfig))
