@@ -65,14 +65,29 @@ def split_by_count(n: int, world_size: int) -> list[np.ndarray]:
 
 
 def split_by_cost(costs: np.ndarray, world_size: int, refine_rounds: int = 64) -> list[np.ndarray]:
-    """Near-equal-cost split: LPT, then moves/swaps between the most and least loaded ranks."""
+    """Near-equal-cost split: LPT and the equal-count split, each refined by moves/swaps between the most
+    and least loaded ranks; the better of the two (so never worse than equal counts)."""
     costs = np.asarray(costs, dtype=np.float64)
-    owner = np.empty(len(costs), dtype=np.int64)
+    lpt = np.empty(len(costs), dtype=np.int64)
     heap = [(0.0, r) for r in range(world_size)]
     for i in np.argsort(-costs, kind="stable"):
         load, r = heapq.heappop(heap)
-        owner[i] = r
+        lpt[i] = r
         heapq.heappush(heap, (load + costs[i], r))
+    counted = np.empty(len(costs), dtype=np.int64)
+    for r, part in enumerate(split_by_count(len(costs), world_size)):
+        counted[part] = r
+    best = None
+    for owner in (lpt, counted):
+        _refine(owner, costs, world_size, refine_rounds)
+        top = np.bincount(owner, weights=costs, minlength=world_size).max()
+        if best is None or top < best[0]:
+            best = (top, owner)
+    assert best is not None
+    return [np.flatnonzero(best[1] == r) for r in range(world_size)]
+
+
+def _refine(owner: np.ndarray, costs: np.ndarray, world_size: int, refine_rounds: int) -> None:
     loads = np.bincount(owner, weights=costs, minlength=world_size)
     for _ in range(refine_rounds):
         hi, lo = int(np.argmax(loads)), int(np.argmin(loads))
@@ -106,7 +121,6 @@ def split_by_cost(costs: np.ndarray, world_size: int, refine_rounds: int = 64) -
             owner[y] = hi
             loads[lo] -= costs[y]
             loads[hi] += costs[y]
-    return [np.flatnonzero(owner == r) for r in range(world_size)]
 
 
 def assign(token_lengths: np.ndarray, world_size: int, mode: str, a: float, b: float) -> list[np.ndarray]:
