@@ -9,7 +9,7 @@ offsets, so a model computes it once per batch and reuses it in every layer.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,14 +28,49 @@ class JaggedPlan:
     num_tokens: int
     groups: tuple[Group, ...]
     inverse: torch.Tensor  # [sum_L]: position of each token in the concatenation of the groups' valid slots
+    # Batch-dependent constants (masks, bias indices) that kernels compute once and reuse in every layer.
+    cache: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def _length_class(length: int, steps_per_octave: int = 4) -> int:
     return 0 if length <= 1 else math.ceil(steps_per_octave * math.log2(length))
 
 
-def make_plan(offsets: torch.Tensor, steps_per_octave: int = 4) -> JaggedPlan:
-    """Groups sequences of similar length; empty sequences are skipped."""
+def _merge_classes(by_class: dict[int, list[int]], lengths: list[int], overhead: int) -> list[list[int]]:
+    """Merges adjacent length classes where padding costs less than another group's fixed cost.
+
+    A group of G sequences padded to L costs about ``overhead + G * L^2`` (attention elements per head, the
+    overhead being the per-group op launches in the same unit). An O(K^2) dynamic programme over the K
+    length classes (sorted by length) picks the cheapest partition into contiguous runs.
+    """
+    classes = sorted(by_class)
+    if overhead <= 0 or len(classes) <= 1:
+        return [by_class[c] for c in reversed(classes)]
+    counts = [len(by_class[c]) for c in classes]
+    maxes = [max(lengths[b] for b in by_class[c]) for c in classes]
+    best = [0.0] + [math.inf] * len(classes)
+    cut = [0] * (len(classes) + 1)
+    for end in range(1, len(classes) + 1):
+        n = 0
+        for start in range(end - 1, -1, -1):
+            n += counts[start]
+            cost = best[start] + overhead + n * maxes[end - 1] ** 2
+            if cost < best[end]:
+                best[end], cut[end] = cost, start
+    runs, end = [], len(classes)
+    while end > 0:
+        start = cut[end]
+        runs.append([b for c in classes[start:end] for b in by_class[c]])
+        end = start
+    return runs  # longest first
+
+
+def make_plan(offsets: torch.Tensor, steps_per_octave: int = 4, group_overhead: int = 4096) -> JaggedPlan:
+    """Groups sequences of similar length; empty sequences are skipped.
+
+    ``group_overhead`` (in attention elements per head, see :func:`_merge_classes`) trades padding for fewer
+    groups; 0 keeps one group per length class.
+    """
     offs = offsets.to("cpu", torch.int64)
     lengths = (offs[1:] - offs[:-1]).tolist()
     device = offsets.device
@@ -46,8 +81,7 @@ def make_plan(offsets: torch.Tensor, steps_per_octave: int = 4) -> JaggedPlan:
     num_tokens = int(offs[-1])
     groups = []
     order = []
-    for cls in sorted(by_class, reverse=True):
-        seqs = by_class[cls]
+    for seqs in _merge_classes(by_class, lengths, group_overhead):
         lens = torch.tensor([lengths[b] for b in seqs], dtype=torch.int64)
         max_len = int(lens.max())
         starts = offs[torch.tensor(seqs)]

@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from grstack.kernels.plan import JaggedPlan, gather_groups, make_plan, scatter_groups
+from grstack.kernels.grouped import grouped_hstu_attention
+from grstack.kernels.plan import JaggedPlan, make_plan
 
 TIME_BUCKET_DIV = 0.301
 
@@ -81,17 +82,17 @@ def hstu_attention_reference(
     num_targets: torch.Tensor | None = None,
     plan: JaggedPlan | None = None,
 ) -> torch.Tensor:
-    """Jagged [sum_L, H, d] in, [sum_L, H, dv] out; computed per length group, never padded to L_max."""
+    """Jagged [sum_L, H, d] in, [sum_L, H, dv] out; computed per length group, never padded to L_max.
+
+    The work is done by :mod:`grstack.kernels.grouped` (batch constants cached on ``plan``, causal chunks,
+    hand-written backward); :func:`hstu_attention_padded` is the plain-autograd formulation it is tested
+    against.
+    """
     plan = plan if plan is not None else make_plan(offsets)
     if not plan.groups:
-        return v.new_zeros(v.shape)
-    qs, ks, vs = gather_groups(q, plan), gather_groups(k, plan), gather_groups(v, plan)
-    tss = gather_groups(timestamps, plan) if timestamps is not None else [None] * len(plan.groups)
-    outs = []
-    for g, qb, kb, vb, tb in zip(plan.groups, qs, ks, vs, tss, strict=True):
-        nt = num_targets[g.seq] if num_targets is not None else None
-        outs.append(_dense_block(qb, kb, vb, g.lengths, tb, nt, pos_weight, time_weight, max_seq_len))
-    return scatter_groups(outs, plan)
+        return v.new_zeros((q.shape[0], q.shape[1], v.shape[-1]))
+    return grouped_hstu_attention(q, k, v, plan, max_seq_len=max_seq_len, timestamps=timestamps,
+                                  pos_weight=pos_weight, time_weight=time_weight, num_targets=num_targets)
 
 
 def hstu_attention_padded(

@@ -33,7 +33,7 @@ def _gather_bwd(GRAD, IDS, DTABLE, n, D, stride_g, stride_t, BLOCK_T: tl.constex
     mask = tok_ok[:, None] & (cols[None, :] < D)
     ids = tl.load(IDS + toks, mask=tok_ok, other=0).to(tl.int64)
     g = tl.load(GRAD + toks.to(tl.int64)[:, None] * stride_g + cols[None, :], mask=mask, other=0.0)
-    tl.atomic_add(DTABLE + ids[:, None] * stride_t + cols[None, :], g.to(tl.float32), mask=mask)
+    tl.atomic_add(DTABLE + ids[:, None] * stride_t + cols[None, :], g.to(tl.float32), mask=mask, sem="relaxed")
 
 
 def _blocks(d: int) -> tuple[int, int]:

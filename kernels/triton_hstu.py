@@ -190,9 +190,9 @@ def _hstu_bwd_kv(Q, K, V, DO, DK, DV, DPOS, DTIME, seq_offsets, num_targets, TS,
         ds = tl.where(allowed, da * inv_n * sig * (1.0 + s * (1.0 - sig)), 0.0)
         dk += mm(tl.trans(ds.to(q.dtype)), q, UPCAST, PRECISION)
         if POS_GRAD:
-            tl.atomic_add(DPOS + slot * num_pos + dist, ds, mask=allowed)
+            tl.atomic_add(DPOS + slot * num_pos + dist, ds, mask=allowed, sem="relaxed")
         if TIME_GRAD:
-            tl.atomic_add(DTIME + slot * (num_tb + 1) + bucket, ds, mask=allowed)
+            tl.atomic_add(DTIME + slot * (num_tb + 1) + bucket, ds, mask=allowed, sem="relaxed")
     tl.store(DK + h * stride_dkh + tok_n[:, None] * stride_dkt + offs_dk[None, :], dk.to(DK.dtype.element_ty),
              mask=col_ok[:, None] & (offs_dk[None, :] < D_QK))
     tl.store(DV + h * stride_dvh + tok_n[:, None] * stride_dvt + offs_dv[None, :], dv.to(DV.dtype.element_ty),

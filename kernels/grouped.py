@@ -1,0 +1,237 @@
+"""The CPU engine behind :func:`grstack.kernels.reference.hstu_attention_reference`.
+
+Same math as the reference docstring, computed per length group of a :class:`JaggedPlan` with a
+hand-written backward, arranged for CPU speed:
+
+- everything that depends only on the batch (masks, position distances, log time buckets) is computed once
+  per plan and reused by every layer; the position and time tables are folded into one table
+  ``W[d, t] = pos_w[d] + time_w[t]`` so each layer's bias is a single int32 ``index_select`` and its gradient
+  a single ``index_add_``;
+- long groups are cut into query-row chunks that only see keys up to the chunk's last row (the causal upper
+  triangle is never computed) and whose [H, G, rows, keys] tiles stay cache-sized;
+- queries, keys and values are gathered once (one ``index_select`` each) into a group-major layout where
+  every group is a contiguous [H, G, L, d] block, so each chunk is a bmm-ready view (no copies), and the
+  input gradients go back with one ``index_select`` each instead of an accumulating ``index_put``.
+
+Forward values are those of the unfused formulation up to fp32 rounding of the matmuls; the backward is the
+analytic gradient of the same expression (``silu_backward`` as autograd uses).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from grstack.kernels.plan import JaggedPlan
+
+# A chunk's [H, G, rows, keys] tile holds about this many elements (cache-sized; ~4 MB in fp32).
+CHUNK_ELEMENTS = 1 << 20
+# Groups up to this length are one chunk: their upper triangle is small and fewer ops cost less.
+SINGLE_CHUNK_LEN = 128
+_CACHE_ENTRIES = 4
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Group-major slot layout: group g occupies rows ``[start, start + H*G*L)`` of a [rows, d] buffer, as a
+    contiguous [H, G, L, d] block (so every chunk is a bmm-ready view with mergeable batch dims)."""
+
+    rows: torch.Tensor  # [sum_g H*G*L] row of the [num_tokens + 1, H] input per slot (pad -> zero row)
+    token_rows: torch.Tensor  # [num_tokens * H] slot row of each (token, head)
+    groups: tuple[tuple[int, int, int], ...]  # (start, G, L)
+    heads: int
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    group: int
+    r0: int  # query rows [r0, r1) of the group's [G, L] block; keys [0, r1)
+    r1: int
+    scale: torch.Tensor  # [G or 1, rows, r1] allowed / N, in the compute dtype
+    index: torch.Tensor | None  # [G or 1, rows, r1] int32 into the flat bias table
+
+
+def _tensor_key(t: torch.Tensor | None):
+    return None if t is None else (t.data_ptr(), t._version, tuple(t.shape), t.dtype, t.device)
+
+
+def _cached(plan: JaggedPlan, key, build, keep_alive=()):
+    """Per-plan memo (a plan is built per batch and reused by all layers); holds ``keep_alive`` tensors so a
+    data_ptr in the key cannot be reused by another tensor while the entry lives."""
+    hit = plan.cache.get(key)
+    if hit is not None:
+        return hit[0]
+    value = build()
+    if len(plan.cache) >= _CACHE_ENTRIES:
+        plan.cache.pop(next(iter(plan.cache)))
+    plan.cache[key] = (value, tuple(keep_alive))
+    return value
+
+
+def _layout(plan: JaggedPlan, heads: int) -> _Layout:
+    def build() -> _Layout:
+        parts, groups, start = [], [], 0
+        h = torch.arange(heads, device=plan.inverse.device)[:, None, None]
+        for g in plan.groups:
+            parts.append((g.index[None] * heads + h).reshape(-1))
+            groups.append((start, g.index.shape[0], g.max_len))
+            start += heads * g.index.numel()
+        rows = torch.cat(parts)
+        valid = rows < plan.num_tokens * heads
+        token_rows = torch.empty(plan.num_tokens * heads, dtype=torch.int64, device=rows.device)
+        token_rows[rows[valid]] = torch.arange(start, device=rows.device)[valid]
+        return _Layout(rows, token_rows, tuple(groups), heads)
+
+    return _cached(plan, ("layout", heads), build)
+
+
+def _row_chunks(length: int, heads: int, group_size: int) -> list[tuple[int, int]]:
+    if length <= SINGLE_CHUNK_LEN:
+        return [(0, length)]
+    rows = max(64, min(length, CHUNK_ELEMENTS // max(1, heads * group_size * length)))
+    rows = -(-rows // 16) * 16
+    return [(r0, min(length, r0 + rows)) for r0 in range(0, length, rows)]
+
+
+def _chunks(plan: JaggedPlan, heads: int, max_seq_len: int, dtype: torch.dtype, num_pos: int | None,
+            num_tb: int | None, timestamps: torch.Tensor | None, num_targets: torch.Tensor | None) -> list[_Chunk]:
+    """Masks and bias-table indices of every chunk; depends on the batch, not on the layer."""
+    from grstack.kernels.reference import time_buckets
+
+    def build() -> list[_Chunk]:
+        out = []
+        for gi, g in enumerate(plan.groups):
+            G, L = g.index.shape
+            device = g.index.device
+            ar = torch.arange(L, device=device)
+            hist = pos = ts = None
+            if num_targets is not None:
+                hist = (g.lengths - num_targets[g.seq]).clamp(min=0)
+                pos = torch.minimum(ar[None, :], hist[:, None])  # [G, L]
+            if num_tb is not None:
+                ext = torch.cat([timestamps, timestamps.new_zeros(1)])
+                ts = ext[g.index]  # [G, L]
+            for r0, r1 in _row_chunks(L, heads, G):
+                i, j = ar[r0:r1, None], ar[None, :r1]
+                allowed = (i >= j)[None]
+                if hist is not None:
+                    jh = ar[None, None, :r1] < hist[:, None, None]
+                    allowed = allowed & (jh | (i == j)[None])
+                scale = allowed.to(dtype) / max_seq_len
+                index = None
+                if num_pos is not None:
+                    dist = (pos[:, r0:r1, None] - pos[:, None, :r1]) if pos is not None else (i - j)[None]
+                    index = dist.clamp(0, num_pos - 1)
+                if num_tb is not None:
+                    bucket = time_buckets(ts[:, r0:r1, None] - ts[:, None, :r1], num_tb)
+                    index = bucket if index is None else index * (num_tb + 1) + bucket
+                if index is not None:
+                    index = index.to(torch.int32).contiguous()
+                out.append(_Chunk(gi, r0, r1, scale, index))
+        return out
+
+    key = ("chunks", heads, max_seq_len, dtype, num_pos, num_tb, _tensor_key(timestamps),
+           _tensor_key(num_targets))
+    return _cached(plan, key, build, keep_alive=[t for t in (timestamps, num_targets) if t is not None])
+
+
+def _gather(x: torch.Tensor, layout: _Layout) -> torch.Tensor:
+    """[N, H, d] -> [slots, d] in the group-major layout (pad slots zero)."""
+    ext = torch.cat([x, x.new_zeros((1, *x.shape[1:]))]).view(-1, x.shape[-1])
+    return ext.index_select(0, layout.rows)
+
+
+def _scatter(buf: torch.Tensor, layout: _Layout) -> torch.Tensor:
+    """[slots, d] -> [N, H, d] (pad slots dropped)."""
+    return buf.index_select(0, layout.token_rows).view(-1, layout.heads, buf.shape[-1])
+
+
+def _group_views(buf: torch.Tensor, layout: _Layout) -> list[torch.Tensor]:
+    h, d = layout.heads, buf.shape[-1]
+    return [buf[s0:s0 + h * G * L].view(h, G, L, d) for s0, G, L in layout.groups]
+
+
+class _GroupedHSTU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, pos_w, time_w, layout, chunks, has_pos, has_time):
+        qs, ks, vs = _gather(q, layout), _gather(k, layout), _gather(v, layout)
+        if has_pos and has_time:
+            table = (pos_w[:, None] + time_w[None, :]).reshape(-1)
+        else:
+            table = pos_w if has_pos else time_w if has_time else None
+        outs = torch.empty_like(vs)
+        qg, kg, vg, og = (_group_views(t, layout) for t in (qs, ks, vs, outs))
+        saved = []
+        keep = any(ctx.needs_input_grad[:5])
+        for ch in chunks:
+            qc, kc, vc = qg[ch.group][:, :, ch.r0:ch.r1], kg[ch.group][:, :, :ch.r1], vg[ch.group][:, :, :ch.r1]
+            s = torch.matmul(qc, kc.transpose(-1, -2))  # [H, G, rows, r1]
+            if table is not None:
+                s += table.index_select(0, ch.index.view(-1)).view(ch.index.shape).to(s.dtype)
+            a = F.silu(s).mul_(ch.scale)
+            og[ch.group][:, :, ch.r0:ch.r1] = torch.matmul(a, vc)
+            if keep:
+                saved.append((s, a))
+        ctx.layout, ctx.chunks, ctx.saved = layout, chunks, saved
+        ctx.tensors = (qs, ks, vs)
+        ctx.table_shape = (pos_w.numel() if has_pos else None, time_w.numel() if has_time else None)
+        ctx.table_dtype = table.dtype if table is not None else None
+        return _scatter(outs, layout)
+
+    @staticmethod
+    def backward(ctx, dout):
+        layout, chunks, saved = ctx.layout, ctx.chunks, ctx.saved
+        qs, ks, vs = ctx.tensors
+        num_pos, num_time = ctx.table_shape
+        need_table = (num_pos is not None and ctx.needs_input_grad[3]) or (
+            num_time is not None and ctx.needs_input_grad[4])
+        dos = _gather(dout, layout)
+        dqs = torch.empty_like(qs)
+        dks, dvs = torch.zeros_like(ks), torch.zeros_like(vs)
+        dtable = None
+        if need_table:
+            size = (num_pos or 1) * (num_time or 1)
+            dtable = torch.zeros(size, dtype=ctx.table_dtype, device=qs.device)
+        qg, kg, vg, dog, dqg, dkg, dvg = (_group_views(t, layout) for t in (qs, ks, vs, dos, dqs, dks, dvs))
+        for ch, (s, a) in zip(chunks, saved, strict=True):
+            g, r0, r1 = ch.group, ch.r0, ch.r1
+            qc, kc, vc, doc = qg[g][:, :, r0:r1], kg[g][:, :, :r1], vg[g][:, :, :r1], dog[g][:, :, r0:r1]
+            da = torch.matmul(doc, vc.transpose(-1, -2)).mul_(ch.scale)
+            ds = torch.ops.aten.silu_backward(da, s)
+            dqg[g][:, :, r0:r1] = torch.matmul(ds, kc)
+            dkg[g][:, :, :r1] += torch.matmul(ds.transpose(-1, -2), qc)
+            dvg[g][:, :, :r1] += torch.matmul(a.transpose(-1, -2), doc)
+            if dtable is not None:
+                db = ds.sum(0)
+                if ch.index.shape[0] == 1:
+                    db = db.sum(0, keepdim=True)
+                dtable.index_add_(0, ch.index.view(-1), db.reshape(-1).to(dtable.dtype))
+        ctx.saved = None
+        dpos = dtime = None
+        if dtable is not None:
+            if num_pos is not None and num_time is not None:
+                dtable = dtable.view(num_pos, num_time)
+                dpos, dtime = dtable.sum(1), dtable.sum(0)
+            elif num_pos is not None:
+                dpos = dtable
+            else:
+                dtime = dtable
+        return (_scatter(dqs, layout), _scatter(dks, layout), _scatter(dvs, layout),
+                dpos if ctx.needs_input_grad[3] else None, dtime if ctx.needs_input_grad[4] else None,
+                None, None, None, None)
+
+
+def grouped_hstu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: JaggedPlan, *,
+                           max_seq_len: int, timestamps: torch.Tensor | None, pos_weight: torch.Tensor | None,
+                           time_weight: torch.Tensor | None, num_targets: torch.Tensor | None) -> torch.Tensor:
+    """[sum_L, H, d] q, k and [sum_L, H, dv] v -> [sum_L, H, dv] over the plan's length groups."""
+    has_pos = pos_weight is not None
+    has_time = time_weight is not None and timestamps is not None
+    layout = _layout(plan, q.shape[1])
+    chunks = _chunks(plan, q.shape[1], max_seq_len, q.dtype, pos_weight.numel() if has_pos else None,
+                     time_weight.numel() - 1 if has_time else None, timestamps if has_time else None,
+                     num_targets)
+    return _GroupedHSTU.apply(q, k, v, pos_weight, time_weight if has_time else None, layout, chunks, has_pos,
+                              has_time)

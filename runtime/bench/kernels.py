@@ -1,0 +1,235 @@
+"""``grstack bench kernels``: jagged vs padded HSTU attention, forward+backward, time and peak memory.
+
+"jagged" is what :func:`grstack.kernels.hstu_attention` runs on the device (CPU: the length-bucketed torch
+reference; CUDA: the fused Triton kernels); "padded" is :func:`hstu_attention_padded`, the same math on a
+dense [B, L_max, L_max] layout with plain autograd. Prints one JSON object on stdout; progress on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+
+from grstack.runtime.errors import UserError
+
+H200_BF16_PEAK_TFLOPS = 790.0
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--quick", action="store_true",
+                        help="smaller cases (CPU: under a minute); the JSON lists what was left out")
+    parser.add_argument("--json", action="store_true", help="accepted for symmetry: the output is always JSON")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per case (default 3, 5 on CUDA)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="CPU threads for torch (default 1: on a shared machine more threads make OpenMP "
+                             "barriers wait for descheduled workers, which distorts many-small-op timings)")
+    parser.set_defaults(func=run)
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _cases(device: str, quick: bool, seed: int):
+    """(name, lengths, num_targets or None). kuairand-like: log-normal lengths, mean << max, one at max."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    if device == "cuda":
+        kr_batch, kr_max, kr_median = (32, 2048, 300) if quick else (32, 4096, 300)
+        fixed = (512, 1024, 2048, 4096) if quick else (512, 1024, 2048, 4096, 8192)
+        tokens = 16384 if quick else 32768
+    else:
+        kr_batch, kr_max, kr_median = (32, 512, 60) if quick else (32, 1024, 100)
+        fixed = (512, 1024, 2048) if quick else (512, 1024, 2048, 4096, 8192)
+        tokens = 2048 if quick else 4096
+    lengths = torch.exp(torch.randn(kr_batch, generator=g) * 1.1 + math.log(kr_median))
+    lengths = lengths.round().clamp(4, kr_max).long()
+    lengths[0] = kr_max
+    yield "kuairand-like", lengths.tolist()
+    for length in fixed:
+        yield f"fixed-{length}", [length] * max(1, tokens // length)
+
+
+def _inputs(lengths: list[int], device, dtype, heads: int, dqk: int, dv: int, max_seq_len: int, seed: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(torch.tensor(lengths), 0)
+    n = int(offsets[-1])
+    q, k = (0.3 * torch.randn(n, heads, dqk, generator=g) for _ in range(2))
+    v = torch.randn(n, heads, dv, generator=g)
+    ts = torch.cumsum(torch.randint(0, 3600, (n,), generator=g), 0)
+    pos_w = 0.02 * torch.randn(max_seq_len, generator=g)
+    time_w = 0.02 * torch.randn(129, generator=g)
+    grad = torch.randn(n, heads, dv, generator=g)
+    to = dict(device=device)
+    return dict(q=q.to(dtype=dtype, **to), k=k.to(dtype=dtype, **to), v=v.to(dtype=dtype, **to),
+                offsets=offsets.to(**to), timestamps=ts.to(**to), pos_weight=pos_w.to(**to),
+                time_weight=time_w.to(**to), grad=grad.to(dtype=dtype, **to), max_seq_len=max_seq_len)
+
+
+def _step(impl: str, inp: dict, plan=None):
+    """One forward+backward; returns the output (detached)."""
+    from grstack.kernels import hstu_attention, make_plan
+    from grstack.kernels.reference import hstu_attention_padded
+
+    q, k, v = (inp[n].detach().requires_grad_() for n in ("q", "k", "v"))
+    pw, tw = inp["pos_weight"].detach().requires_grad_(), inp["time_weight"].detach().requires_grad_()
+    kw = dict(max_seq_len=inp["max_seq_len"], timestamps=inp["timestamps"], pos_weight=pw, time_weight=tw)
+    if impl == "padded":
+        out = hstu_attention_padded(q, k, v, inp["offsets"], **kw)
+    else:
+        if q.device.type == "cpu" and plan is None:
+            plan = make_plan(inp["offsets"])
+        out = hstu_attention(q, k, v, inp["offsets"], plan=plan, **kw)
+    out.backward(inp["grad"])
+    return out.detach()
+
+
+def _time_ms(fn, reps: int, cuda: bool) -> float:
+    import torch
+
+    fn()  # warm-up: Triton compilation, allocator, caches
+    times = []
+    for _ in range(reps):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _cpu_peak_bytes(fn) -> int:
+    """Peak of live CPU tensor bytes allocated during ``fn`` above what was live before it.
+
+    The torch profiler reports every allocation and free of the CPU allocator (``profile_memory=True``);
+    the running sum of those events, in time order, is the live-bytes curve, and its maximum is the peak.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and e.device_type().name == "CPU")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def _cuda_peak_bytes(fn) -> int:
+    import torch
+
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def attention_flops(lengths: list[int], heads: int, dqk: int, dv: int) -> int:
+    """Matmul FLOPs of forward+backward over the allowed (causal) pairs only.
+
+    Per allowed pair and head: forward Q·Kᵀ and A·V (2·dqk + 2·dv); backward dA = dO·Vᵀ, dV = Aᵀ·dO,
+    dQ = dS·K, dK = dSᵀ·Q (4·dv + 4·dqk). Recomputation inside a kernel is not counted.
+    """
+    pairs = sum(n * (n + 1) // 2 for n in lengths)
+    return pairs * heads * 6 * (dqk + dv)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from grstack.kernels import make_plan, select_backend
+
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
+    if args.reps is not None and args.reps < 1:
+        raise UserError(f"--reps must be >= 1, got {args.reps}")
+    if args.threads < 1:
+        raise UserError(f"--threads must be >= 1, got {args.threads}")
+    if not cuda:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    heads, dqk, dv = (4, 64, 64) if cuda else (4, 16, 16)
+    reps = args.reps or (5 if cuda else 3)
+    backend = select_backend(device)
+    cases = []
+    for name, lengths in _cases(args.device, args.quick, args.seed):
+        max_seq_len = max(lengths) + 1
+        inp = _inputs(lengths, device, dtype, heads, dqk, dv, max_seq_len, args.seed)
+        _log(f"{name}: {len(lengths)} sequences, {sum(lengths)} tokens, max {max(lengths)}")
+        jagged = _step("jagged", inp)
+        padded = _step("padded", inp)
+        diff = float((jagged.float() - padded.float()).abs().max())
+        del jagged, padded
+        slow = max(lengths) >= 4096 and not cuda
+        jagged_ms = _time_ms(lambda inp=inp: _step("jagged", inp), 1 if slow else reps, cuda)
+        padded_ms = _time_ms(lambda inp=inp: _step("padded", inp), 1 if slow else reps, cuda)
+        peak = _cuda_peak_bytes if cuda else _cpu_peak_bytes
+        jagged_peak = peak(lambda inp=inp: _step("jagged", inp))
+        padded_peak = peak(lambda inp=inp: _step("padded", inp))
+        case = {
+            "name": name, "device": args.device, "backend": backend,
+            "lengths": {"batch": len(lengths), "tokens": sum(lengths), "mean": round(sum(lengths) / len(lengths), 1),
+                        "max": max(lengths)},
+            "jagged_ms": round(jagged_ms, 3), "padded_ms": round(padded_ms, 3),
+            "speedup": round(padded_ms / jagged_ms, 3),
+            "jagged_peak_bytes": jagged_peak, "padded_peak_bytes": padded_peak,
+            "memory_ratio": round(padded_peak / max(1, jagged_peak), 3),
+            "max_abs_diff": diff,
+        }
+        if not cuda:
+            plan = make_plan(inp["offsets"])
+            case["jagged_ms_plan_reused"] = round(
+                _time_ms(lambda inp=inp, plan=plan: _step("jagged", inp, plan), 1 if slow else reps, False), 3)
+        else:
+            flops = attention_flops(lengths, heads, dqk, dv)
+            case["flops"] = flops
+            case["jagged_tflops"] = round(flops / jagged_ms / 1e9, 2)
+            case["padded_tflops"] = round(flops / padded_ms / 1e9, 2)
+            case["jagged_share_of_peak"] = round(flops / jagged_ms / 1e9 / H200_BF16_PEAK_TFLOPS, 4)
+        _log(f"  jagged {jagged_ms:.1f} ms, padded {padded_ms:.1f} ms, speedup {case['speedup']}x, "
+             f"memory {jagged_peak / 2**20:.1f} MiB vs {padded_peak / 2**20:.1f} MiB")
+        cases.append(case)
+        del inp
+    result = {
+        "cases": cases,
+        "quick": args.quick,
+        "dtype": str(dtype).removeprefix("torch."),
+        "heads": heads, "dqk": dqk, "dv": dv,
+        "cpu_threads": torch.get_num_threads(),
+        "bias": "relative position + log time buckets (129), causal, no candidates",
+        "timing_method": ("median of reps after one warm-up, forward+backward (gradients of q, k, v and both "
+                          "bias tables); CPU jagged_ms includes building the plan for the batch, "
+                          "jagged_ms_plan_reused is a later layer reusing it" + (
+                              "; CUDA synchronized around each rep" if cuda else "")),
+        "memory_method": ("torch.cuda.max_memory_allocated above the bytes allocated before the step" if cuda else
+                          "torch profiler (profile_memory=True): peak of the running sum of CPU allocator "
+                          "alloc/free events during one forward+backward, above what was live before it"),
+    }
+    if args.quick:
+        left_out = "8192" if cuda else "4096 and 8192"
+        result["note"] = (f"quick mode: smaller kuairand-like batch and fixed lengths up to "
+                          f"{max(c['lengths']['max'] for c in cases if c['name'].startswith('fixed'))}; "
+                          f"fixed lengths {left_out} left out")
+    if cuda:
+        result["peak_tflops_bf16"] = H200_BF16_PEAK_TFLOPS
+        result["gpu"] = torch.cuda.get_device_name()
+    print(json.dumps(result))
+    return 0
