@@ -165,7 +165,7 @@ class Autoscaling(_Model):
 
     min_replicas: int = Field(1, ge=1)
     max_replicas: int = Field(ge=1)
-    target_cpu_utilization_percentage: int = Field(80, ge=1, le=100)
+    target_cpu_utilization_percentage: int = Field(80, ge=1, le=100, alias="targetCPUUtilizationPercentage")
 
     @model_validator(mode="after")
     def _bounds(self) -> Autoscaling:

@@ -166,3 +166,12 @@ def test_schema_defaults_agree_with_the_model(resource: crds.Resource, model: An
     assert errors == []
     assert model.model_validate(stored["spec"]) == model.model_validate(spec)
     assert stored["spec"] != spec  # defaults were applied
+
+
+@pytest.mark.parametrize("resource", crds.RESOURCES, ids=lambda r: r.kind)
+def test_every_spec_field_is_documented(resource: crds.Resource) -> None:
+    docs = (REPO / "docs" / "kubernetes.md").read_text()
+    spec = schema(resource)["properties"]["spec"]
+    missing = [path for path, _ in _walk(spec) if path and path.rsplit(".", 1)[-1].strip("[]{}")
+               and path.rsplit(".", 1)[-1].strip("[]{}") not in docs]
+    assert missing == [], f"document these {resource.kind} fields in docs/kubernetes.md"
