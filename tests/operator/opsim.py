@@ -311,7 +311,7 @@ class LocalKubelet:
         self.period = period
         self.enabled = True  # False: pods stay Pending (nothing is run)
         self.containers: dict[str, _Container] = {}
-        self.ports: dict[tuple[str, str], int] = {}
+        self.ports: dict[tuple[str, str, str], int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def run(self) -> None:
@@ -458,7 +458,9 @@ class LocalKubelet:
             env[item["name"]] = self._rewrite(value, mounts)
         if subdomain and env.get("MASTER_ADDR", "").endswith(f".{subdomain}"):
             env["MASTER_ADDR"] = "127.0.0.1"
-            key = (meta["namespace"], subdomain)
+            # One port per gang incarnation: a dying pod of the previous attempt must not hold the new one's
+            # rendezvous port (in a cluster each pod has its own IP).
+            key = (meta["namespace"], subdomain, meta.get("labels", {}).get("grstack.io/attempt", ""))
             env["MASTER_PORT"] = str(self.ports.setdefault(key, free_port()))
         return env
 

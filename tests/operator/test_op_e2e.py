@@ -80,7 +80,7 @@ async def test_trains_to_succeeded_with_progress(real: Cluster) -> None:
 
 
 async def test_killed_worker_restarts_and_resumes_from_the_checkpoint(real: Cluster) -> None:
-    code, body = await real.apply(training_job("resume", steps=1200, interval=50))
+    code, body = await real.apply(training_job("resume", steps=600, interval=50))
     assert code in (200, 201), body
     await real.wait_for("a checkpoint", lambda: (status(real, "resume").get("progress") or {}).get("lastCheckpoint"),
                         timeout=180)
