@@ -32,6 +32,7 @@ class LookupUnit:
 
     keys: torch.Tensor  # [U] global ids: full-precision keys, then half-precision-only keys
     n_full: int
+    has_half: bool = False  # built with a negative segment (the same on every rank: decided by config)
     # requester side (filled by route)
     order: torch.Tensor | None = None  # keys[order] are grouped by owner, full before half within an owner
     send_full: list[int] = field(default_factory=list)
@@ -54,16 +55,15 @@ def make_unit(full_ids: torch.Tensor, half_ids: torch.Tensor | None = None
     A negative id that also appears among ``full_ids`` uses the full-precision row.
     """
     uf, inv_full = torch.unique(full_ids, return_inverse=True)
-    if half_ids is None or half_ids.numel() == 0:
-        empty = None if half_ids is None else half_ids.new_zeros(half_ids.shape)
-        return LookupUnit(keys=uf, n_full=uf.numel()), inv_full, empty
+    if half_ids is None:
+        return LookupUnit(keys=uf, n_full=uf.numel()), inv_full, None
     uh, inv_h = torch.unique(half_ids, return_inverse=True)
     in_full = torch.isin(uh, uf)
     half_only = uh[~in_full]
     where = torch.empty_like(uh)
     where[in_full] = torch.searchsorted(uf, uh[in_full])
     where[~in_full] = uf.numel() + torch.arange(half_only.numel())
-    unit = LookupUnit(keys=torch.cat([uf, half_only]), n_full=uf.numel())
+    unit = LookupUnit(keys=torch.cat([uf, half_only]), n_full=uf.numel(), has_half=True)
     return unit, inv_full, where[inv_h]
 
 
@@ -165,9 +165,21 @@ class ShardedEmbedding:
 
     # -- rows to requesters, gradients to owners (stage 5) -------------------------------------------------
     def send_rows(self, rb: RoutedBatch, unit: LookupUnit, comm: Comm, fp16: bool) -> torch.Tensor:
-        """All2All of one unit's rows back to the requesters; returns this rank's [U, d] rows (fp32)."""
+        """All2All of one unit's rows back to the requesters; returns this rank's [U, d] rows (fp32).
+
+        With ``fp16`` and a unit that has a negative segment, that segment travels as FP16 in a second
+        All2All; otherwise every row travels in one FP32 All2All.
+        """
         assert rb.rows is not None and unit.pos is not None and unit.recv_is_half is not None
+        assert unit.order is not None
         out_rows = rb.rows[unit.pos]
+        if not (fp16 and unit.has_half):
+            send = [f + h for f, h in zip(unit.recv_full, unit.recv_half, strict=True)]
+            recv = [f + h for f, h in zip(unit.send_full, unit.send_half, strict=True)]
+            got = comm.all_to_all(out_rows, send, recv)
+            rows = got.new_empty((unit.num_keys, self.plan.dim))
+            rows[unit.order] = got
+            return rows
         full = comm.all_to_all(out_rows[~unit.recv_is_half], unit.recv_full, unit.send_full)
         half_src = out_rows[unit.recv_is_half]
         if fp16:

@@ -1,0 +1,37 @@
+"""The two distributed benchmarks print what they promise (shape and invariants, not speed)."""
+
+import json
+
+from grstack.runtime.cli import main
+
+TRAIN_KEYS = {"imbalance_before", "imbalance_after", "step_ms", "exposed_comm_ratio", "microbatches",
+              "unique_keys_per_microbatch", "dbp_max_abs_diff", "fwp_max_abs_diff", "tokens_per_second",
+              "embedding_step_ms", "embedding_step_ratio"}
+
+
+def test_bench_train_prints_the_promised_json(capsys):
+    assert main(["bench", "train", "--quick", "--json", "--steps", "1", "--no-embedding"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == TRAIN_KEYS
+    assert set(out["step_ms"]) == {"sync", "dbp", "fwp", "fwp_clustered"}
+    assert set(out["unique_keys_per_microbatch"]) == {"random", "clustered"}
+    assert out["embedding_step_ms"] == {"grstack": None, "torchrec": None}
+    assert out["dbp_max_abs_diff"] == 0.0 and out["fwp_max_abs_diff"] < 1e-4
+    assert out["imbalance_after"] <= 0.03 < out["imbalance_before"]
+    assert out["unique_keys_per_microbatch"]["clustered"] < out["unique_keys_per_microbatch"]["random"]
+    assert out["microbatches"] == 4 and out["tokens_per_second"] > 0
+
+
+def test_bench_simulate_is_labelled_a_model(capsys):
+    assert main(["bench", "simulate", "--quick", "--workers", "128,512,1536"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["kind"] == "model, not a measurement"
+    assert out["published"]["scaling_efficiency"] == 0.94
+    rows = {(r["sharding"], r["workers"]): r for r in out["rows"]}
+    assert set(rows) == {(s, w) for s in ("hierarchical", "flat") for w in (128, 512, 1536)}
+    for r in rows.values():
+        assert r["step_ms_pipelined"] <= r["step_ms_sync"] + 1e-9
+        assert 0 < r["scaling_efficiency_pipelined"] <= 1.0 + 1e-9
+    # All2All confined to a node (hierarchical) scales better than one group spanning every worker
+    assert (rows[("hierarchical", 1536)]["scaling_efficiency_pipelined"]
+            > rows[("flat", 1536)]["scaling_efficiency_pipelined"])
