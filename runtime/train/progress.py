@@ -46,9 +46,12 @@ _reporters: dict[str, PodAnnotationReporter | None] = {}
 
 def report_progress(fields: dict[str, Any]) -> None:
     """Called by rank 0 after each logged step and each checkpoint; a no-op unless configured."""
-    reporter = _reporter(ENV_ANNOTATION)
-    if reporter is not None:
-        reporter.submit(fields, urgent="last_checkpoint" in fields or bool(fields.get("finished")))
+    try:
+        reporter = _reporter(ENV_ANNOTATION)
+        if reporter is not None:
+            reporter.submit(fields, urgent="last_checkpoint" in fields or bool(fields.get("finished")))
+    except Exception as exc:  # reporting is best effort: never let it stop training
+        log.debug("progress report dropped: %s", exc)
 
 
 def _reporter(env_var: str) -> PodAnnotationReporter | None:
@@ -142,7 +145,7 @@ class PodAnnotationReporter:
     def _take(self) -> bytes:
         self._dirty = self._urgent = False
         self._last_sent = time.monotonic()
-        body = {"metadata": {"annotations": {self.annotation: json.dumps(self._state, sort_keys=True)}}}
+        body = {"metadata": {"annotations": {self.annotation: json.dumps(self._state, sort_keys=True, default=str)}}}
         return json.dumps(body).encode()
 
     def _run(self) -> None:

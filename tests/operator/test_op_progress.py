@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -93,6 +94,17 @@ def test_patches_own_pod_annotation_with_throttling(monkeypatch: pytest.MonkeyPa
     reporter.submit({"step": 51}, urgent=False)
     reporter.flush()
     assert json.loads(api.requests[-1][2]["metadata"]["annotations"]["grstack.io/progress"])["step"] == 51
+
+
+def test_odd_values_do_not_break_reporting(monkeypatch: pytest.MonkeyPatch,
+                                           api: http.server.ThreadingHTTPServer) -> None:
+    _env(monkeypatch, f"http://127.0.0.1:{api.server_port}")
+    reporter = progress.PodAnnotationReporter.from_env("GRSTACK_PROGRESS_ANNOTATION")
+    reporter.submit({"step": 1, "last_checkpoint": Path("/run/checkpoints/step-1")}, urgent=True)
+    reporter.flush()
+    _wait(lambda: api.requests, "a report")
+    report = json.loads(api.requests[-1][2]["metadata"]["annotations"]["grstack.io/progress"])
+    assert report["last_checkpoint"] == "/run/checkpoints/step-1"
 
 
 def test_unreachable_api_warns_once_and_never_raises(monkeypatch: pytest.MonkeyPatch,
