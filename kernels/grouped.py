@@ -38,7 +38,8 @@ class _Layout:
     """Group-major slot layout: group g occupies rows ``[start, start + H*G*L)`` of a [rows, d] buffer, as a
     contiguous [H, G, L, d] block (so every chunk is a bmm-ready view with mergeable batch dims)."""
 
-    rows: torch.Tensor  # [sum_g H*G*L] row of the [num_tokens + 1, H] input per slot (pad -> zero row)
+    rows: torch.Tensor  # [sum_g H*G*L] row of the flat [num_tokens * H, d] input per slot (pad -> row 0)
+    pad_rows: torch.Tensor  # slots that hold no token (zeroed after the gather)
     token_rows: torch.Tensor  # [num_tokens * H] slot row of each (token, head)
     groups: tuple[tuple[int, int, int], ...]  # (start, G, L)
     heads: int
@@ -80,9 +81,10 @@ def _layout(plan: JaggedPlan, heads: int) -> _Layout:
             start += heads * g.index.numel()
         rows = torch.cat(parts)
         valid = rows < plan.num_tokens * heads
+        slots = torch.arange(start, device=rows.device)
         token_rows = torch.empty(plan.num_tokens * heads, dtype=torch.int64, device=rows.device)
-        token_rows[rows[valid]] = torch.arange(start, device=rows.device)[valid]
-        return _Layout(rows, token_rows, tuple(groups), heads)
+        token_rows[rows[valid]] = slots[valid]
+        return _Layout(torch.where(valid, rows, 0), slots[~valid], token_rows, tuple(groups), heads)
 
     return _cached(plan, ("layout", heads), build)
 
@@ -139,8 +141,8 @@ def _chunks(plan: JaggedPlan, heads: int, max_seq_len: int, dtype: torch.dtype, 
 
 def _gather(x: torch.Tensor, layout: _Layout) -> torch.Tensor:
     """[N, H, d] -> [slots, d] in the group-major layout (pad slots zero)."""
-    ext = torch.cat([x, x.new_zeros((1, *x.shape[1:]))]).view(-1, x.shape[-1])
-    return ext.index_select(0, layout.rows)
+    flat = x.reshape(-1, x.shape[-1])
+    return flat.index_select(0, layout.rows).index_fill_(0, layout.pad_rows, 0)
 
 
 def _scatter(buf: torch.Tensor, layout: _Layout) -> torch.Tensor:
@@ -188,21 +190,26 @@ class _GroupedHSTU(torch.autograd.Function):
         need_table = (num_pos is not None and ctx.needs_input_grad[3]) or (
             num_time is not None and ctx.needs_input_grad[4])
         dos = _gather(dout, layout)
-        dqs = torch.empty_like(qs)
-        dks, dvs = torch.zeros_like(ks), torch.zeros_like(vs)
+        # every slot is written: the last chunk of a group spans all its keys and is done first (assigning),
+        # earlier chunks then accumulate into their key prefix
+        dqs, dks, dvs = torch.empty_like(qs), torch.empty_like(ks), torch.empty_like(vs)
         dtable = None
         if need_table:
             size = (num_pos or 1) * (num_time or 1)
             dtable = torch.zeros(size, dtype=ctx.table_dtype, device=qs.device)
         qg, kg, vg, dog, dqg, dkg, dvg = (_group_views(t, layout) for t in (qs, ks, vs, dos, dqs, dks, dvs))
-        for ch, (s, a) in zip(chunks, saved, strict=True):
+        for ch, (s, a) in zip(reversed(chunks), reversed(saved), strict=True):
             g, r0, r1 = ch.group, ch.r0, ch.r1
             qc, kc, vc, doc = qg[g][:, :, r0:r1], kg[g][:, :, :r1], vg[g][:, :, :r1], dog[g][:, :, r0:r1]
             da = torch.matmul(doc, vc.transpose(-1, -2)).mul_(ch.scale)
             ds = torch.ops.aten.silu_backward(da, s)
             dqg[g][:, :, r0:r1] = torch.matmul(ds, kc)
-            dkg[g][:, :, :r1] += torch.matmul(ds.transpose(-1, -2), qc)
-            dvg[g][:, :, :r1] += torch.matmul(a.transpose(-1, -2), doc)
+            if r1 == dkg[g].shape[2]:
+                dkg[g][:] = torch.matmul(ds.transpose(-1, -2), qc)
+                dvg[g][:] = torch.matmul(a.transpose(-1, -2), doc)
+            else:
+                dkg[g][:, :, :r1] += torch.matmul(ds.transpose(-1, -2), qc)
+                dvg[g][:, :, :r1] += torch.matmul(a.transpose(-1, -2), doc)
             if dtable is not None:
                 db = ds.sum(0)
                 if ch.index.shape[0] == 1:
