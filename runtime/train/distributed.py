@@ -70,8 +70,9 @@ def config_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> list[str]
 
 @torch.no_grad()
 def eval_ranks(model: nn.Module, split: LeaveOneOut, which: str, rows: np.ndarray, *, max_len: int,
-               batch_size: int, device: torch.device) -> np.ndarray:
-    """0-based target ranks of the users at ``rows`` (the protocol of ``grstack.runtime.eval.evaluate``)."""
+               batch_size: int, device: torch.device, tick: Callable[[], None] | None = None) -> np.ndarray:
+    """0-based target ranks of the users at ``rows`` (the protocol of ``grstack.runtime.eval.evaluate``);
+    ``tick`` is called after every chunk (the watchdog's heartbeat)."""
     was_training = model.training
     model.eval()
     items = model.item_vectors()
@@ -89,6 +90,8 @@ def eval_ranks(model: nn.Module, split: LeaveOneOut, which: str, rows: np.ndarra
         scores[torch.from_numpy(row_of).to(device), torch.from_numpy(hist).to(device)] = -torch.inf
         scores.scatter_(1, targets[:, None], keep)
         out.append(target_ranks(scores, targets).cpu().numpy())
+        if tick is not None:
+            tick()
     model.train(was_training)
     return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
@@ -241,8 +244,8 @@ class DistributedTrainer:
         if e.max_users is not None and e.max_users < len(rows):
             rows = np.sort(np.random.default_rng(0).choice(rows, size=e.max_users, replace=False))
         mine = eval_ranks(model, self.split, which, rows[ctx.rank :: ctx.world_size],
-                          max_len=self.cfg.data.max_len, batch_size=e.batch_size, device=self.device)
-        self.beat()
+                          max_len=self.cfg.data.max_len, batch_size=e.batch_size, device=self.device,
+                          tick=self.beat)
         ranks = np.concatenate([np.asarray(r) for r in ctx.world.all_gather_object(mine)])
         return metrics_from_ranks(ranks, e.ks)
 
@@ -335,6 +338,7 @@ class DistributedTrainer:
                            "samples_per_second": window["samples"] / max(window["t"], 1e-9),
                            "tokens_per_second": window["tokens"] / max(window["t"], 1e-9),
                            **{k: out[k] for k in ("step_ms", "compute_ms", "exposed_comm_ms", "comm_ms",
+                                                  "sparse_update_ms",
                                                   "microbatches", "unique_keys_per_microbatch",
                                                   "imbalance", "imbalance_count_split", "wait_ratio",
                                                   "refreshed_rows", "stale_rows", "staleness")}}

@@ -33,6 +33,8 @@ MODES = {
     "batch_sharing_fwp3": {"loss.sharing": "batch", "pipeline.microbatches": 3},
     "batch_sharing_fwp3_cluster": {"loss.sharing": "batch", "pipeline.microbatches": 3, "pipeline.cluster": True},
     "token_sharing_k2": {"loss.sharing": "token", "negatives.share_k": 2, "negatives.fp16": True},
+    "token_budget": {"balance.token_budget": 60, "distributed.sparse_optimizer": "adagrad",
+                     "distributed.sparse_lr": 0.05},
 }
 
 
@@ -106,3 +108,13 @@ def test_hierarchical_groups_keep_replicas_identical(tmp_path):
         assert not torch.equal(out[0][mode]["shard"][:5], out[1][mode]["shard"][:5])
     assert _losses(out[0], "sync") == _losses(out[0], "dbp")
     assert max_abs_diff(out[0]["sync"]["params"], out[0]["dbp"]["params"]) == 0.0
+
+
+def test_token_budget_sizes_batches_by_tokens(runs):
+    recs = runs["token_budget"]["records"]
+    samples = {r["samples"] for r in recs}
+    assert len(samples) > 1  # the number of sequences per step varies ...
+    assert sum(r["tokens"] >= 2 * 60 for r in recs) >= len(recs) - 3  # ... to fill 2 ranks x 60 tokens
+    assert all(r["imbalance"] <= r["imbalance_count_split"] + 1e-9 for r in recs)
+    losses = _losses(runs, "token_budget")  # with row-wise Adagrad on the embeddings
+    assert losses[-1] < 0.6 * losses[0]

@@ -14,7 +14,7 @@ from grstack_testing import set_args, tiny_config_args, write_cyclic
 from grstack.runtime.cli import main
 from grstack.runtime.config import load_config
 from grstack.runtime.errors import UserError
-from grstack.runtime.train.launch import ENV_FAULT, rank_env, train_distributed
+from grstack.runtime.train.launch import ENV_FAULT, free_port, rank_env, train_distributed
 from grstack.runtime.train.loop import train
 
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "synthetic-tiny-hstu.yaml"
@@ -104,7 +104,7 @@ def test_a_dead_peer_makes_every_rank_exit_with_a_clear_message(tmp_path, data_d
     argv = [sys.executable, "-m", "grstack.runtime.cli", "train", "--config", str(CONFIG), "--out", str(run),
             "--no-progress", *set_args([*tiny_config_args(data_dir), "train.checkpoint_every=2",
                                         "distributed.timeout_s=20"])]
-    port = 29000 + os.getpid() % 2000
+    port = free_port()
     procs = [subprocess.Popen(argv, env={**os.environ, **rank_env(r, 2, port), ENV_FAULT: "1:3"},
                               stderr=subprocess.PIPE, text=True) for r in range(2)]
     outs = [p.communicate(timeout=180)[1] for p in procs]
