@@ -35,6 +35,7 @@ from grstack.runtime.train.loss import (
     sample_negatives,
     sampled_softmax_loss,
 )
+from grstack.runtime.train.rundir import reclaim_unstarted
 
 CHECKPOINT_VERSION = 1
 # Config sections that must match for a checkpoint to be resumed.
@@ -125,6 +126,8 @@ class Trainer:
 
     def _check_fresh_dir(self) -> None:
         if self.run_dir.exists() and any(self.run_dir.iterdir()):
+            if reclaim_unstarted(self.run_dir, dump_config(self.cfg)):
+                return
             if (self.run_dir / "summary.json").exists():
                 raise UserError(f"{self.run_dir} holds a finished run; use a new --out directory")
             raise UserError(f"{self.run_dir} exists, is not empty and holds no checkpoint to resume")

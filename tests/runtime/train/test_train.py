@@ -9,6 +9,7 @@ from grstack_testing import set_args, tiny_config_args, write_cyclic
 
 from grstack.runtime.cli import main
 from grstack.runtime.config import load_config
+from grstack.runtime.errors import UserError
 from grstack.runtime.train.loop import train
 
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "synthetic-tiny-hstu.yaml"
@@ -134,3 +135,20 @@ def test_corrupt_checkpoint_is_a_clear_error(tmp_path, capsys, data_dir):
     code, err = _cli(capsys, "train", "--config", str(CONFIG), "--out", str(tmp_path / "run"),
                      *set_args(args))
     assert code == 2 and "cannot be read" in err
+
+
+def test_an_attempt_that_died_before_its_first_checkpoint_starts_over(tmp_path, data_dir):
+    """A restarted gang whose first attempt wrote only its preparation must not fail on a non-empty dir."""
+    args = tiny_config_args(data_dir)
+    run = tmp_path / "run"
+    train(load_config(CONFIG, args), run, progress=False, stop_after=2)
+    for p in (run / "checkpoints").iterdir():
+        p.unlink()  # as if killed before the first checkpoint reached disk
+    summary = train(load_config(CONFIG, args), run, progress=False)
+    assert summary["steps"] > 2 and (run / "summary.json").is_file()
+    # a different config in the same directory is still refused
+    (run / "summary.json").unlink()
+    for p in (run / "checkpoints").iterdir():
+        p.unlink()
+    with pytest.raises(UserError, match="not empty"):
+        train(load_config(CONFIG, [*args, "model.d_model=24"]), run, progress=False)
