@@ -29,6 +29,18 @@ from grstack.runtime.serve.placement import Event, Placement, PlacementStore, Re
 log = logging.getLogger(__name__)
 
 
+async def bounded(coro: Any, timeout_s: float) -> Any:
+    """Like ``asyncio.wait_for``, but returns at the deadline even if the call ignores cancellation (grpc
+    calls on a dead channel can), instead of waiting for it to wind down."""
+    task = asyncio.ensure_future(coro)
+    done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    if not done:
+        task.cancel()
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        raise TimeoutError(f"no answer within {timeout_s} s")
+    return task.result()
+
+
 def parse_etcd_url(url: str) -> tuple[str, int]:
     u = urlparse(url if "://" in url else f"http://{url}")
     if not u.hostname:
@@ -37,7 +49,7 @@ def parse_etcd_url(url: str) -> tuple[str, int]:
 
 
 class EtcdPlacementStore(PlacementStore):
-    def __init__(self, url: str, root: str = "/grstack/ranking/default", timeout_s: float = 1.0) -> None:
+    def __init__(self, url: str, root: str = "/grstack/ranking/default", timeout_s: float = 2.0) -> None:
         host, port = parse_etcd_url(url)
         self.url = url
         self.root = root.rstrip("/")
@@ -54,7 +66,7 @@ class EtcdPlacementStore(PlacementStore):
 
     async def _call(self, coro: Any) -> Any:
         try:
-            return await asyncio.wait_for(coro, self.timeout_s)
+            return await bounded(coro, self.timeout_s)
         except (TimeoutError, aetcd.exceptions.ClientError, OSError) as exc:
             raise StoreUnavailable(f"etcd {self.url}: {type(exc).__name__}: {exc}") from exc
 
@@ -66,22 +78,27 @@ class EtcdPlacementStore(PlacementStore):
         return lease.id
 
     async def register(self, replica: Replica, ttl_s: float) -> None:
-        lease_id = await self._put_replica(replica, ttl_s)
+        """Registers now if etcd answers, else keeps trying in the background (a ranker serves either way)."""
+        try:
+            lease_id: int | None = await self._put_replica(replica, ttl_s)
+        except StoreUnavailable as exc:
+            log.warning("could not register replica %s in etcd yet (%s); retrying", replica.id, exc)
+            lease_id = None
         old = self._keepalive.pop(replica.id, None)
         if old is not None:
             old.cancel()
         self._keepalive[replica.id] = asyncio.get_running_loop().create_task(
             self._keep(replica, ttl_s, lease_id))
 
-    async def _keep(self, replica: Replica, ttl_s: float, lease_id: int) -> None:
-        """Refreshes the lease every ttl/3; re-registers when the lease was lost (e.g. etcd was down)."""
+    async def _keep(self, replica: Replica, ttl_s: float, lease_id: int | None) -> None:
+        """Refreshes the lease every ttl/3; (re-)registers when there is none or it was lost."""
         while True:
-            await asyncio.sleep(max(ttl_s / 3, 0.1))
+            await asyncio.sleep(max(ttl_s / 3, 0.1) if lease_id is not None else 0.5)
             try:
-                reply = await self._call(self._client.refresh_lease(lease_id))
+                reply = await self._call(self._client.refresh_lease(lease_id)) if lease_id is not None else None
                 if reply is None or reply.TTL <= 0:
                     lease_id = await self._put_replica(replica, ttl_s)
-                    log.info("re-registered replica %s in etcd", replica.id)
+                    log.info("registered replica %s in etcd", replica.id)
             except StoreUnavailable as exc:
                 log.debug("lease keep-alive for %s failed: %s", replica.id, exc)
 
@@ -165,7 +182,7 @@ class EtcdPlacementStore(PlacementStore):
             raise StoreUnavailable(f"etcd {self.url}: watch lost: {exc}") from exc
         finally:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(w.cancel(), self.timeout_s)
+                await bounded(w.cancel(), self.timeout_s)
         raise StoreUnavailable(f"etcd {self.url}: watch ended")
 
     @staticmethod
@@ -182,4 +199,4 @@ class EtcdPlacementStore(PlacementStore):
             task.cancel()
         self._keepalive.clear()
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._client.close(), self.timeout_s)
+            await bounded(self._client.close(), self.timeout_s)

@@ -132,8 +132,12 @@ def openapi_handler(doc: dict[str, Any]) -> Handler:
 
 
 async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, str]:
-    """Starts ``app`` on host:port (0 = a free port) and returns the runner and the base URL."""
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    """Starts ``app`` on host:port (0 = a free port) and returns the runner and the base URL.
+
+    Handlers are cancelled when their client goes away (e.g. a router timed out), so queued work for an
+    abandoned request is dropped instead of computed.
+    """
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
     await site.start()

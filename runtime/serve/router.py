@@ -123,11 +123,11 @@ class Router:
         await self._load_profile()
 
     async def stop(self) -> None:
-        for task in [*self._tasks, *self._background]:
+        tasks = [*self._tasks, *self._background]
+        for task in tasks:
             task.cancel()
-        for task in [*self._tasks, *self._background]:
-            with contextlib.suppress(BaseException):
-                await task
+        if tasks:  # bounded: a task stuck in a store client must not hold up shutdown
+            await asyncio.wait(tasks, timeout=5.0)
         if self._session is not None:
             await self._session.close()
         await self.store.close()

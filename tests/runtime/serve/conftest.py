@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -61,6 +63,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """etcd gets SIGKILL if the test process dies without tearing down (Linux prctl PR_SET_PDEATHSIG)."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+
+
 class EtcdServer:
     """A real single-member etcd on loopback ports with its own data dir (kept across restarts)."""
 
@@ -77,17 +87,20 @@ class EtcdServer:
                "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                "--initial-cluster", f"default={peer}"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log.open("ab"))
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log.open("ab"),
+                                     preexec_fn=_die_with_parent)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"etcd exited with {self.proc.returncode}; log: {self.log.read_text()[-2000:]}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.client_port), timeout=0.2):
-                    return
-            except OSError:
-                time.sleep(0.1)
-        raise RuntimeError(f"etcd did not listen on {self.url} within {timeout_s} s")
+            try:  # /health turns true once the member is leader and serves writes (leases need that)
+                with urllib.request.urlopen(self.url + "/health", timeout=1) as resp:
+                    if json.loads(resp.read()).get("health") == "true":
+                        return
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"etcd was not healthy on {self.url} within {timeout_s} s")
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

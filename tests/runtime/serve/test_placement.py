@@ -9,6 +9,9 @@ import pytest
 
 from grstack.runtime.serve.placement import Event, MemoryPlacementStore, PlacementStore, Replica
 
+# Bounded: a hang (a store client that never answers) fails fast instead of stalling the suite.
+pytestmark = pytest.mark.timeout(120)
+
 
 @pytest.fixture(params=["memory", "etcd"])
 async def store(request: pytest.FixtureRequest):

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import aiohttp
 import numpy as np
+import pytest
 
 from grstack.runtime.serve.etcd_store import EtcdPlacementStore
 from grstack.runtime.serve.placement import Replica
@@ -17,6 +18,9 @@ from grstack.runtime.serve.ranker import RankerConfig, RankerService, start_rank
 from grstack.runtime.serve.ring import HashRing
 from grstack.runtime.serve.router import Router, RouterConfig, start_router
 from grstack.runtime.serve.trigger import TriggerConfig
+
+# Bounded: a hang (a store client that never answers) fails fast instead of stalling the suite.
+pytestmark = pytest.mark.timeout(120)
 
 ROOT = "/grstack/ranking/test"
 
@@ -174,7 +178,7 @@ async def test_prefill_and_rank_meet_on_one_replica_across_a_router_restart(kit:
         async with aiohttp.ClientSession() as http:
             first = Router(router_config(), EtcdPlacementStore(etcd.url, ROOT))
             runner, url = await start_router(first)
-            assert first.up_replicas() == [a.url]
+            await eventually(lambda: first.up_replicas() == [a.url], what="router sees the first replica")
             status, pre, _ = await post(http, url + "/v1/prefill", prefill_body(body))
             assert status == 200 and pre["replica"] == a.url and pre["ranker"]["status"] == "computed"
             await registrar.register(Replica(b.url, b.url), ttl_s=2)

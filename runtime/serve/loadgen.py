@@ -1,0 +1,83 @@
+"""Open-loop load: requests are sent at pre-drawn (Poisson) times whether or not earlier ones finished.
+
+Latency is measured from each request's scheduled send time, so a server that falls behind is charged for
+the queueing it causes (no coordinated omission). A request that fails or times out counts as a latency
+of +inf, so it always violates an SLO.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+
+@dataclass
+class Request:
+    at: float  # seconds after the start of the run
+    path: str  # /v1/prefill | /v1/rank
+    body: bytes
+    user: str
+    measure: bool = True  # False: part of the load, but not of the latency statistics
+
+
+@dataclass
+class Result:
+    request: Request
+    status: int  # 0: no HTTP answer (connection error or timeout)
+    latency_ms: float
+    payload: dict[str, Any] | None
+    error: str = ""
+
+
+def poisson_times(qps: float, n: int, rng: np.random.Generator) -> np.ndarray:
+    return np.cumsum(rng.exponential(1.0 / qps, n))
+
+
+async def _send(session: aiohttp.ClientSession, base_url: str, req: Request, scheduled: float,
+                timeout_s: float) -> Result:
+    loop = asyncio.get_running_loop()
+    try:
+        async with session.post(base_url + req.path, data=req.body, headers={"Content-Type": "application/json"},
+                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            raw = await resp.read()
+            latency = (loop.time() - scheduled) * 1e3
+            payload = json.loads(raw) if raw else None
+            return Result(req, resp.status, latency, payload)
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        return Result(req, 0, math.inf, None, f"{type(exc).__name__}: {exc}")
+
+
+async def run_open_loop(base_url: str, requests: list[Request], timeout_s: float = 5.0,
+                        session: aiohttp.ClientSession | None = None) -> list[Result]:
+    """Sends every request at its time; returns results in the order of ``requests``' send times."""
+    own = session is None
+    session = session or aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024))
+    loop = asyncio.get_running_loop()
+    order = sorted(requests, key=lambda r: r.at)
+    t0 = loop.time() + 0.05
+    tasks = []
+    try:
+        for req in order:
+            delay = t0 + req.at - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(loop.create_task(_send(session, base_url, req, t0 + req.at, timeout_s)))
+        return list(await asyncio.gather(*tasks))
+    finally:
+        if own:
+            await session.close()
+
+
+def latency_summary(results: list[Result]) -> dict[str, float]:
+    lat = np.array([r.latency_ms if r.status == 200 else math.inf for r in results if r.request.measure])
+    if lat.size == 0:
+        return {"n": 0, "p50_ms": math.nan, "p99_ms": math.nan, "errors": 0}
+    return {"n": int(lat.size), "p50_ms": float(np.percentile(lat, 50, method="higher")),
+            "p99_ms": float(np.percentile(lat, 99, method="higher")),
+            "errors": int(np.sum(~np.isfinite(lat)))}
