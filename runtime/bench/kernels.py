@@ -192,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
             "speedup": round(padded_ms / jagged_ms, 3),
             "jagged_peak_bytes": jagged_peak, "padded_peak_bytes": padded_peak,
             "memory_ratio": round(padded_peak / max(1, jagged_peak), 3),
+            "padded_over_jagged_pairs": round(len(lengths) * max(lengths) ** 2 / sum(n * n for n in lengths), 3),
             "max_abs_diff": diff,
         }
         if not cuda:

@@ -76,3 +76,17 @@ def test_no_grad_inference_and_empty_batch():
     empty = hstu_attention_reference(torch.zeros(0, 2, 8), torch.zeros(0, 2, 8), torch.zeros(0, 2, 4),
                                      torch.tensor([0, 0, 0]), max_seq_len=8)
     assert empty.shape == (0, 2, 4)
+
+
+def test_plan_group_merging_trades_padding_for_fewer_groups(offsets_of):
+    lengths = [1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 0, 144]
+    offsets = offsets_of(lengths)
+    per_class = make_plan(offsets, group_overhead=0)
+    merged = make_plan(offsets)
+    single = make_plan(offsets, group_overhead=10**12)
+    assert len(single.groups) == 1 < len(merged.groups) < len(per_class.groups)
+    for plan in (per_class, merged, single):
+        covered = sorted(int(b) for g in plan.groups for b in g.seq)
+        assert covered == [b for b, n in enumerate(lengths) if n > 0]  # every non-empty sequence once
+        assert all(g.max_len == int(g.lengths.max()) for g in plan.groups)
+    assert single.groups[0].max_len == 144
