@@ -226,11 +226,8 @@ class Engine:
         at = 0
         for p, g in zip(self.dense_params, grads, strict=True):
             k = g.numel()
-            chunk = flat[at : at + k].view_as(g)
-            if p.grad is None:
-                p.grad = chunk.clone()
-            else:
-                p.grad.copy_(chunk)
+            if p.grad is not None:  # a parameter no loss reached keeps no gradient (AdamW skips it)
+                p.grad.copy_(flat[at : at + k].view_as(g))
             at += k
         if cfg.optim.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.dense_params, cfg.optim.grad_clip)

@@ -35,6 +35,8 @@ MODES = {
     "token_sharing_k2": {"loss.sharing": "token", "negatives.share_k": 2, "negatives.fp16": True},
     "token_budget": {"balance.token_budget": 60, "distributed.sparse_optimizer": "adagrad",
                      "distributed.sparse_lr": 0.05},
+    "sasrec": {"model.type": "sasrec"},
+    "sasrec_dbp": {"model.type": "sasrec", "pipeline.dbp": True},
 }
 
 
@@ -52,7 +54,7 @@ def _losses(runs, mode):
 
 
 def test_dual_buffer_pipelining_is_bitwise_identical(runs):
-    for a, b in (("sync_dropout", "dbp_dropout"), ("fwp4", "fwp4_dbp")):
+    for a, b in (("sync_dropout", "dbp_dropout"), ("fwp4", "fwp4_dbp"), ("sasrec", "sasrec_dbp")):
         assert _losses(runs, a) == _losses(runs, b)
         assert max_abs_diff(runs[a]["params"], runs[b]["params"]) == 0.0
         # the pipelined run did prefetch rows that the previous update then changed, and refreshed them
