@@ -46,6 +46,7 @@ from grstack.runtime.train.loop import (
     task_names,
 )
 from grstack.runtime.train.pipeline import Engine, ShardedItemEmbedding
+from grstack.runtime.train.rundir import reclaim_unstarted
 
 # Settings a sharded checkpoint must agree on, besides the single-process trainer's.
 DIST_RESUME_FIELDS = (*RESUME_FIELDS, "distributed.sparse_optimizer", "distributed.sparse_lr", "balance")
@@ -164,6 +165,8 @@ class DistributedTrainer:
                             f"new --out directory")
         path = dckpt.latest(d)
         if path is None:
+            if reclaim_unstarted(d, dump_config(self.cfg)):
+                return None  # an earlier attempt of this config died before its first checkpoint
             if (d / "summary.json").exists():
                 raise UserError(f"{d} holds a finished run; use a new --out directory")
             raise UserError(f"{d} exists, is not empty and holds no checkpoint to resume")

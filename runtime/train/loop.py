@@ -130,6 +130,10 @@ class Trainer:
                 return
             if (self.run_dir / "summary.json").exists():
                 raise UserError(f"{self.run_dir} holds a finished run; use a new --out directory")
+            from grstack.runtime.train.dist_checkpoint import latest as latest_sharded
+
+            if latest_sharded(self.run_dir) is not None:
+                raise UserError(f"{self.run_dir} holds checkpoints of a multi-rank run; resume it with --nproc")
             raise UserError(f"{self.run_dir} exists, is not empty and holds no checkpoint to resume")
 
     # -- set-up -------------------------------------------------------------------------------------

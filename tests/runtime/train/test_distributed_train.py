@@ -116,3 +116,8 @@ def test_a_dead_peer_makes_every_rank_exit_with_a_clear_message(tmp_path, data_d
     names = [p.name for p in (run / "checkpoints").iterdir()]
     assert "step-000000002" in names
     assert all((run / "checkpoints" / n / "manifest.json").is_file() for n in names if not n.startswith("."))
+    # restarting the gang resumes from the last complete checkpoint and finishes
+    cfg = load_config(CONFIG, [*tiny_config_args(data_dir), "train.checkpoint_every=2", "distributed.timeout_s=20"])
+    summary = train_distributed(cfg, run, nproc=2, progress=False)
+    losses = _losses(run)
+    assert summary["steps"] == losses[-1][0] and [s for s, _ in losses] == list(range(1, summary["steps"] + 1))
