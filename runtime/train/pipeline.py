@@ -14,7 +14,9 @@ all-reduce, sparse and dense updates.
   moves the rows of micro-batch m+1 and the gradients of m-1 while the main thread computes m; one update
   per batch. Results equal N=1 up to the order of gradient sums.
 * Semi-asynchronous (``semi_async``): the prefetch thread also returns t+1's rows before t's update (they
-  are read before it: at most one step stale, counted in ``stale_rows``); nothing is refreshed.
+  are read before it: at most one step stale, counted in ``stale_rows``); nothing is refreshed. The rows
+  wait in ``HostOffload`` (host memory; negatives in FP16 with ``negatives.fp16``). A resumed semi-async run
+  reads its first batch fresh, so unlike the other modes it does not repeat the interrupted run bit for bit.
 """
 
 from __future__ import annotations

@@ -160,10 +160,12 @@ def test_prepared_micro_batches_cover_the_rank_batch_and_index_their_keys(sharin
         assert unit.n_full == 0 and torch.equal(unit.keys[b.inv_batch_neg], b.batch_neg_ids)
     again = prep(0, 1, 1)
     assert torch.equal(again.micro[0].full.item_ids, b.micro[0].full.item_ids)
-    stream = BatchStream(iter([(0, 0, 0), (0, 1, 1)]), prep, depth=1, background=True)
-    first = stream.next()
-    assert stream.peek().global_step == 1 and first.global_step == 0
-    assert stream.next().global_step == 1 and stream.next() is None
+    for background in (True, False):
+        stream = BatchStream(iter([(0, 0, 0), (0, 1, 1)]), prep, depth=1, background=background)
+        first = stream.next()
+        assert stream.peek().global_step == 1 and first.global_step == 0
+        assert stream.next().global_step == 1 and stream.next() is None
+        assert torch.equal(first.micro[0].full.item_ids, prep(0, 0, 0).micro[0].full.item_ids)
 
 
 def test_clustering_lowers_unique_keys_on_topical_synthetic_data():
