@@ -5,14 +5,16 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.grstack-installed
 # The CPU build of torch; a bare "torch" requirement would pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
+# -P: never put the working directory on sys.path, where the repo's operator/ would shadow the stdlib module.
+PYP := $(PY) -P
 
 .PHONY: setup demo test lint bench-kernels bench-quality clean
 
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[test,serve,operator]"
+	$(PYP) -m pip install --quiet --upgrade pip
+	$(PYP) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PYP) -m pip install --quiet -e ".[test,serve,operator]"
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -22,7 +24,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q
+	$(PYP) -m pytest -q
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -174,7 +174,7 @@ def spawn_local(nproc: int, argv: list[str], tmp: Path, extra_env: dict[str, str
                ENV_ERROR_FILE: str(tmp / f"error-{r}.txt"), **((per_rank_env or {}).get(r, {}))}
         if r == 0:
             env[ENV_RESULT_FILE] = str(tmp / "result.json")
-        procs.append(subprocess.Popen([sys.executable, "-m", *argv], env=env))
+        procs.append(subprocess.Popen([sys.executable, "-P", "-m", *argv], env=env))
     return procs
 
 

@@ -22,7 +22,7 @@ def test_kernels_compile_for_hopper():
         pytest.skip("this triton build has no NVIDIA backend")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, "-m", "grstack.kernels.triton_aot", "--arch", "90", "--quick"],
+    proc = subprocess.run([sys.executable, "-P", "-m", "grstack.kernels.triton_aot", "--arch", "90", "--quick"],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in proc.stdout.splitlines()]

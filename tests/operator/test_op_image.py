@@ -36,7 +36,7 @@ def test_wheel_installs_every_package_and_the_entry_point(tmp_path: Path) -> Non
         shutil.copy(REPO / name, src / name)
     for folder in ("operator", "runtime", "kernels"):
         shutil.copytree(REPO / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+    subprocess.run([sys.executable, "-P", "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                     "--wheel-dir", str(tmp_path / "dist"), str(src)], check=True, capture_output=True)
     (wheel,) = (tmp_path / "dist").glob("grstack-*.whl")
     files = set(zipfile.ZipFile(wheel).namelist())
@@ -51,7 +51,7 @@ def test_default_config_found_through_the_image_variable(tmp_path: Path) -> None
     shutil.copytree(REPO / "configs", tmp_path / "configs")
     code = ("from grstack.operator.trainconfig import default_training_config; "
             "print(default_training_config().splitlines()[0])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True,
                          env={"PATH": "/usr/bin:/bin", "GRSTACK_CONFIG_DIR": str(tmp_path / "configs")})
     assert out.stdout.strip() == (REPO / "configs" / "synthetic-tiny-hstu.yaml").read_text().splitlines()[0]
 
@@ -62,5 +62,5 @@ def test_operator_starts_without_torch(argv: list[str]) -> None:
             "import grstack.operator.handlers, grstack.operator.training, grstack.operator.serving\n"
             f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
             "print(sorted(m for m in ('torch', 'triton') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]"

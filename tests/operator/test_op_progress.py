@@ -62,7 +62,7 @@ def test_import_is_cheap() -> None:
     code = ("import sys; from grstack.runtime.train.progress import report_progress; "
             "report_progress({'step': 1}); "
             "print(sorted(m for m in ('kubernetes', 'urllib.request', 'ssl', 'torch', 'aiohttp') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True,
                          env={"PATH": "/usr/bin:/bin"})
     assert out.stdout.strip() == "[]"
 
@@ -127,6 +127,6 @@ def test_final_report_is_flushed_at_exit(api: http.server.ThreadingHTTPServer) -
     env = {"PATH": "/usr/bin:/bin", "GRSTACK_PROGRESS_ANNOTATION": "grstack.io/progress",
            "GRSTACK_POD_NAME": "p", "GRSTACK_POD_NAMESPACE": "n", "GRSTACK_PROGRESS_INTERVAL": "3600",
            "GRSTACK_KUBE_API": f"http://127.0.0.1:{api.server_port}"}
-    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
+    subprocess.run([sys.executable, "-P", "-c", code], env=env, check=True, timeout=60)
     last = json.loads(api.requests[-1][2]["metadata"]["annotations"]["grstack.io/progress"])
     assert last["step"] == 9 and last["finished"] is True and last["metrics"] == {"ndcg@10": 0.25}

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def test_serve_local_starts_serves_and_stops(tiny_checkpoint: Path) -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "grstack.runtime.cli", "serve", "local", "--checkpoint",
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "grstack.runtime.cli", "serve", "local", "--checkpoint",
                              str(tiny_checkpoint), "--replicas", "1", "--port", "0", "--length-threshold", "4"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -101,7 +101,7 @@ def test_a_dead_peer_makes_every_rank_exit_with_a_clear_message(tmp_path, data_d
     """Ranks started as independent processes (as pods are): rank 1 dies after step 3, rank 0 notices on
     its own and exits with status 3 and one line; no summary and no incomplete checkpoint are left."""
     run = tmp_path / "run"
-    argv = [sys.executable, "-m", "grstack.runtime.cli", "train", "--config", str(CONFIG), "--out", str(run),
+    argv = [sys.executable, "-P", "-m", "grstack.runtime.cli", "train", "--config", str(CONFIG), "--out", str(run),
             "--no-progress", *set_args([*tiny_config_args(data_dir), "train.checkpoint_every=2",
                                         "distributed.timeout_s=20"])]
     port = free_port()
