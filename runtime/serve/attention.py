@@ -2,7 +2,9 @@
 :func:`grstack.kernels.reference.hstu_attention_with_prefix_reference`, arranged for the ranker's hot path.
 
 - Bias indices (position distances, log time buckets) and masks depend only on the request, not on the
-  layer, so they are computed once per forward (:func:`make_plan`) and every layer only gathers its weights.
+  layer, so they are computed once per forward (:func:`make_plan`) and every layer only gathers its weights;
+  against the prefix they are computed once per distinct query (position, timestamp) — all candidates
+  share one — and expanded by row.
 - The cached prefix is stored per layer as [H, P, d] (head-major, contiguous), so ``q @ k^T`` is a plain
   batched matmul with no copy, and prefix and new tokens are two blocks instead of a concatenation.
 - Every new row may see every prefix token (prefix tokens precede all new tokens and are all history), so
@@ -25,9 +27,10 @@ from grstack.kernels.reference import time_buckets
 class _Seq:
     n0: int  # rows [n0, n1) of the new tokens
     n1: int
-    pos_pre: torch.Tensor | None  # [n, P] index into pos_w
+    rows: torch.Tensor  # [n] row of each new token in the distinct-row tables below
+    pos_pre: torch.Tensor | None  # [u, P] index into pos_w, one row per distinct (position, time) query
     pos_new: torch.Tensor | None  # [n, n]
-    tb_pre: torch.Tensor | None  # [n, P] index into time_w
+    tb_pre: torch.Tensor | None  # [u, P] index into time_w
     tb_new: torch.Tensor | None  # [n, n]
     scale_new: torch.Tensor  # [n, n] allowed / N among the new tokens
 
@@ -53,15 +56,19 @@ def make_plan(offsets: list[int], prefix_lens: list[int], num_targets: list[int]
         pos_i = gi.clamp(max=hist)
         li = torch.arange(n, device=device)
         allowed = (li[None, :] <= li[:, None]) & ((gi[None, :] < hist) | (li[None, :] == li[:, None]))
+        use_time = num_time_buckets is not None and timestamps is not None and prefix_timestamps is not None
+        ts_i = timestamps[n0:n1] if use_time else torch.zeros_like(pos_i)
+        # All candidates share one position and one timestamp, so their bias rows against the prefix are
+        # equal: compute the [rows, P] tables once per distinct (position, timestamp).
+        uniq, rows = torch.unique(torch.stack([pos_i, ts_i], 1), dim=0, return_inverse=True)
         pos_pre = pos_new = tb_pre = tb_new = None
         if num_pos is not None:
-            pos_pre = (pos_i[:, None] - torch.arange(p, device=device)[None, :]).clamp(0, num_pos - 1)
+            pos_pre = (uniq[:, 0:1] - torch.arange(p, device=device)[None, :]).clamp(0, num_pos - 1)
             pos_new = (pos_i[:, None] - pos_i[None, :]).clamp(0, num_pos - 1)
-        if num_time_buckets is not None and timestamps is not None and prefix_timestamps is not None:
-            ts_i = timestamps[n0:n1]
-            tb_pre = time_buckets(ts_i[:, None] - prefix_timestamps[b][None, :], num_time_buckets)
+        if use_time:
+            tb_pre = time_buckets(uniq[:, 1:2] - prefix_timestamps[b][None, :], num_time_buckets)
             tb_new = time_buckets(ts_i[:, None] - ts_i[None, :], num_time_buckets)
-        seqs.append(_Seq(n0, n1, pos_pre, pos_new, tb_pre, tb_new, allowed.float() / max_seq_len))
+        seqs.append(_Seq(n0, n1, rows, pos_pre, pos_new, tb_pre, tb_new, allowed.float() / max_seq_len))
     return PrefixPlan(tuple(seqs), 1.0 / max_seq_len)
 
 
@@ -92,7 +99,7 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_prefix
             b_pre = _bias(pos_weight, time_weight, s.pos_pre, s.tb_pre)
             s_pre = torch.matmul(qb, kp.transpose(1, 2))
             if b_pre is not None:
-                s_pre = s_pre + b_pre
+                s_pre = s_pre + b_pre.index_select(0, s.rows)
             o = o + torch.matmul(F.silu(s_pre), vp) * plan.inv_n
         out[s.n0:s.n1] = o.transpose(0, 1)
     return out

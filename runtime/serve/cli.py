@@ -86,7 +86,7 @@ def _router_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cache-budget-mb", type=float, default=1024, help="footprint of admitted prefixes")
     g.add_argument("--footprint-ttl-s", type=float, default=600)
     g.add_argument("--prefill-budget-ms", type=float, default=500,
-                   help="predicted pre-infer compute admitted per replica per second")
+                   help="predicted pre-infer compute admitted per replica per second (averaged over 10 s)")
     g.add_argument("--no-relay", action="store_true", help="ignore prefill signals (full inference only)")
     g.add_argument("--rank-timeout-ms", type=float, default=2000)
 

@@ -64,7 +64,7 @@ class RouterConfig:
     rankers: tuple[str, ...] = ()  # static replicas (embedded mode); empty: discover them in the store
     relay: bool = True  # False: prefill signals are ignored (the baseline)
     trigger: TriggerConfig = field(default_factory=TriggerConfig)
-    prefill_budget_per_replica_ms: float = 500.0  # pre-infer compute per replica per trigger window
+    prefill_budget_per_replica_ms: float = 500.0  # predicted pre-infer ms per replica per second
     rank_timeout_s: float = 2.0
     prefill_timeout_s: float = 120.0
     max_attempts: int = 3
@@ -158,7 +158,8 @@ class Router:
 
     def _update_budget(self) -> None:
         if self.trigger is not None:
-            budget = self.config.prefill_budget_per_replica_ms * max(1, len(self.up_replicas()))
+            budget = (self.config.prefill_budget_per_replica_ms * max(1, len(self.up_replicas()))
+                      * self.trigger.config.window_s)
             if budget != self.trigger.config.prefill_budget_ms:
                 self.trigger.config = dataclasses.replace(self.trigger.config, prefill_budget_ms=budget)
 

@@ -9,7 +9,8 @@ admits a prefill signal only when
 2. the **cache footprint** of live admitted prefixes plus this one stays within ``cache_budget_bytes``
    (a prefix stays charged for ``footprint_ttl_s`` after its last admission);
 3. the predicted **pre-infer load** of prefills admitted in the last ``window_s`` plus this one stays within
-   ``prefill_budget_ms``.
+   ``prefill_budget_ms`` (the router sets it to a per-replica, per-second rate x replicas x window; the
+   window is long enough that one long prefill fits).
 
 Both budgets are inclusive: a request that lands exactly on a budget is admitted. A signal for a prefix
 that is already live (same user, same prefix hash) is admitted again without being charged twice.
@@ -79,8 +80,8 @@ class TriggerConfig:
     risk_fraction: float = 0.5
     length_threshold: int | None = None
     cache_budget_bytes: int = 1 << 30
-    prefill_budget_ms: float = 500.0
-    window_s: float = 1.0
+    prefill_budget_ms: float = 5000.0  # per window: 50% of one replica's compute over 10 s
+    window_s: float = 10.0  # long enough that one long prefill fits in the budget
     footprint_ttl_s: float = 600.0
 
 
