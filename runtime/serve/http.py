@@ -70,9 +70,8 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
         return await handler(request)
     except RequestError as exc:
         return error_response(exc.status, exc.message)
-    except web.HTTPRequestEntityTooLarge as exc:
-        return error_response(413, f"request body too large: {exc.text or ''} (limit "
-                              f"{request.app[MAX_BODY]} bytes)".replace("413: ", ""))
+    except web.HTTPRequestEntityTooLarge:
+        return error_response(413, f"request body too large (limit {request.app[MAX_BODY]} bytes)")
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

@@ -12,14 +12,13 @@ import json
 import os
 import signal
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
 from aiohttp import web
 
 from grstack.runtime.errors import UserError
-from grstack.runtime.serve.placement import PlacementStore
 from grstack.runtime.serve.router import Router, RouterConfig, start_router
 
 
@@ -58,7 +57,7 @@ def _die_with_parent() -> None:
 
 
 def ranker_command(checkpoint: str | Path, args: list[str] | None = None) -> list[str]:
-    return [sys.executable, "-m", "grstack.runtime.cli", "serve", "ranker", "--checkpoint", str(checkpoint),
+    return [sys.executable, "-P", "-m", "grstack.runtime.cli", "serve", "ranker", "--checkpoint", str(checkpoint),
             "--port", "0", *(args or [])]
 
 
@@ -96,7 +95,6 @@ class LocalCluster:
     replicas: int = 2
     ranker_args: list[str] = field(default_factory=list)
     router_config: RouterConfig = field(default_factory=RouterConfig)
-    store: PlacementStore | None = None
     host: str = "127.0.0.1"
     port: int = 0
     stderr: IO[Any] | int | None = None
@@ -109,12 +107,8 @@ class LocalCluster:
         try:
             self.rankers = list(await asyncio.gather(*(
                 spawn_ranker(self.checkpoint, self.ranker_args, stderr=self.stderr) for _ in range(self.replicas))))
-            cfg = self.router_config
-            if not cfg.rankers and self.store is None:
-                from dataclasses import replace
-
-                cfg = replace(cfg, rankers=tuple(r.url for r in self.rankers))
-            self.router = Router(cfg, self.store)
+            cfg = replace(self.router_config, rankers=tuple(r.url for r in self.rankers))
+            self.router = Router(cfg)
             self._runner, self.url = await start_router(self.router, self.host, self.port)
         except BaseException:
             await self.stop()

@@ -24,6 +24,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from torch import nn
 
+from grstack.runtime.device import synchronize
 from grstack.runtime.serve.cache import TieredKVCache
 from grstack.runtime.serve.engine import PrefixKV, RankItem, RelayEngine, prefix_hash
 from grstack.runtime.serve.http import (
@@ -175,7 +176,12 @@ class RankerService:
             if length >= eng.max_prefix:
                 break
             length = min(2 * length, eng.max_prefix)
-        timed = lambda fn: (time.perf_counter(), fn(), time.perf_counter())  # noqa: E731
+        def timed(fn: Any) -> tuple[float, Any, float]:
+            t0 = time.perf_counter()
+            out = fn()
+            synchronize(eng.device)  # accelerators run asynchronously
+            return t0, out, time.perf_counter()
+
         eng.rank_full([self._synthetic(lengths[0], rng)])  # warm-up
         out_l, full, cached, prefill = [], [], [], []
         for length in lengths:
