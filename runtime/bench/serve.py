@@ -32,13 +32,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-QUICK = {"lengths": [512, 1024, 2048, 4096, 8192], "qps": [2, 4, 8, 16, 32, 64, 128], "point_s": 5.0,
+QUICK = {"lengths": [512, 1024, 2048, 4096, 8192], "qps": [2, 4, 8, 16, 32, 64, 128, 256], "point_s": 5.0,
          "min_requests": 20, "users": 4}
 # At risk: full inference predicted above 5% of the SLO (12.5 ms at 250 ms). Its P99 under load is many times
 # the bare time, and the profile may be taken while the machine is quieter than during the sweep.
 RISK_FRACTION = 0.05
 FULL = {"lengths": [256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192],
-        "qps": [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128], "point_s": 20.0, "min_requests": 100,
+        "qps": [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256], "point_s": 20.0, "min_requests": 100,
         "users": 12}
 
 

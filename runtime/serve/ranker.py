@@ -186,16 +186,18 @@ class RankerService:
         out_l, full, cached, prefill = [], [], [], []
         for length in lengths:
             item = self._synthetic(length, rng)
-            t0, _, t1 = timed(lambda item=item: eng.rank_full([item]))
-            t2, kv, t3 = timed(lambda item=item: eng.prefill(item.long_items, item.long_ts))
-            reps = []
-            for _ in range(3):
+            reps: dict[str, list[float]] = {"full": [], "prefill": [], "cached": []}
+            for _ in range(3):  # medians: one stall of a shared machine must not skew the model
+                t0, _, t1 = timed(lambda item=item: eng.rank_full([item]))
+                t2, kv, t3 = timed(lambda item=item: eng.prefill(item.long_items, item.long_ts))
                 t4, _, t5 = timed(lambda kv=kv, item=item: eng.rank_cached([kv], [item]))
-                reps.append(t5 - t4)
+                reps["full"].append(t1 - t0)
+                reps["prefill"].append(t3 - t2)
+                reps["cached"].append(t5 - t4)
             out_l.append(length)
-            full.append((t1 - t0) * 1e3)
-            prefill.append((t3 - t2) * 1e3)
-            cached.append(float(np.median(reps)) * 1e3)
+            full.append(float(np.median(reps["full"])) * 1e3)
+            prefill.append(float(np.median(reps["prefill"])) * 1e3)
+            cached.append(float(np.median(reps["cached"])) * 1e3)
             if full[-1] > cfg.profile_cap_ms:
                 break
         return Profile(replica=self.replica_id, max_len=eng.max_len, max_suffix=eng.max_suffix,

@@ -151,8 +151,8 @@ class Router:
 
     def set_profile(self, profile: Profile) -> None:
         self.profile = profile
-        model = LatencyModel.fit(profile.lengths, profile.full_ms, profile.cached_ms, profile.prefill_ms,
-                                 profile.kv_bytes_per_token)
+        model = LatencyModel.from_profile(profile.lengths, profile.full_ms, profile.cached_ms, profile.prefill_ms,
+                                          profile.kv_bytes_per_token)
         self.trigger = SequenceAwareTrigger(model, self.config.trigger, enabled=self.config.relay)
         self._update_budget()
 

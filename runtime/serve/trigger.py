@@ -27,51 +27,67 @@ from typing import Any
 import numpy as np
 
 
+def _curve(lengths: tuple[int, ...], values: tuple[float, ...], length: float, power: int) -> float:
+    """Piecewise-linear through the measured points (made non-decreasing), ``length**power`` growth past
+    the last one, proportional below the first."""
+    x = np.asarray(lengths, dtype=np.float64)
+    y = np.maximum.accumulate(np.asarray(values, dtype=np.float64))
+    if length > x[-1]:
+        return float(y[-1] * (length / x[-1]) ** power)
+    if length < x[0]:
+        return float(y[0] * length / x[0])
+    return float(np.interp(length, x, y))
+
+
 @dataclass(frozen=True)
 class LatencyModel:
-    """Milliseconds as polynomials in the long-term prefix length (``numpy.polyval`` order).
+    """Milliseconds against the long-term prefix length, from the lengths a ranker measured at start-up.
 
     ``full_ms``: ranking without a cache; ``cached_ms``: ranking against a cached prefix; ``prefill_ms``:
-    computing the prefix's K/V. Profiled with the ranker's typical short-term length and candidate count.
+    computing the prefix's K/V (each with the ranker's typical short-term length and candidate count).
+    Interpolated between measured lengths (robust to one noisy point, unlike a global fit); extrapolated
+    quadratically (full, prefill: attention over the prefix) or linearly (cached) beyond the longest.
     """
 
+    lengths: tuple[int, ...]
     full_ms: tuple[float, ...]
     cached_ms: tuple[float, ...]
     prefill_ms: tuple[float, ...]
     kv_bytes_per_token: int
 
+    def __post_init__(self) -> None:
+        n = len(self.lengths)
+        if n == 0 or not (len(self.full_ms) == len(self.cached_ms) == len(self.prefill_ms) == n):
+            raise ValueError("a latency model needs the same number (>= 1) of lengths and timings")
+        if any(b <= a for a, b in zip(self.lengths, self.lengths[1:], strict=False)) or self.lengths[0] <= 0:
+            raise ValueError("profiled lengths must be positive and increasing")
+
     def predict_full_ms(self, length: int) -> float:
-        return max(0.0, float(np.polyval(self.full_ms, length)))
+        return _curve(self.lengths, self.full_ms, length, 2)
 
     def predict_cached_ms(self, prefix_len: int) -> float:
-        return max(0.0, float(np.polyval(self.cached_ms, prefix_len)))
+        return _curve(self.lengths, self.cached_ms, prefix_len, 1)
 
     def predict_prefill_ms(self, prefix_len: int) -> float:
-        return max(0.0, float(np.polyval(self.prefill_ms, prefix_len)))
+        return _curve(self.lengths, self.prefill_ms, prefix_len, 2)
 
     def kv_bytes(self, prefix_len: int) -> int:
         return prefix_len * self.kv_bytes_per_token
 
     @staticmethod
-    def fit(lengths: list[int], full: list[float], cached: list[float], prefill: list[float],
-            kv_bytes_per_token: int) -> LatencyModel:
-        """Least-squares fit: quadratic for full inference and prefill, linear for cached ranking."""
-        x = np.asarray(lengths, dtype=np.float64)
-
-        def poly(y: list[float], deg: int) -> tuple[float, ...]:
-            deg = min(deg, len(x) - 1)
-            return tuple(float(c) for c in np.polyfit(x, np.asarray(y, dtype=np.float64), deg))
-
-        return LatencyModel(poly(full, 2), poly(cached, 1), poly(prefill, 2), kv_bytes_per_token)
+    def from_profile(lengths: list[int], full: list[float], cached: list[float], prefill: list[float],
+                     kv_bytes_per_token: int) -> LatencyModel:
+        return LatencyModel(tuple(int(x) for x in lengths), tuple(map(float, full)), tuple(map(float, cached)),
+                            tuple(map(float, prefill)), int(kv_bytes_per_token))
 
     def to_json(self) -> dict[str, Any]:
-        return {"full_ms": list(self.full_ms), "cached_ms": list(self.cached_ms),
+        return {"lengths": list(self.lengths), "full_ms": list(self.full_ms), "cached_ms": list(self.cached_ms),
                 "prefill_ms": list(self.prefill_ms), "kv_bytes_per_token": self.kv_bytes_per_token}
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> LatencyModel:
-        return LatencyModel(tuple(d["full_ms"]), tuple(d["cached_ms"]), tuple(d["prefill_ms"]),
-                            int(d["kv_bytes_per_token"]))
+        return LatencyModel.from_profile(d["lengths"], d["full_ms"], d["cached_ms"], d["prefill_ms"],
+                                         d["kv_bytes_per_token"])
 
 
 @dataclass(frozen=True)

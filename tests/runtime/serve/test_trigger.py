@@ -6,8 +6,9 @@ import pytest
 
 from grstack.runtime.serve.trigger import LatencyModel, SequenceAwareTrigger, TriggerConfig
 
-# full(L) = L / 10 ms, cached(L) = 1 ms, prefill(L) = 10 ms flat, 100 bytes per token.
-MODEL = LatencyModel(full_ms=(0.1, 0.0), cached_ms=(1.0,), prefill_ms=(10.0,), kv_bytes_per_token=100)
+# Measured at 100 and 2000 tokens: full(L) = L / 10 ms in between, cached 1 ms, prefill 10 ms; 100 B/token.
+MODEL = LatencyModel(lengths=(100, 2000), full_ms=(10.0, 200.0), cached_ms=(1.0, 1.0), prefill_ms=(10.0, 10.0),
+                     kv_bytes_per_token=100)
 
 
 class Clock:
@@ -92,11 +93,15 @@ def test_disabled_trigger_admits_nothing() -> None:
     assert t.decide("a", "h", 10_000).reason == "disabled"
 
 
-def test_latency_model_fit_and_round_trip() -> None:
-    lengths = [32, 64, 128, 256, 512]
-    m = LatencyModel.fit(lengths, [1 + L * L / 1000 for L in lengths], [0.5 + L / 100 for L in lengths],
-                         [L * L / 1000 for L in lengths], 1032)
-    assert m.predict_full_ms(1024) == pytest.approx(1 + 1024**2 / 1000, rel=1e-6)
-    assert m.predict_cached_ms(1024) == pytest.approx(0.5 + 10.24, rel=1e-6)
+def test_latency_model_interpolates_and_extrapolates() -> None:
+    m = LatencyModel.from_profile([32, 64, 128, 256], [1.0, 3.0, 2.0, 16.0], [0.5, 0.6, 0.7, 0.9],
+                                  [0.8, 2.5, 9.0, 30.0], 1032)
+    assert m.predict_full_ms(48) == pytest.approx(2.0)
+    assert m.predict_full_ms(96) == pytest.approx(3.0)  # the noisy dip at 128 is smoothed to non-decreasing
+    assert m.predict_full_ms(512) == pytest.approx(64.0)  # quadratic beyond the longest measured length
+    assert m.predict_cached_ms(512) == pytest.approx(1.8)  # linear
+    assert m.predict_prefill_ms(16) == pytest.approx(0.4)  # proportional below the shortest
     assert m.kv_bytes(10) == 10_320
     assert LatencyModel.from_json(m.to_json()) == m
+    with pytest.raises(ValueError, match="increasing"):
+        LatencyModel.from_profile([64, 32], [1, 2], [1, 2], [1, 2], 8)
