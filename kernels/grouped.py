@@ -55,7 +55,11 @@ class _Chunk:
 
 
 def _tensor_key(t: torch.Tensor | None):
-    return None if t is None else (t.data_ptr(), t._version, tuple(t.shape), t.dtype, t.device)
+    if t is None:
+        return None
+    # Inference tensors have no version counter; they cannot be modified in place, so -1 is exact.
+    version = -1 if t.is_inference() else t._version
+    return (t.data_ptr(), version, tuple(t.shape), t.dtype, t.device)
 
 
 def _cached(plan: JaggedPlan, key, build, keep_alive=()):

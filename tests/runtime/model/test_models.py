@@ -67,3 +67,13 @@ def test_candidates_do_not_change_history_outputs_and_not_each_other():
 def test_sasrec_rejects_indivisible_heads():
     with pytest.raises(ValueError, match="divisible"):
         SASRec(10, max_len=5, d_model=10, num_heads=3)
+
+
+def test_encode_runs_under_inference_mode():
+    model = HSTU(50, max_len=20, d_model=16, num_blocks=2, num_heads=2, dqk=8, dv=8).eval()
+    batch = _batch([5, 9, 1])
+    with torch.no_grad():
+        want = model.encode(batch)
+    with torch.inference_mode():
+        got = model.encode(batch)
+    torch.testing.assert_close(got, want)
