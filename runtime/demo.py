@@ -50,6 +50,7 @@ def popularity_baseline(run_dir: Path, ks: list[int], max_len: int) -> dict[str,
 
     from grstack.runtime.data.dataset import read_dataset
     from grstack.runtime.data.splits import LeaveOneOut
+    from grstack.runtime.eval.evaluate import exclude_history
     from grstack.runtime.eval.metrics import metrics_from_ranks, target_ranks
 
     split = LeaveOneOut(read_dataset(run_dir / "dataset"))
@@ -57,11 +58,7 @@ def popularity_baseline(run_dir: Path, ks: list[int], max_len: int) -> dict[str,
     rows = np.arange(split.num_users)
     _, targets = split.eval_batch("test", rows, max_len)
     scores = torch.from_numpy(counts)[None, :].repeat(len(rows), 1)
-    scores[:, 0] = -torch.inf
-    hist, hoff = split.full_history("test", rows)
-    keep = scores.gather(1, targets[:, None]).clone()
-    scores[torch.from_numpy(np.repeat(rows, np.diff(hoff))), torch.from_numpy(hist)] = -torch.inf
-    scores.scatter_(1, targets[:, None], keep)
+    exclude_history(scores, targets, *split.full_history("test", rows))
     return metrics_from_ranks(target_ranks(scores, targets).numpy(), ks)
 
 

@@ -30,8 +30,8 @@ from grstack.runtime.embedding.optim import make_sparse_optimizer
 from grstack.runtime.embedding.plan import ShardingPlan
 from grstack.runtime.embedding.sharded import ShardedEmbedding
 from grstack.runtime.errors import UserError
-from grstack.runtime.eval.evaluate import last_token_outputs
-from grstack.runtime.eval.metrics import metrics_from_ranks, target_ranks
+from grstack.runtime.eval.evaluate import eval_ranks
+from grstack.runtime.eval.metrics import metrics_from_ranks
 from grstack.runtime.model import build_model
 from grstack.runtime.train import checkpoint as single_ckpt
 from grstack.runtime.train import dist_checkpoint as dckpt
@@ -67,34 +67,6 @@ def config_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> list[str]
         elif a != b:
             diffs.append(path)
     return diffs
-
-
-@torch.no_grad()
-def eval_ranks(model: nn.Module, split: LeaveOneOut, which: str, rows: np.ndarray, *, max_len: int,
-               batch_size: int, device: torch.device, tick: Callable[[], None] | None = None) -> np.ndarray:
-    """0-based target ranks of the users at ``rows`` (the protocol of ``grstack.runtime.eval.evaluate``);
-    ``tick`` is called after every chunk (the watchdog's heartbeat)."""
-    was_training = model.training
-    model.eval()
-    items = model.item_vectors()
-    out = []
-    for lo in range(0, len(rows), batch_size):
-        chunk = rows[lo : lo + batch_size]
-        batch, targets = split.eval_batch(which, chunk, max_len)
-        batch, targets = batch.to(device), targets.to(device)
-        q = model.query_vectors(last_token_outputs(model.encode(batch), batch.offsets))
-        scores = q @ items.t()
-        scores[:, 0] = -torch.inf
-        hist, hoff = split.full_history(which, chunk)
-        row_of = np.repeat(np.arange(len(chunk)), np.diff(hoff))
-        keep = scores.gather(1, targets[:, None]).clone()
-        scores[torch.from_numpy(row_of).to(device), torch.from_numpy(hist).to(device)] = -torch.inf
-        scores.scatter_(1, targets[:, None], keep)
-        out.append(target_ranks(scores, targets).cpu().numpy())
-        if tick is not None:
-            tick()
-    model.train(was_training)
-    return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
 
 @dataclass
