@@ -20,12 +20,12 @@ DEFAULT_CONFIG = "synthetic-tiny-hstu.yaml"
 def default_training_config() -> str:
     """The YAML text of the built-in demo config (``configs/synthetic-tiny-hstu.yaml``).
 
-    Found through ``grstack.runtime.configs`` (``$GRSTACK_CONFIG_DIR`` in images, the repository's
+    Found through ``grstack.runtime.config_files`` (``$GRSTACK_CONFIG_DIR`` in images, the repository's
     ``configs/`` in a checkout), else next to the installed package.
     """
     candidates: list[Path] = []
     try:
-        from grstack.runtime.configs import config_dir
+        from grstack.runtime.config_files import config_dir
 
         candidates.append(config_dir() / DEFAULT_CONFIG)
     except ImportError:
@@ -66,8 +66,8 @@ def _scalar(value: Any) -> str:
 
 def validate(text: str, items: list[str]) -> None:
     """Raises ValueError naming the field when the trainer would reject this config with these overrides."""
-    from grstack.runtime.config import load_config
     from grstack.runtime.errors import UserError
+    from grstack.runtime.training_config import load_config
 
     with tempfile.TemporaryDirectory(prefix="grstack-config-") as tmp:
         path = os.path.join(tmp, "config.yaml")

@@ -63,10 +63,10 @@ def popularity_baseline(run_dir: Path, ks: list[int], max_len: int) -> dict[str,
 
 
 def run(args: argparse.Namespace) -> int:
-    from grstack.runtime.config import load_config
-    from grstack.runtime.configs import config_path
+    from grstack.runtime.config_files import config_path
     from grstack.runtime.errors import UserError
     from grstack.runtime.train.cli import format_summary
+    from grstack.runtime.training_config import load_config
 
     out = Path(args.out)
     if out.exists() and any(out.iterdir()) and not (out / "checkpoints").is_dir():

@@ -24,9 +24,9 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from grstack.runtime.config import load_config
-    from grstack.runtime.configs import config_path
+    from grstack.runtime.config_files import config_path
     from grstack.runtime.train.loop import train
+    from grstack.runtime.training_config import load_config
 
     base = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="grstack-quality-"))
     results = []

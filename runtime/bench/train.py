@@ -46,7 +46,7 @@ def _log(msg: str) -> None:
 
 
 def bench_config(quick: bool, microbatches: int) -> Any:
-    from grstack.runtime.config import Config
+    from grstack.runtime.training_config import Config
 
     return Config.model_validate({
         "name": "bench-train",

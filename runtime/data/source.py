@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from grstack.runtime.config import DataConfig
 from grstack.runtime.data.dataset import SequenceDataset, read_dataset
 from grstack.runtime.errors import UserError
+from grstack.runtime.training_config import DataConfig
 
 
 def load_source(cfg: DataConfig) -> SequenceDataset:

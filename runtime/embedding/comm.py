@@ -86,6 +86,3 @@ class Comm:
         out: list[object] = [None] * self.size
         dist.all_gather_object(out, obj, group=self.group)
         return out
-
-    def reset_counters(self) -> None:
-        self.seconds, self.bytes = 0.0, 0

@@ -55,9 +55,6 @@ class ShardingPlan:
     def shard_of(self, rank: int) -> int:
         return rank % self.group_size
 
-    def group_ranks(self, group: int) -> list[int]:
-        return list(range(group * self.group_size, (group + 1) * self.group_size))
-
     def replica_ranks(self, shard: int) -> list[int]:
         return [shard + g * self.group_size for g in range(self.num_groups)]
 

@@ -20,7 +20,7 @@ def run(args: argparse.Namespace) -> int:
     from grstack.runtime.data.splits import LeaveOneOut
     from grstack.runtime.errors import UserError
     from grstack.runtime.eval.evaluate import evaluate
-    from grstack.runtime.train.loop import BEST_MODEL, DATASET_DIR, load_exported
+    from grstack.runtime.model import BEST_MODEL, DATASET_DIR, load_exported
 
     run_dir = Path(args.run)
     if not run_dir.is_dir():

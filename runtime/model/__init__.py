@@ -1,22 +1,35 @@
-"""Sequence models over jagged batches: HSTU (ours) and SASRec (the baseline)."""
+"""Sequence models over jagged batches (HSTU, and SASRec as the baseline) and their exported artefact.
+
+Other packages import from here: the models, ``build_model``, and the artefact's format (export, load,
+the run directory's file names). See docs/architecture.md.
+"""
 
 from __future__ import annotations
 
-from torch import nn
-
-from grstack.runtime.config import ModelConfig
+from grstack.runtime.model.artifact import (
+    BEST_MODEL,
+    DATASET_DIR,
+    atomic_torch_save,
+    export_model,
+    load_checkpoint,
+    load_exported,
+    resolve_model_file,
+    task_names,
+)
+from grstack.runtime.model.build import build_model
 from grstack.runtime.model.hstu import HSTU
 from grstack.runtime.model.sasrec import SASRec
 
-
-def build_model(cfg: ModelConfig, num_items: int, max_len: int, num_tasks: int = 1) -> nn.Module:
-    kwargs = cfg.model_dump(exclude={"type"})
-    if cfg.type == "hstu":
-        kwargs.pop("ffn_mult")
-        return HSTU(num_items, max_len=max_len, num_tasks=num_tasks, **kwargs)
-    for key in ("dqk", "dv", "time_buckets", "position_bias", "time_bias", "ranking_head"):
-        kwargs.pop(key)
-    return SASRec(num_items, max_len=max_len, **kwargs)
-
-
-__all__ = ["HSTU", "SASRec", "build_model"]
+__all__ = [
+    "BEST_MODEL",
+    "DATASET_DIR",
+    "HSTU",
+    "SASRec",
+    "atomic_torch_save",
+    "build_model",
+    "export_model",
+    "load_checkpoint",
+    "load_exported",
+    "resolve_model_file",
+    "task_names",
+]

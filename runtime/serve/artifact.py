@@ -13,23 +13,11 @@ import torch
 from torch import nn
 
 from grstack.runtime.errors import UserError
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A model file, or a run directory holding ``model.pt``."""
-    p = Path(path)
-    if p.is_dir():
-        p = p / "model.pt"
-    if not p.is_file():
-        raise UserError(f"checkpoint {path} not found (expected an exported model.pt or a run directory "
-                        f"containing one; `grstack train` writes it)")
-    return p
+from grstack.runtime.model import build_model, export_model, load_exported, resolve_model_file, task_names
 
 
 def load_ranking_model(path: str | Path) -> tuple[nn.Module, list[str]]:
-    from grstack.runtime.train.loop import load_exported
-
-    p = resolve_checkpoint(path)
+    p = resolve_model_file(path)
     model, cfg, tasks = load_exported(p)
     if cfg.model.type != "hstu" or getattr(model, "rank_head", None) is None:
         raise UserError(f"{p}: relay serving needs an HSTU model trained with the ranking head "
@@ -41,10 +29,8 @@ def write_untrained_model(path: str | Path, *, num_items: int = 10_000, max_len:
                           num_blocks: int = 2, num_heads: int = 2, dqk: int = 32, dv: int = 32,
                           actions: tuple[str, ...] = (), seed: int = 0) -> Path:
     """An exported HSTU (random weights, the same format as training's ``model.pt``)."""
-    from grstack.runtime.config import Config
     from grstack.runtime.data.dataset import from_sequences
-    from grstack.runtime.model import build_model
-    from grstack.runtime.train.loop import export_model, task_names
+    from grstack.runtime.training_config import Config
 
     cfg = Config.model_validate({
         "name": "untrained-serving-model",

@@ -212,13 +212,13 @@ def run_router(args: argparse.Namespace) -> int:
 
 def run_local(args: argparse.Namespace) -> int:
     from grstack.runtime.errors import UserError
-    from grstack.runtime.serve.artifact import resolve_checkpoint
+    from grstack.runtime.model import resolve_model_file
     from grstack.runtime.serve.local import LocalCluster
 
     _logging(args.log_level)
     if args.replicas < 1:
         raise UserError("--replicas must be at least 1")
-    checkpoint = resolve_checkpoint(args.checkpoint)
+    checkpoint = resolve_model_file(args.checkpoint)
     cfg = router_config(args)
 
     async def main() -> None:

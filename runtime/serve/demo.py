@@ -65,14 +65,15 @@ def _users(run_dir: Path, rng: Any, max_users: int) -> list[dict[str, Any]]:
 async def _demo(run_dir: Path, replicas: int, requests: int, qps: float, seed: int) -> dict[str, Any]:
     import numpy as np
 
-    from grstack.runtime.serve.artifact import load_ranking_model, resolve_checkpoint
+    from grstack.runtime.model import resolve_model_file
+    from grstack.runtime.serve.artifact import load_ranking_model
     from grstack.runtime.serve.engine import RelayEngine
     from grstack.runtime.serve.loadgen import Request, latency_summary, poisson_times, run_open_loop
     from grstack.runtime.serve.local import LocalCluster
     from grstack.runtime.serve.router import RouterConfig
     from grstack.runtime.serve.trigger import TriggerConfig
 
-    checkpoint = resolve_checkpoint(run_dir)
+    checkpoint = resolve_model_file(run_dir)
     model, _ = load_ranking_model(checkpoint)
     max_suffix = max(1, min(64, model.max_len // 4))  # the ranker's default
     rng = np.random.default_rng(seed)

@@ -191,9 +191,6 @@ class EtcdPlacementStore(PlacementStore):
         kind, _, name = rest.partition("/")
         return kind, name
 
-    async def ping(self) -> None:
-        await self._call(self._client.status())
-
     async def close(self) -> None:
         for task in self._keepalive.values():
             task.cancel()

@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from grstack.runtime.config import Config
 from grstack.runtime.data.candidates import append_candidates
 from grstack.runtime.data.jagged import JaggedBatch
 from grstack.runtime.data.splits import LeaveOneOut, ranges_index
 from grstack.runtime.embedding.sharded import LookupUnit, make_unit
-from grstack.runtime.train import balance, cluster
+from grstack.runtime.train import balance, microbatching
 from grstack.runtime.train.negatives import share_permutations, step_generator, uniform_items
+from grstack.runtime.training_config import Config
 
 
 @dataclass
@@ -177,9 +177,9 @@ class Preparer:
                 ids[off[i]:off[i + 1]], tg[off[i]:off[i + 1]], cands[i].numpy() if cands is not None else none,
                 negs[off[i] // per_set : (off[i + 1] - 1) // per_set + 1].numpy().reshape(-1) if per_token
                 else none]) for i in range(B)]
-            groups = cluster.cluster_by_keys(key_sets, lengths, n_micro)
+            groups = microbatching.cluster_by_keys(key_sets, lengths, n_micro)
         else:
-            groups = cluster.split_contiguous(lengths, n_micro)
+            groups = microbatching.split_contiguous(lengths, n_micro)
         fp16 = cfg.negatives.fp16
         units: list[LookupUnit] = []
         neg_unit = inv_batch_neg = None

@@ -2,30 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from grstack.runtime.errors import UserError
+from grstack.runtime.model import atomic_torch_save
 
 CHECKPOINT_DIR = "checkpoints"
 _NAME = re.compile(r"^step-(\d{9})\.pt$")
-
-
-def atomic_torch_save(obj: Any, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def checkpoint_path(run_dir: Path, step: int) -> Path:
@@ -51,11 +35,3 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int) 
         old.unlink(missing_ok=True)
     return path
 
-
-def load_checkpoint(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise UserError(f"checkpoint {path} does not exist")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as exc:  # a truncated or foreign file
-        raise UserError(f"checkpoint {path} cannot be read ({type(exc).__name__}: {exc})") from None

@@ -25,7 +25,7 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from grstack.runtime.config import load_config
+    from grstack.runtime.training_config import load_config
 
     cfg = load_config(args.config, args.overrides)
     summary = _train(cfg, args)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from grstack.runtime.errors import UserError
+from grstack.runtime.model import atomic_torch_save, load_checkpoint
 from grstack.runtime.train import checkpoint as single
 from grstack.runtime.train.context import DistContext
 
@@ -63,9 +64,9 @@ def save(ctx: DistContext, run_dir: Path, step: int, manifest: dict[str, Any], d
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     ctx.world.barrier()
-    single.atomic_torch_save(part, tmp / rank_file(ctx.rank))
+    atomic_torch_save(part, tmp / rank_file(ctx.rank))
     if ctx.rank == 0:
-        single.atomic_torch_save(dense, tmp / DENSE)
+        atomic_torch_save(dense, tmp / DENSE)
     ctx.world.barrier()  # every part is on disk
     if ctx.rank == 0:
         (tmp / MANIFEST).write_text(json.dumps({"format": FORMAT, "version": VERSION, "step": step, **manifest},
@@ -101,8 +102,8 @@ def load_part(path: Path, rank: int) -> dict[str, Any]:
     f = path / rank_file(rank)
     if not f.is_file():
         raise UserError(f"checkpoint {path} lacks {f.name} (each rank must see the run directory)")
-    return single.load_checkpoint(f)
+    return load_checkpoint(f)
 
 
 def load_dense(path: Path) -> dict[str, Any]:
-    return single.load_checkpoint(path / DENSE)
+    return load_checkpoint(path / DENSE)

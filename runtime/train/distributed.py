@@ -22,7 +22,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from grstack.runtime.config import Config, dump_config
 from grstack.runtime.data.dataset import read_dataset, write_dataset
 from grstack.runtime.data.source import load_source
 from grstack.runtime.data.splits import LeaveOneOut
@@ -32,21 +31,15 @@ from grstack.runtime.embedding.sharded import ShardedEmbedding
 from grstack.runtime.errors import UserError
 from grstack.runtime.eval.evaluate import eval_ranks
 from grstack.runtime.eval.metrics import metrics_from_ranks
-from grstack.runtime.model import build_model
+from grstack.runtime.model import BEST_MODEL, DATASET_DIR, build_model, export_model, task_names
 from grstack.runtime.train import checkpoint as single_ckpt
 from grstack.runtime.train import dist_checkpoint as dckpt
 from grstack.runtime.train.batching import BatchStream, Preparer, Schedule
 from grstack.runtime.train.context import DistContext
-from grstack.runtime.train.loop import (
-    BEST_MODEL,
-    DATASET_DIR,
-    RESUME_FIELDS,
-    TrainState,
-    export_model,
-    task_names,
-)
+from grstack.runtime.train.loop import RESUME_FIELDS, TrainState
 from grstack.runtime.train.pipeline import Engine, ShardedItemEmbedding
 from grstack.runtime.train.rundir import reclaim_unstarted
+from grstack.runtime.training_config import Config, dump_config
 
 # Settings a sharded checkpoint must agree on, besides the single-process trainer's.
 DIST_RESUME_FIELDS = (*RESUME_FIELDS, "distributed.sparse_optimizer", "distributed.sparse_lr", "balance")

@@ -10,14 +10,14 @@ from typing import Any
 
 import torch
 
-from grstack.runtime.config import Config
 from grstack.runtime.data.source import load_source
 from grstack.runtime.data.splits import LeaveOneOut
+from grstack.runtime.model import task_names
 from grstack.runtime.train.batching import BatchStream
 from grstack.runtime.train.context import DistContext
 from grstack.runtime.train.distributed import build_engine, make_plan
 from grstack.runtime.train.launch import rank_device
-from grstack.runtime.train.loop import task_names
+from grstack.runtime.training_config import Config
 
 
 def with_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:

@@ -273,8 +273,8 @@ def call_ranks(target: str, nproc: int, payload: Any, *, limit_s: float = 600.0,
 
 def main(argv: list[str] | None = None) -> int:
     """One rank of a local gang (started by ``spawn_local``): a training run, or ``--call`` a function."""
-    from grstack.runtime.config import Config
     from grstack.runtime.train.context import DistEnv
+    from grstack.runtime.training_config import Config
 
     ap = argparse.ArgumentParser(prog="python -m grstack.runtime.train.launch")
     ap.add_argument("--config-json")

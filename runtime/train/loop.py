@@ -17,17 +17,22 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
-from grstack.runtime.config import Config, dump_config
 from grstack.runtime.data.candidates import append_candidates
-from grstack.runtime.data.dataset import SequenceDataset, read_dataset, write_dataset
+from grstack.runtime.data.dataset import read_dataset, write_dataset
 from grstack.runtime.data.source import load_source
 from grstack.runtime.data.splits import LeaveOneOut
 from grstack.runtime.device import resolve_device, synchronize
 from grstack.runtime.errors import UserError
 from grstack.runtime.eval.evaluate import evaluate
-from grstack.runtime.model import build_model
+from grstack.runtime.model import (
+    BEST_MODEL,
+    DATASET_DIR,
+    build_model,
+    export_model,
+    load_checkpoint,
+    task_names,
+)
 from grstack.runtime.train import checkpoint as ckpt
 from grstack.runtime.train.loss import (
     negative_shape,
@@ -36,12 +41,11 @@ from grstack.runtime.train.loss import (
     sampled_softmax_loss,
 )
 from grstack.runtime.train.rundir import reclaim_unstarted
+from grstack.runtime.training_config import Config, dump_config
 
 CHECKPOINT_VERSION = 1
 # Config sections that must match for a checkpoint to be resumed.
 RESUME_FIELDS = ("data", "model", "loss", "optim", "train.batch_size", "train.seed")
-DATASET_DIR = "dataset"
-BEST_MODEL = "model.pt"
 
 
 def _get(tree: dict[str, Any], dotted: str) -> Any:
@@ -75,29 +79,6 @@ class TrainState:
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
-def task_names(ds: SequenceDataset) -> list[str]:
-    return ["next", *ds.action_names] if ds.actions is not None else ["next"]
-
-
-def export_model(model: nn.Module, cfg: Config, ds: SequenceDataset, path: Path) -> None:
-    """The serving artefact: weights plus what is needed to rebuild the model."""
-    ckpt.atomic_torch_save({"format": "grstack-model", "version": CHECKPOINT_VERSION,
-                            "config": cfg.model_dump(mode="json"), "num_items": ds.num_items,
-                            "tasks": task_names(ds), "state_dict": model.state_dict()}, path)
-
-
-def load_exported(path: Path) -> tuple[nn.Module, Config, list[str]]:
-    blob = ckpt.load_checkpoint(path)
-    if blob.get("format") != "grstack-model":
-        raise UserError(f"{path} is not an exported grstack model")
-    cfg = Config.model_validate(blob["config"])
-    tasks = blob["tasks"]
-    model = build_model(cfg.model, blob["num_items"], cfg.data.max_len, num_tasks=len(tasks))
-    model.load_state_dict(blob["state_dict"])
-    model.eval()
-    return model, cfg, tasks
-
-
 class Trainer:
     def __init__(self, cfg: Config, run_dir: str | Path, *, progress: bool = True,
                  stop_after: int | None = None) -> None:
@@ -109,7 +90,7 @@ class Trainer:
         if cfg.train.num_threads:
             torch.set_num_threads(cfg.train.num_threads)
         resume = ckpt.latest_checkpoint(self.run_dir) if self.run_dir.is_dir() else None
-        self.resume_blob = ckpt.load_checkpoint(resume) if resume else None
+        self.resume_blob = load_checkpoint(resume) if resume else None
         if self.resume_blob is not None:
             diffs = _config_mismatch(self.resume_blob["config"], cfg.model_dump(mode="json"))
             if diffs:
@@ -350,7 +331,7 @@ class Trainer:
         st, cfg = self.state, self.cfg
         best = self.run_dir / BEST_MODEL
         if best.exists():
-            self.model.load_state_dict(ckpt.load_checkpoint(best)["state_dict"])
+            self.model.load_state_dict(load_checkpoint(best)["state_dict"])
         results = {which: self._evaluate(which) for which in ("valid", "test")}
         summary = {
             "model": cfg.model.type,

@@ -31,12 +31,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from grstack.runtime.config import Config
 from grstack.runtime.embedding.sharded import ActiveRows, RoutedBatch, ShardedEmbedding
 from grstack.runtime.train.balance import imbalance, wait_ratio
 from grstack.runtime.train.batching import MicroBatch, PreparedBatch
 from grstack.runtime.train.context import DistContext
 from grstack.runtime.train.negatives import HostOffload, sampled_softmax_sum
+from grstack.runtime.training_config import Config
 
 
 class ShardedItemEmbedding(nn.Module):

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from grstack.runtime.config import ModelConfig
 from grstack.runtime.data.candidates import append_candidates
 from grstack.runtime.data.jagged import JaggedBatch
 from grstack.runtime.model import HSTU, SASRec, build_model
+from grstack.runtime.training_config import ModelConfig
 
 
 def _batch(lengths, num_items=50, seed=0):

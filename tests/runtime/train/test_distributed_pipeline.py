@@ -13,9 +13,9 @@ import pytest
 import torch
 from grstack_testing import tiny_config_args, write_cyclic
 
-from grstack.runtime.config import load_config
 from grstack.runtime.train.harness import max_abs_diff
 from grstack.runtime.train.launch import call_ranks
+from grstack.runtime.training_config import load_config
 
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "synthetic-tiny-hstu.yaml"
 STEPS = 20

@@ -6,10 +6,9 @@ import pytest
 import torch
 from grstack_testing import cyclic_dataset
 
-from grstack.runtime.config import Config
 from grstack.runtime.data.splits import LeaveOneOut
 from grstack.runtime.data.synth import synthesize
-from grstack.runtime.train import balance, cluster
+from grstack.runtime.train import balance, microbatching
 from grstack.runtime.train.batching import BatchStream, Preparer, Schedule
 from grstack.runtime.train.loss import sampled_softmax_loss
 from grstack.runtime.train.negatives import (
@@ -18,6 +17,7 @@ from grstack.runtime.train.negatives import (
     share_permutations,
     step_generator,
 )
+from grstack.runtime.training_config import Config
 
 
 def _heavy_tailed(n, seed=0):
@@ -52,7 +52,7 @@ def test_global_batches_by_count_and_by_token_budget():
 def test_micro_batches_are_non_empty_and_cover_the_batch():
     counts = np.array([50, 1, 1, 1, 1, 40, 3])
     for n in (1, 2, 3, 7, 9):
-        groups = cluster.split_contiguous(counts, n)
+        groups = microbatching.split_contiguous(counts, n)
         assert len(groups) == min(n, len(counts)) and all(len(g) for g in groups)
         assert np.concatenate(groups).tolist() == list(range(len(counts)))
 
@@ -63,11 +63,11 @@ def test_clustering_puts_sequences_that_share_keys_together():
     order = rng.permutation(32)
     key_sets = [rng.choice(topics[i % 4], size=30, replace=False) for i in order]
     counts = np.full(32, 30)
-    plain = cluster.split_contiguous(counts, 4)
-    grouped = cluster.cluster_by_keys(key_sets, counts, 4)
+    plain = microbatching.split_contiguous(counts, 4)
+    grouped = microbatching.cluster_by_keys(key_sets, counts, 4)
     assert sorted(np.concatenate(grouped).tolist()) == list(range(32))
     assert all(len(g) for g in grouped)
-    assert sum(cluster.unique_keys(grouped, key_sets)) < 0.6 * sum(cluster.unique_keys(plain, key_sets))
+    assert sum(microbatching.unique_keys(grouped, key_sets)) < 0.6 * sum(microbatching.unique_keys(plain, key_sets))
 
 
 def test_sampled_softmax_sum_matches_the_single_process_loss():

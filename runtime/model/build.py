@@ -1,0 +1,19 @@
+"""``build_model``: the model a config names, with its item count, length and ranking tasks."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from grstack.runtime.model.hstu import HSTU
+from grstack.runtime.model.sasrec import SASRec
+from grstack.runtime.training_config import ModelConfig
+
+
+def build_model(cfg: ModelConfig, num_items: int, max_len: int, num_tasks: int = 1) -> nn.Module:
+    kwargs = cfg.model_dump(exclude={"type"})
+    if cfg.type == "hstu":
+        kwargs.pop("ffn_mult")
+        return HSTU(num_items, max_len=max_len, num_tasks=num_tasks, **kwargs)
+    for key in ("dqk", "dv", "time_buckets", "position_bias", "time_bias", "ranking_head"):
+        kwargs.pop(key)
+    return SASRec(num_items, max_len=max_len, **kwargs)
