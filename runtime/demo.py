@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
 
         summary = train_distributed(cfg, out, nproc=args.nproc, progress=not args.no_progress)
     else:
-        from grstack.runtime.train.loop import train
+        from grstack.runtime.train.trainer import train
 
         summary = train(cfg, out, progress=not args.no_progress)
     if "stopped_at_step" in summary:

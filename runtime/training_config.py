@@ -88,15 +88,23 @@ class EvalConfig(_Strict):
     max_users: int | None = Field(None, ge=1, description="evaluate a deterministic subset (benchmarks)")
 
 
+class EmbeddingConfig(_Strict):
+    """The item-embedding table. Training always holds it in a row-sharded table updated by its own
+    optimizer; a single-process run is one shard of the whole table."""
+
+    optimizer: Literal["adamw", "adam", "adagrad", "sgd"] = Field(
+        "adamw", description="adamw: every row each step with optim.weight_decay (exactly torch AdamW on the "
+        "table); adam: lazy Adam on the rows a step touched; adagrad: row-wise Adagrad; sgd")
+    lr: float | None = Field(None, gt=0.0, description="item-embedding learning rate; default optim.lr "
+                             "(it follows optim.warmup_steps like the dense learning rate)")
+
+
 class DistributedConfig(_Strict):
     """Multi-rank training (``grstack train --nproc N`` or a torchrun-style environment)."""
 
     sparse_group_size: int = Field(
         0, ge=0, description="ranks per sparse group: item embeddings are row-sharded and looked up by All2All "
         "inside a group, replicated across groups; 0 = all ranks form one group")
-    sparse_optimizer: Literal["adam", "adagrad", "sgd"] = Field(
-        "adam", description="item-embedding optimizer: lazy row-sparse Adam, row-wise Adagrad or SGD")
-    sparse_lr: float | None = Field(None, gt=0.0, description="item-embedding learning rate; default optim.lr")
     max_shard_rows: int | None = Field(
         None, ge=1, description="most embedding rows one rank may hold; a plan needing more is rejected")
     timeout_s: float = Field(120.0, gt=0.0, description="a peer silent this long is dead: every rank exits")
@@ -131,12 +139,11 @@ class BalanceConfig(_Strict):
 
 
 class NegativesConfig(_Strict):
-    """How distributed training prepares sampled negatives (their number is loss.negatives)."""
+    """How training prepares sampled negatives (their number is loss.negatives)."""
 
     background: bool = Field(True, description="prepare batches and negatives in a background thread")
     prefetch: int = Field(2, ge=1, description="batches prepared ahead")
     fp16: bool = Field(False, description="send negative-only embedding rows in FP16 (positives stay FP32)")
-    offload: bool = Field(True, description="keep looked-up negative rows in host memory until used")
     share_k: int = Field(1, ge=1, description="intra-batch logit sharing: each token also scores the "
                          "negatives of k-1 other tokens (loss.sharing=token)")
 
@@ -150,10 +157,21 @@ class Config(_Strict):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train: TrainSection = Field(default_factory=TrainSection)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    embedding: EmbeddingConfig = Field(default_factory=EmbeddingConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     balance: BalanceConfig = Field(default_factory=BalanceConfig)
     negatives: NegativesConfig = Field(default_factory=NegativesConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        """Keys of earlier releases get a message saying where they went, not just "unknown key"."""
+        if isinstance(data, dict):
+            for section, key, new in MOVED_KEYS:
+                if isinstance(data.get(section), dict) and key in data[section]:
+                    raise ValueError(f"{section}.{key} is now {new}")
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> Config:
@@ -161,6 +179,13 @@ class Config(_Strict):
             raise ValueError(f"train.select_metric {self.train.select_metric!r} is not one of "
                              f"{', '.join(metric_names(self.eval.ks))}")
         return self
+
+
+MOVED_KEYS = (
+    ("distributed", "sparse_optimizer", "embedding.optimizer (one trainer for every world size)"),
+    ("distributed", "sparse_lr", "embedding.lr"),
+    ("negatives", "offload", "removed (it was never read): semi-async always parks looked-up rows in host memory"),
+)
 
 
 def metric_names(ks: list[int]) -> list[str]:

@@ -1,8 +1,12 @@
-"""Sparse optimizers for one embedding shard: only the rows a step touched are read and written.
+"""Optimizers for one embedding shard.
 
-``step(rows, grad)`` takes sorted unique local row ids and their summed gradients and returns the new row
-values (also written to the shard): the "Active buffer" the dual-buffer pipeline refreshes prefetched rows
-from. Every operation is a deterministic index op, so replicas given the same gradients stay identical.
+``step(rows, grad)`` takes sorted unique local row ids and their summed gradients and returns the rows it
+changed and their new values (also written to the shard): the "Active buffer" the dual-buffer pipeline
+refreshes prefetched rows from. The sparse ones (lazy Adam, row-wise Adagrad, SGD) read and write only the
+rows a step touched; ``DenseAdamW`` is torch's AdamW over the whole shard (untouched rows have a zero
+gradient but their moments still decay and they still move), so a one-shard run trains exactly as
+``torch.optim.AdamW`` on an ``nn.Embedding`` would. Every operation is deterministic, so replicas given the
+same gradients stay identical.
 """
 
 from __future__ import annotations
@@ -20,13 +24,14 @@ class SparseOptimizer:
         self.lr = lr
         self.steps = 0
 
-    def step(self, rows: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    def step(self, rows: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Applies the summed gradient of ``rows``; returns (changed rows, their new values)."""
         self.steps += 1
         if rows.numel() == 0:
-            return grad.new_zeros((0, self.weight.shape[1]))
+            return rows, grad.new_zeros((0, self.weight.shape[1]))
         new = self._update(rows, grad)
         self.weight.index_copy_(0, rows, new)
-        return new
+        return rows, new
 
     def _update(self, rows: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -102,8 +107,43 @@ class LazyAdam(SparseOptimizer):
         self.v.copy_(state["v"])
 
 
+class DenseAdamW(SparseOptimizer):
+    """``torch.optim.AdamW`` over the whole shard: every row's moments decay and every row moves each step."""
+
+    name = "adamw"
+
+    def __init__(self, weight: torch.Tensor, lr: float, betas: tuple[float, float] = (0.9, 0.999),
+                 weight_decay: float = 0.0) -> None:
+        super().__init__(weight, lr)
+        self.param = torch.nn.Parameter(weight, requires_grad=False)  # shares storage with the shard
+        self.inner = torch.optim.AdamW([self.param], lr=lr, betas=betas, weight_decay=weight_decay)
+        self._rows = torch.arange(weight.shape[0], device=weight.device)
+
+    def step(self, rows: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.steps += 1
+        full = torch.zeros_like(self.weight)
+        full.index_copy_(0, rows, grad)
+        self.param.grad = full
+        for group in self.inner.param_groups:
+            group["lr"] = self.lr
+        self.inner.step()
+        self.param.grad = None
+        return self._rows, self.weight
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "inner": self.inner.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.inner.load_state_dict(state["inner"])
+
+
 def make_sparse_optimizer(name: str, weight: torch.Tensor, lr: float,
-                          betas: tuple[float, float] = (0.9, 0.999)) -> SparseOptimizer:
+                          betas: tuple[float, float] = (0.9, 0.999),
+                          weight_decay: float = 0.0) -> SparseOptimizer:
+    """The shard optimizer ``embedding.optimizer`` names (weight decay applies to ``adamw`` only)."""
+    if name == "adamw":
+        return DenseAdamW(weight, lr, betas, weight_decay)
     if name == "adam":
         return LazyAdam(weight, lr, betas)
     if name == "adagrad":

@@ -145,7 +145,7 @@ class ShardedEmbedding:
 
     # -- retrieval (stage 4) and the dual-buffer sync ------------------------------------------------------
     def retrieve(self, rb: RoutedBatch) -> None:
-        rb.rows = self.weight.index_select(0, rb.keys)
+        rb.rows = self.weight.index_select(0, rb.keys.to(self.weight.device))
         rb.grad = torch.zeros_like(rb.rows)
 
     def overlap(self, rb: RoutedBatch, active: ActiveRows) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,7 +159,8 @@ class ShardedEmbedding:
         if active is None or rb.rows is None:
             return 0
         where, idx = self.overlap(rb, active)
-        rb.rows[where] = active.rows[idx]
+        dev = rb.rows.device
+        rb.rows[where.to(dev)] = active.rows[idx.to(active.rows.device)].to(dev)
         rb.refreshed = where.numel()
         return rb.refreshed
 
@@ -172,23 +173,26 @@ class ShardedEmbedding:
         """
         assert rb.rows is not None and unit.pos is not None and unit.recv_is_half is not None
         assert unit.order is not None
-        out_rows = rb.rows[unit.pos]
+        dev = rb.rows.device
+        out_rows = rb.rows[unit.pos.to(dev)]
         if not (fp16 and unit.has_half):
             send = [f + h for f, h in zip(unit.recv_full, unit.recv_half, strict=True)]
             recv = [f + h for f, h in zip(unit.send_full, unit.send_half, strict=True)]
             got = comm.all_to_all(out_rows, send, recv)
             rows = got.new_empty((unit.num_keys, self.plan.dim))
-            rows[unit.order] = got
+            rows[unit.order.to(dev)] = got
             return rows
-        full = comm.all_to_all(out_rows[~unit.recv_is_half], unit.recv_full, unit.send_full)
-        half_src = out_rows[unit.recv_is_half]
+        is_half = unit.recv_is_half.to(dev)
+        full = comm.all_to_all(out_rows[~is_half], unit.recv_full, unit.send_full)
+        half_src = out_rows[is_half]
         if fp16:
             half_src = half_src.to(self.half_dtype)
         half = comm.all_to_all(half_src, unit.recv_half, unit.send_half)
         rows = full.new_empty((unit.num_keys, self.plan.dim))
-        sorted_half = unit.order >= unit.n_full
-        rows[unit.order[~sorted_half]] = full
-        rows[unit.order[sorted_half]] = half.to(full.dtype)
+        order = unit.order.to(dev)
+        sorted_half = order >= unit.n_full
+        rows[order[~sorted_half]] = full
+        rows[order[sorted_half]] = half.to(full.dtype)
         return rows
 
     def send_grads(self, rb: RoutedBatch, unit: LookupUnit, grad: torch.Tensor, comm: Comm) -> None:
@@ -196,8 +200,8 @@ class ShardedEmbedding:
         assert rb.grad is not None and unit.order is not None and unit.pos is not None
         send = [f + h for f, h in zip(unit.send_full, unit.send_half, strict=True)]
         recv = [f + h for f, h in zip(unit.recv_full, unit.recv_half, strict=True)]
-        got = comm.all_to_all(grad[unit.order], send, recv)
-        rb.grad.index_add_(0, unit.pos, got)
+        got = comm.all_to_all(grad[unit.order.to(grad.device)], send, recv)
+        rb.grad.index_add_(0, unit.pos.to(rb.grad.device), got.to(rb.grad.device))
 
     # -- the update ------------------------------------------------------------------------------------------
     def reduce_replicas(self, keys: torch.Tensor, grad: torch.Tensor, replicas: Comm
@@ -213,11 +217,18 @@ class ShardedEmbedding:
             total.index_add_(0, torch.searchsorted(union, k), g)
         return union, total
 
-    def apply(self, rb: RoutedBatch, replicas: Comm) -> ActiveRows:
+    def reduce(self, rb: RoutedBatch, replicas: Comm) -> tuple[torch.Tensor, torch.Tensor]:
+        """This batch's summed gradient of this shard's rows (sorted local ids, [n, d]), over replicas."""
         assert rb.grad is not None
-        keys, grad = self.reduce_replicas(rb.keys, rb.grad, replicas)
-        rows = self.optimizer.step(keys, grad)
-        return ActiveRows(keys=keys, rows=rows)
+        return self.reduce_replicas(rb.keys, rb.grad, replicas)
+
+    def update(self, keys: torch.Tensor, grad: torch.Tensor) -> ActiveRows:
+        """Runs the shard optimizer; returns the rows it changed (the Active rows the next refresh reads)."""
+        changed, rows = self.optimizer.step(keys.to(self.weight.device), grad.to(self.weight.device))
+        return ActiveRows(keys=changed.to(keys.device), rows=rows)
+
+    def apply(self, rb: RoutedBatch, replicas: Comm) -> ActiveRows:
+        return self.update(*self.reduce(rb, replicas))
 
     # -- whole-table helpers (evaluation, export, checkpoints) ---------------------------------------------------
     def full_table(self, group: Comm) -> torch.Tensor:

@@ -56,7 +56,7 @@ def _train(cfg, args: argparse.Namespace) -> dict:
         from grstack.runtime.train.launch import train_distributed
 
         return train_distributed(cfg, args.out, nproc=args.nproc, progress=progress, stop_after=stop)
-    from grstack.runtime.train.loop import train
+    from grstack.runtime.train.trainer import train
 
     return train(cfg, args.out, progress=progress, stop_after=stop)
 

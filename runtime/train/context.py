@@ -74,7 +74,8 @@ class DistContext:
         self.timeout_s = timeout_s
         self.backend = distributed_backend(device)
         timeout = datetime.timedelta(seconds=timeout_s)
-        if not dist.is_initialized():
+        # one rank needs no process group: every Comm below is a group of one and short-circuits
+        if env.world_size > 1 and not dist.is_initialized():
             os.environ.setdefault("MASTER_ADDR", env.master_addr)
             os.environ.setdefault("MASTER_PORT", str(env.master_port))
             dist.init_process_group(self.backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
@@ -103,6 +104,12 @@ class DistContext:
         if len(ranks) == 1:
             return None  # Comm short-circuits single-member groups
         return dist.new_group(ranks, timeout=timeout, backend=self.backend)
+
+    @classmethod
+    def single(cls, device: torch.device, sparse_group_size: int = 0, timeout_s: float = 120.0) -> DistContext:
+        """A world of one rank (a plain ``grstack train``): the same engine, no network, no process group."""
+        env = DistEnv(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=0)
+        return cls(env, device, sparse_group_size, timeout_s)
 
     @property
     def comms(self) -> list[Comm]:

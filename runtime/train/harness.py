@@ -15,8 +15,8 @@ from grstack.runtime.data.splits import LeaveOneOut
 from grstack.runtime.model import task_names
 from grstack.runtime.train.batching import BatchStream
 from grstack.runtime.train.context import DistContext
-from grstack.runtime.train.distributed import build_engine, make_plan
 from grstack.runtime.train.launch import rank_device
+from grstack.runtime.train.trainer import build_engine, make_plan
 from grstack.runtime.training_config import Config
 
 

@@ -133,13 +133,13 @@ def run_rank(cfg: Any, run_dir: str | Path, env: Any, *, progress: bool = True,
 
     def train() -> dict[str, Any]:
         from grstack.runtime.train.context import DistContext
-        from grstack.runtime.train.distributed import DistributedTrainer
+        from grstack.runtime.train.trainer import Trainer
 
         ctx = DistContext(env, rank_device(cfg, env), cfg.distributed.sparse_group_size,
                           cfg.distributed.timeout_s)
         watchdog = Watchdog(env.rank, 3 * cfg.distributed.timeout_s)
-        return DistributedTrainer(cfg, run_dir, ctx, progress=progress, stop_after=stop_after,
-                                  heartbeat=watchdog.beat).run()
+        return Trainer(cfg, run_dir, ctx, progress=progress, stop_after=stop_after,
+                       heartbeat=watchdog.beat).run()
 
     result = guarded(env.rank, train)
     path = os.environ.get(ENV_RESULT_FILE)

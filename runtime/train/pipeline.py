@@ -74,7 +74,9 @@ class Engine:
         self.offload = HostOffload(device, cfg.negatives.fp16)
         self.active: ActiveRows | None = None
         self.pending: _Pending | None = None
-        self.comm_device = torch.device("cpu") if ctx.backend == "gloo" else device
+        # gradients of looked-up rows go where the table lives (the owner accumulates them there)
+        self.comm_device = table.weight.device
+        self.sparse_base_lr = table.optimizer.lr
 
     # -- stages 3-4 (and, semi-async, the rows) of a batch --------------------------------------------------
     def _lookup(self, batch: PreparedBatch, pending: _Pending | None) -> RoutedBatch:
@@ -158,6 +160,7 @@ class Engine:
 
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        table.optimizer.lr = self.sparse_base_lr * lr / cfg.optim.lr  # the same warm-up as the dense part
         self.optimizer.zero_grad(set_to_none=True)
 
         def fetch(u: int) -> Future:
@@ -209,30 +212,37 @@ class Engine:
         exposed += time.perf_counter() - t0
 
         # the dense all-reduce (async) overlaps the sparse replica sum and update
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.dense_params]
-        stats = torch.tensor([ret_total, rank_total, float(rb.refreshed), float(stale)], dtype=torch.float32,
-                             device=grads[0].device if grads else self.device)
-        flat = torch.cat([g.reshape(-1) for g in grads] + [stats])
-        work = ctx.world.all_reduce(flat, async_op=True)
+        stats = torch.tensor([ret_total, rank_total, float(rb.refreshed), float(stale)], dtype=torch.float32)
+        if ctx.world_size > 1:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.dense_params]
+            flat = torch.cat([g.reshape(-1) for g in grads] + [stats.to(grads[0].device if grads else self.device)])
+            work = ctx.world.all_reduce(flat, async_op=True)
+        else:
+            grads, flat, work = [], stats, None
         t0 = time.perf_counter()
         if semi and self.pending is not None:
             self._wait_retrieved(self.pending)
         exposed += time.perf_counter() - t0
+        clip = cfg.optim.grad_clip
         t0 = time.perf_counter()
-        self.active = table.apply(rb, ctx.replica)
+        keys, sparse_grad = table.reduce(rb, ctx.replica)
+        if not clip:
+            self.active = table.update(keys, sparse_grad)
         update = time.perf_counter() - t0
         t0 = time.perf_counter()
         if work is not None:
             work.wait()
         exposed += time.perf_counter() - t0
         at = 0
-        for p, g in zip(self.dense_params, grads, strict=True):
+        for p, g in zip(self.dense_params if grads else [], grads, strict=True):
             k = g.numel()
             if p.grad is not None:  # a parameter no loss reached keeps no gradient (AdamW skips it)
                 p.grad.copy_(flat[at : at + k].view_as(g))
             at += k
-        if cfg.optim.grad_clip:
-            torch.nn.utils.clip_grad_norm_(self.dense_params, cfg.optim.grad_clip)
+        if clip:
+            t0 = time.perf_counter()
+            self.active = table.update(keys, self._clip(sparse_grad, clip))
+            update += time.perf_counter() - t0
         self.optimizer.step()
         ret_g, rank_g, refreshed, stale_g = flat[at:].tolist()
         comm_total = sum(c.seconds for c in ctx.comms) - comm_before
@@ -257,6 +267,20 @@ class Engine:
             "imbalance_count_split": imbalance(batch.count_costs),
             "wait_ratio": wait_ratio(batch.rank_costs),
         }
+
+    def _clip(self, sparse_grad: torch.Tensor, max_norm: float) -> torch.Tensor:
+        """Scales dense and sparse gradients together to a global norm of at most ``max_norm`` (what
+        ``clip_grad_norm_`` over every parameter, the item table included, does in one process)."""
+        dense = [p.grad for p in self.dense_params if p.grad is not None]
+        sq_dense = torch.stack([g.pow(2).sum() for g in dense]).sum() if dense else torch.zeros(())
+        # every replica group holds the whole table's gradient: sum over one sparse group only
+        sq_sparse = sparse_grad.pow(2).sum().reshape(1).to(self.comm_device)
+        self.ctx.sparse_fwd.all_reduce(sq_sparse)
+        total = (sq_dense.to(self.comm_device) + sq_sparse[0]).sqrt()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in dense:
+            g.mul_(coef.to(g.device))
+        return sparse_grad * coef.to(sparse_grad.device)
 
     @staticmethod
     def _wait_retrieved(pending: _Pending) -> None:

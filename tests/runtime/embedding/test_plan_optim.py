@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from grstack.runtime.embedding.optim import LazyAdam, RowWiseAdagrad, SparseSGD, make_sparse_optimizer
+from grstack.runtime.embedding.optim import (
+    DenseAdamW,
+    LazyAdam,
+    RowWiseAdagrad,
+    SparseSGD,
+    make_sparse_optimizer,
+)
 from grstack.runtime.embedding.plan import ShardingPlan
 from grstack.runtime.embedding.sharded import make_unit
 from grstack.runtime.errors import UserError
@@ -42,11 +48,39 @@ def test_lazy_adam_matches_torch_sparse_adam():
     for _ in range(5):
         rows = torch.randperm(20, generator=g)[:7].sort().values
         grad = torch.randn(7, 6, generator=g)
-        new = opt.step(rows, grad)
-        assert torch.equal(new, ours[rows])
+        changed, new = opt.step(rows, grad)
+        assert torch.equal(changed, rows) and torch.equal(new, ours[rows])
         ref.grad = torch.sparse_coo_tensor(rows[None], grad, (20, 6), check_invariants=True)
         ref_opt.step()
     torch.testing.assert_close(ours, ref.detach(), atol=1e-6, rtol=1e-5)
+
+
+def test_dense_adamw_is_torch_adamw_on_an_embedding():
+    """One shard under ``adamw`` trains exactly as nn.Embedding under torch AdamW: untouched rows keep moving."""
+    g = torch.Generator().manual_seed(1)
+    w0 = torch.randn(20, 6, generator=g)
+    ours = w0.clone()
+    opt = DenseAdamW(ours, lr=0.05, betas=(0.9, 0.98), weight_decay=0.01)
+    emb = torch.nn.Embedding.from_pretrained(w0.clone(), freeze=False)
+    ref_opt = torch.optim.AdamW(emb.parameters(), lr=0.05, betas=(0.9, 0.98), weight_decay=0.01)
+    for step in range(4):
+        ids = torch.randint(0, 20, (9,), generator=g)
+        coef = torch.randn(9, 6, generator=g)
+        ref_opt.zero_grad()
+        (emb(ids) * coef).sum().backward()
+        ref_opt.step()
+        rows, inv = torch.unique(ids, return_inverse=True)
+        grad = torch.zeros(rows.numel(), 6).index_add_(0, inv, coef)
+        opt.lr = 0.05
+        changed, new = opt.step(rows, grad)
+        assert changed.numel() == 20 and torch.equal(new, ours)
+        assert torch.equal(ours, emb.weight.detach()), step
+    state = opt.state_dict()
+    other = DenseAdamW(ours.clone(), lr=0.05, betas=(0.9, 0.98), weight_decay=0.01)
+    other.load_state_dict(state)
+    assert other.steps == 4
+    torch.testing.assert_close(other.inner.state_dict()['state'][0]['exp_avg'],
+                               opt.inner.state_dict()['state'][0]['exp_avg'])
 
 
 def test_rowwise_adagrad_and_sgd_touch_only_given_rows():

@@ -33,8 +33,8 @@ MODES = {
     "batch_sharing_fwp3": {"loss.sharing": "batch", "pipeline.microbatches": 3},
     "batch_sharing_fwp3_cluster": {"loss.sharing": "batch", "pipeline.microbatches": 3, "pipeline.cluster": True},
     "token_sharing_k2": {"loss.sharing": "token", "negatives.share_k": 2, "negatives.fp16": True},
-    "token_budget": {"balance.token_budget": 60, "distributed.sparse_optimizer": "adagrad",
-                     "distributed.sparse_lr": 0.05},
+    "token_budget": {"balance.token_budget": 60, "embedding.optimizer": "adagrad",
+                     "embedding.lr": 0.05},
     "sasrec": {"model.type": "sasrec"},
     "sasrec_dbp": {"model.type": "sasrec", "pipeline.dbp": True},
 }

@@ -14,7 +14,7 @@ from grstack_testing import set_args, tiny_config_args, write_cyclic
 from grstack.runtime.cli import main
 from grstack.runtime.errors import UserError
 from grstack.runtime.train.launch import ENV_FAULT, free_port, rank_env, train_distributed
-from grstack.runtime.train.loop import train
+from grstack.runtime.train.trainer import train
 from grstack.runtime.training_config import load_config
 
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "synthetic-tiny-hstu.yaml"

@@ -1,10 +1,13 @@
-"""A distributed training run on one rank: the single-process trainer's contract (run directory, metrics,
-exact resume, evaluation, summary) on top of the sharded engine.
+"""The trainer: one training run on one rank of a world of any size (a plain ``grstack train`` is a world
+of one), on top of the sharded engine: run directory, metrics, exact resume, evaluation, summary.
 
-Every rank reads the dataset and computes the same schedule; rank 0 alone writes the run directory's shared
-files (config, dataset, metrics, best model, summary) and every rank writes its checkpoint part. Decisions
-that depend on the file system are made on rank 0 and broadcast, so all ranks fail with the same message
-(or proceed) together, and a user error is raised before anything is written.
+There is one trainer and one batch builder, so every config section means the same thing at every world
+size; a single-process run is the engine with one shard holding the whole item table, and its
+collectives short-circuit (no process group). Every rank reads the dataset and computes the same schedule;
+rank 0 alone writes the run directory's shared files (config, dataset, metrics, best model, summary) and
+every rank writes its checkpoint part. Decisions that depend on the file system are made on rank 0 and
+broadcast, so all ranks fail with the same message (or proceed) together, and a user error is raised
+before anything is written. See docs/training.md.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,17 +35,31 @@ from grstack.runtime.errors import UserError
 from grstack.runtime.eval.evaluate import eval_ranks
 from grstack.runtime.eval.metrics import metrics_from_ranks
 from grstack.runtime.model import BEST_MODEL, DATASET_DIR, build_model, export_model, task_names
-from grstack.runtime.train import checkpoint as single_ckpt
-from grstack.runtime.train import dist_checkpoint as dckpt
+from grstack.runtime.train import checkpoint as ckpt
 from grstack.runtime.train.batching import BatchStream, Preparer, Schedule
 from grstack.runtime.train.context import DistContext
-from grstack.runtime.train.loop import RESUME_FIELDS, TrainState
 from grstack.runtime.train.pipeline import Engine, ShardedItemEmbedding
 from grstack.runtime.train.rundir import reclaim_unstarted
 from grstack.runtime.training_config import Config, dump_config
 
-# Settings a sharded checkpoint must agree on, besides the single-process trainer's.
-DIST_RESUME_FIELDS = (*RESUME_FIELDS, "distributed.sparse_optimizer", "distributed.sparse_lr", "balance")
+# Config sections (or fields) that must match for a checkpoint to be resumed.
+RESUME_FIELDS = ("data", "model", "loss", "optim", "embedding", "balance", "train.batch_size", "train.seed")
+
+
+@dataclass
+class TrainState:
+    """Where training stands; checkpointed with the parameters so a resumed run continues bit for bit."""
+
+    epoch: int = 0
+    step_in_epoch: int = 0
+    global_step: int = 0
+    samples: int = 0
+    tokens: int = 0
+    train_seconds: float = 0.0
+    best_metric: float = -1.0
+    best_epoch: int = -1
+    evals_since_best: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _get(tree: dict[str, Any], dotted: str) -> Any:
@@ -53,7 +70,7 @@ def _get(tree: dict[str, Any], dotted: str) -> Any:
 
 def config_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     diffs = []
-    for path in DIST_RESUME_FIELDS:
+    for path in RESUME_FIELDS:
         a, b = _get(saved, path), _get(current, path)
         if isinstance(a, dict) and isinstance(b, dict):
             diffs += [f"{path}.{k}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
@@ -72,21 +89,20 @@ class Built:
 
 
 def build_engine(cfg: Config, ctx: DistContext, plan: ShardingPlan, split: LeaveOneOut, tasks: list[str]) -> Built:
-    """The model (its item table replaced by this rank's shard), sparse and dense optimizers, the engine and
+    """The model (its item table replaced by this rank's shard), shard and dense optimizers, the engine and
     the batch schedule. Every rank builds the full initial model from the same seed and keeps its rows, so a
     job's initial state does not depend on the number of ranks."""
     ds = split.ds
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model, ds.num_items, cfg.data.max_len, num_tasks=len(tasks))
     full = model.item_emb.weight.detach()
-    shard = full[plan.shard_of(ctx.rank) :: plan.group_size].clone()
+    shard = full[plan.shard_of(ctx.rank) :: plan.group_size].clone().to(ctx.device)
     model.item_emb = ShardedItemEmbedding(plan.num_rows, plan.dim)
     model = model.to(ctx.device)
     if ctx.rank > 0:  # dropout masks differ between ranks
         torch.manual_seed(cfg.train.seed * 1_000_003 + ctx.rank)
-    d = cfg.distributed
-    opt = make_sparse_optimizer(d.sparse_optimizer, shard, d.sparse_lr or cfg.optim.lr,
-                                (cfg.optim.beta1, cfg.optim.beta2))
+    o, e = cfg.optim, cfg.embedding
+    opt = make_sparse_optimizer(e.optimizer, shard, e.lr or o.lr, (o.beta1, o.beta2), o.weight_decay)
     table = ShardedEmbedding(plan, ctx.rank, shard, opt)
     engine = Engine(cfg, ctx, model, table, ctx.device)
     extra = cfg.loss.ranking_candidates if engine.ranking else 0
@@ -100,7 +116,7 @@ def make_plan(cfg: Config, ctx: DistContext, num_items: int) -> ShardingPlan:
                              cfg.distributed.max_shard_rows)
 
 
-class DistributedTrainer:
+class Trainer:
     def __init__(self, cfg: Config, run_dir: str | Path, ctx: DistContext, *, progress: bool = True,
                  stop_after: int | None = None, heartbeat: Callable[..., None] | None = None) -> None:
         self.cfg, self.run_dir, self.ctx = cfg, Path(run_dir), ctx
@@ -125,23 +141,20 @@ class DistributedTrainer:
         d = self.run_dir
         if not d.exists() or not any(d.iterdir()):
             return None
-        if single_ckpt.list_checkpoints(d):
-            raise UserError(f"{d} holds checkpoints of a single-process run; resume it without --nproc or use a "
-                            f"new --out directory")
-        path = dckpt.latest(d)
+        path = ckpt.latest(d)
         if path is None:
             if reclaim_unstarted(d, dump_config(self.cfg)):
                 return None  # an earlier attempt of this config died before its first checkpoint
             if (d / "summary.json").exists():
                 raise UserError(f"{d} holds a finished run; use a new --out directory")
             raise UserError(f"{d} exists, is not empty and holds no checkpoint to resume")
-        manifest = dckpt.read_manifest(path)
-        dckpt.check_layout(path, manifest, self.ctx.world_size, self.ctx.group_size)
+        manifest = ckpt.read_manifest(path)
+        ckpt.check_layout(path, manifest, self.ctx.world_size, self.ctx.group_size)
         diffs = config_mismatch(manifest.get("config", {}), self.cfg.model_dump(mode="json"))
         if diffs:
             raise UserError(f"checkpoint {path} was written by another config ({', '.join(diffs)} differ); use a "
                             f"new --out directory")
-        dckpt.remove_partial(d)
+        ckpt.remove_partial(d)
         return path
 
     def _check_sizes(self) -> None:
@@ -178,8 +191,8 @@ class DistributedTrainer:
             self.eval_model = build_model(cfg.model, self.ds.num_items, cfg.data.max_len,
                                           num_tasks=len(self.tasks)).to(self.device)
         if self.resume_path is not None:
-            dense = dckpt.load_dense(self.resume_path)
-            part = dckpt.load_part(self.resume_path, ctx.rank)
+            dense = ckpt.load_dense(self.resume_path)
+            part = ckpt.load_part(self.resume_path, ctx.rank)
             self.model.load_state_dict(dense["model"])
             self.engine.optimizer.load_state_dict(dense["optimizer"])
             self.state = TrainState(**dense["state"])
@@ -244,7 +257,7 @@ class DistributedTrainer:
                  "state": self.state.__dict__, "best_state": self.best_state} if ctx.rank == 0 else {}
         part = {"shard": self.table.weight, "sparse_optimizer": self.table.optimizer.state_dict(),
                 "rng": torch.get_rng_state()}
-        path = dckpt.save(ctx, self.run_dir, self.state.global_step, manifest, dense, part,
+        path = ckpt.save(ctx, self.run_dir, self.state.global_step, manifest, dense, part,
                           cfg.train.keep_checkpoints)
         self._report({"last_checkpoint": str(path)})
         self.beat()
@@ -268,7 +281,7 @@ class DistributedTrainer:
         from tqdm import tqdm
 
         bar = tqdm(total=total, initial=st.global_step, disable=not self.progress, file=sys.stderr, unit="step",
-                   dynamic_ncols=True, desc=f"{cfg.name} x{ctx.world_size}")
+                   dynamic_ncols=True, desc=cfg.name if ctx.world_size == 1 else f"{cfg.name} x{ctx.world_size}")
         window: dict[str, float] = {"t": 0.0, "samples": 0, "tokens": 0}
         self.totals = {"imbalance": 0.0, "imbalance_count_split": 0.0, "exposed_comm_ms": 0.0, "comm_ms": 0.0,
                        "stale_rows": 0, "steps": 0}
@@ -402,10 +415,22 @@ class DistributedTrainer:
                 from grstack.runtime.train.plot import plot_training_curves
 
                 plot_training_curves(self.run_dir / "metrics.jsonl", self.run_dir / "training_curve.png",
-                                     title=f"{cfg.name}: {cfg.model.type} on {self.ds.name}, "
-                                           f"{ctx.world_size} ranks")
+                                     title=f"{cfg.name}: {cfg.model.type} on {self.ds.name}"
+                                           + (f", {ctx.world_size} ranks" if ctx.world_size > 1 else ""))
             except ImportError:
                 pass
             self._report({"finished": True, "metrics": results["test"]})
         ctx.world.barrier()
         return summary
+
+
+def train(cfg: Config, run_dir: str | Path, *, progress: bool = True, stop_after: int | None = None
+          ) -> dict[str, Any]:
+    """Trains in this process as a world of one rank; returns the summary (or ``{"stopped_at_step": N}``)."""
+    from grstack.runtime.device import resolve_device
+
+    if cfg.train.num_threads:
+        torch.set_num_threads(cfg.train.num_threads)
+    ctx = DistContext.single(resolve_device(cfg.train.device), cfg.distributed.sparse_group_size,
+                             cfg.distributed.timeout_s)
+    return Trainer(cfg, run_dir, ctx, progress=progress, stop_after=stop_after).run()
