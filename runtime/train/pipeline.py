@@ -58,6 +58,21 @@ class _Pending:
     parked: list[int] = field(default_factory=list)
 
 
+class _Inline:
+    """An executor that runs each call at once in the caller's thread (a one-rank job's comm "thread")."""
+
+    def submit(self, fn: Any, *args: Any) -> Future:
+        fut: Future = Future()
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as exc:
+            fut.set_exception(exc)
+        return fut
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        return None
+
+
 class Engine:
     def __init__(self, cfg: Config, ctx: DistContext, model: nn.Module, table: ShardedEmbedding,
                  device: torch.device) -> None:
@@ -69,7 +84,9 @@ class Engine:
         p = cfg.pipeline
         self.prefetching = p.dbp or p.semi_async
         self.ranking = getattr(model, "rank_head", None) is not None and cfg.loss.ranking_weight > 0
-        self.comm_pool = ThreadPoolExecutor(1, thread_name_prefix="grstack-comm")
+        # one rank has nothing to overlap with: its lookups and gradient sends run inline
+        self.comm_pool: ThreadPoolExecutor | _Inline = (
+            ThreadPoolExecutor(1, thread_name_prefix="grstack-comm") if ctx.world_size > 1 else _Inline())
         self.pre_pool = ThreadPoolExecutor(1, thread_name_prefix="grstack-prefetch")
         self.offload = HostOffload(device, cfg.negatives.fp16)
         self.active: ActiveRows | None = None
