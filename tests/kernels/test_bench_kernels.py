@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from grstack.runtime import cli
 from grstack.runtime.bench import kernels as bench
+
+pytestmark = pytest.mark.unit
 
 
 def test_bench_prints_one_json_object(monkeypatch, capsys):

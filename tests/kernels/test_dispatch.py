@@ -10,6 +10,8 @@ import torch
 from grstack import kernels
 from grstack.kernels import attention, triton_embedding, triton_hstu, triton_norm
 
+pytestmark = pytest.mark.unit
+
 
 def test_auto_picks_reference_on_cpu_and_triton_on_cuda(monkeypatch):
     monkeypatch.delenv(attention.ENV_VAR, raising=False)

@@ -10,6 +10,8 @@ import torch
 from grstack.kernels import grouped, make_plan
 from grstack.kernels.reference import hstu_attention_padded, hstu_attention_reference
 
+pytestmark = pytest.mark.unit
+
 
 def _grads(fn, case, dtype, use_pos, use_time, use_targets, plan=None):
     q, k, v = (t.to(dtype).requires_grad_() for t in (case.q, case.k, case.v))

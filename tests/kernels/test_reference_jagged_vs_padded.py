@@ -6,6 +6,8 @@ import torch
 from grstack.kernels.plan import make_plan
 from grstack.kernels.reference import hstu_attention_padded, hstu_attention_reference
 
+pytestmark = pytest.mark.unit
+
 
 def _case(lengths, heads=2, dqk=8, dv=4, seed=0, with_targets=False):
     g = torch.Generator().manual_seed(seed)

@@ -16,6 +16,8 @@ import torch
 from grstack.kernels import triton_hstu
 from grstack.kernels.reference import hstu_attention_reference, hstu_attention_with_prefix_reference
 
+pytestmark = pytest.mark.unit
+
 # (seed, heads, dqk, dv, use_pos, use_time, use_targets, dtype)
 CASES = [
     (0, 2, 16, 16, True, True, True, torch.float32),

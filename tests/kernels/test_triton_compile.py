@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 
 def test_kernels_compile_for_hopper():
     try:

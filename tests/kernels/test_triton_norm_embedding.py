@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from grstack.kernels import triton_embedding, triton_norm
 from grstack.kernels.reference import embedding_gather_reference, layer_norm_mul_reference
 
+pytestmark = pytest.mark.unit
+
 
 def _close(actual, expected, tol, what):
     actual, expected = actual.detach(), expected.detach()

@@ -18,6 +18,8 @@ from grstack.operator.models import GRRankingServiceSpec
 from grstack.operator.serving import reconcile_serving
 from grstack.operator.training import reconcile_training
 
+pytestmark = pytest.mark.unit
+
 CHART = REPO / "charts" / "grstack"
 SERVING_VALUES = yaml.safe_load((REPO / "examples" / "serving-values.yaml").read_text())
 SCENARIOS: dict[str, dict[str, Any]] = {

@@ -31,7 +31,7 @@ import pytest
 from grstack.operator import crds, names
 from grstack.operator.kube import ApiError, KubeClient
 
-pytestmark = [pytest.mark.cluster,
+pytestmark = [pytest.mark.e2e, pytest.mark.cluster,
               pytest.mark.skipif(not os.environ.get("KUBECONFIG"), reason="needs KUBECONFIG (a real cluster)")]
 
 IMAGE = os.environ.get("GRSTACK_TEST_IMAGE")

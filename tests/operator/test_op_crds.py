@@ -17,6 +17,8 @@ from opsim import REPO, admit_custom_resource
 from grstack.operator import crds
 from grstack.operator.models import GRRankingServiceSpec, GRTrainingJobSpec
 
+pytestmark = pytest.mark.unit
+
 KUBE_VERSIONS = ("1.27", latest_version())
 
 

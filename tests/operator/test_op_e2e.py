@@ -17,6 +17,8 @@ from opsim import Cluster
 
 from grstack.operator import names
 
+pytestmark = pytest.mark.e2e
+
 WORKERS = 2
 JOBS = f"{names.GROUP}/{names.VERSION}/{names.TRAINING_PLURAL}"
 FAST = {  # the tiny synthetic demo config, made smaller: seconds per run on a loaded 2-core machine

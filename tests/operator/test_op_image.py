@@ -17,6 +17,7 @@ from opsim import REPO
 DOCKERFILE = (REPO / "Dockerfile").read_text()
 
 
+@pytest.mark.unit
 def test_targets_and_copied_paths() -> None:
     stages = re.findall(r"^FROM \S+ AS (\w+)", DOCKERFILE, flags=re.M)
     assert {"cpu", "cuda", "ascend"} <= set(stages)
@@ -28,6 +29,7 @@ def test_targets_and_copied_paths() -> None:
         assert "USER 1000:1000" in body and "GRSTACK_CONFIG_DIR=/opt/grstack/configs" in body, stage
 
 
+@pytest.mark.integration
 def test_wheel_installs_every_package_and_the_entry_point(tmp_path: Path) -> None:
     """``pip wheel --no-deps`` on exactly what the wheel stage copies."""
     src = tmp_path / "src"
@@ -47,6 +49,7 @@ def test_wheel_installs_every_package_and_the_entry_point(tmp_path: Path) -> Non
     assert "grstack = grstack.runtime.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
 
 
+@pytest.mark.unit
 def test_default_config_found_through_the_image_variable(tmp_path: Path) -> None:
     shutil.copytree(REPO / "configs", tmp_path / "configs")
     code = ("from grstack.operator.trainconfig import default_training_config; "
@@ -56,6 +59,7 @@ def test_default_config_found_through_the_image_variable(tmp_path: Path) -> None
     assert out.stdout.strip() == (REPO / "configs" / "synthetic-tiny-hstu.yaml").read_text().splitlines()[0]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("argv", [["operator", "--help"], ["crds", "--help"]])
 def test_operator_starts_without_torch(argv: list[str]) -> None:
     code = ("import sys; from grstack.runtime.cli import main\n"

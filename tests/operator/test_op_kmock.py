@@ -9,10 +9,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 from aiohttp import web
 from opsim import Cluster
 
 from grstack.operator import names
+
+pytestmark = pytest.mark.e2e
 
 JOBS = f"{names.GROUP}/{names.VERSION}/{names.TRAINING_PLURAL}"
 SERVICES = f"{names.GROUP}/{names.VERSION}/{names.SERVING_PLURAL}"

@@ -58,6 +58,7 @@ def _wait(predicate: Any, what: str) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
+@pytest.mark.unit
 def test_import_is_cheap() -> None:
     code = ("import sys; from grstack.runtime.train.progress import report_progress; "
             "report_progress({'step': 1}); "
@@ -67,12 +68,14 @@ def test_import_is_cheap() -> None:
     assert out.stdout.strip() == "[]"
 
 
+@pytest.mark.unit
 def test_disabled_without_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("GRSTACK_PROGRESS_ANNOTATION", "GRSTACK_POD_NAME", "GRSTACK_POD_NAMESPACE"):
         monkeypatch.delenv(var, raising=False)
     assert progress.PodAnnotationReporter.from_env("GRSTACK_PROGRESS_ANNOTATION") is None
 
 
+@pytest.mark.integration
 def test_patches_own_pod_annotation_with_throttling(monkeypatch: pytest.MonkeyPatch,
                                                     api: http.server.ThreadingHTTPServer) -> None:
     _env(monkeypatch, f"http://127.0.0.1:{api.server_port}")
@@ -96,6 +99,7 @@ def test_patches_own_pod_annotation_with_throttling(monkeypatch: pytest.MonkeyPa
     assert json.loads(api.requests[-1][2]["metadata"]["annotations"]["grstack.io/progress"])["step"] == 51
 
 
+@pytest.mark.integration
 def test_odd_values_do_not_break_reporting(monkeypatch: pytest.MonkeyPatch,
                                            api: http.server.ThreadingHTTPServer) -> None:
     _env(monkeypatch, f"http://127.0.0.1:{api.server_port}")
@@ -107,6 +111,7 @@ def test_odd_values_do_not_break_reporting(monkeypatch: pytest.MonkeyPatch,
     assert report["last_checkpoint"] == "/run/checkpoints/step-1"
 
 
+@pytest.mark.unit
 def test_unreachable_api_warns_once_and_never_raises(monkeypatch: pytest.MonkeyPatch,
                                                      caplog: pytest.LogCaptureFixture) -> None:
     _env(monkeypatch, "http://127.0.0.1:9", interval="0")
@@ -120,6 +125,7 @@ def test_unreachable_api_warns_once_and_never_raises(monkeypatch: pytest.MonkeyP
     assert len(warnings) == 1 and "training continues" in warnings[0].getMessage()
 
 
+@pytest.mark.integration
 def test_final_report_is_flushed_at_exit(api: http.server.ThreadingHTTPServer) -> None:
     code = ("from grstack.runtime.train.progress import report_progress\n"
             "report_progress({'step': 1})\n"

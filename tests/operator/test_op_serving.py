@@ -12,6 +12,8 @@ from grstack.operator import names
 from grstack.operator.models import GRRankingServiceStatus
 from grstack.operator.serving import hit_rate, reconcile_serving, stats_targets
 
+pytestmark = pytest.mark.unit
+
 NOW = dt.datetime(2026, 1, 1, 12, 0, 0, tzinfo=dt.UTC)
 
 

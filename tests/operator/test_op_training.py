@@ -13,6 +13,8 @@ from grstack.operator import names
 from grstack.operator.models import GRTrainingJobStatus
 from grstack.operator.training import reconcile_training
 
+pytestmark = pytest.mark.unit
+
 NOW = dt.datetime(2026, 1, 1, 12, 0, 0, tzinfo=dt.UTC)
 T0 = "2026-01-01T11:00:00Z"  # an hour before NOW
 

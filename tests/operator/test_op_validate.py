@@ -15,6 +15,8 @@ from grstack.operator import names
 from grstack.operator.serving import reconcile_serving
 from grstack.operator.training import reconcile_training
 
+pytestmark = pytest.mark.unit
+
 KUBE_VERSIONS = ("1.27", latest_version())
 NOW = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 META = {"namespace": "team-a", "uid": "7f1d4c0e-0000-4000-8000-000000000001", "generation": 1}

@@ -2,9 +2,12 @@
 
 import json
 
+import pytest
+
 from grstack.runtime.cli import main
 
 
+@pytest.mark.e2e
 def test_demo_quick_trains_evaluates_and_reports(tmp_path, capsys):
     out = tmp_path / "demo"
     assert main(["demo", "--quick", "--out", str(out), "--no-progress"]) == 0
@@ -15,6 +18,7 @@ def test_demo_quick_trains_evaluates_and_reports(tmp_path, capsys):
     assert (out / "baseline_popularity.json").is_file()
 
 
+@pytest.mark.unit
 def test_demo_refuses_a_foreign_non_empty_directory(tmp_path, capsys):
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "file").write_text("mine")

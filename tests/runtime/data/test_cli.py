@@ -15,6 +15,8 @@ from grstack.runtime.data.synth import PRESETS
 
 from .conftest import RECBOLE_HEADER
 
+pytestmark = pytest.mark.unit
+
 
 def test_choices_match_the_implementations() -> None:
     assert sorted(data_cli.FORMATS) == sorted(IMPORTERS)

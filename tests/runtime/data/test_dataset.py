@@ -14,6 +14,8 @@ from grstack.runtime.data import dataset as dataset_mod
 from grstack.runtime.data.dataset import from_sequences, read_dataset, read_item_map, read_meta, write_dataset
 from grstack.runtime.errors import UserError
 
+pytestmark = pytest.mark.unit
+
 
 def _ds(**kw):
     items = [np.array([3, 1, 2]), np.array([2, 2]), np.array([1])]

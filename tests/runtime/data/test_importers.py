@@ -14,6 +14,8 @@ from grstack.runtime.errors import UserError
 
 from .conftest import KUAIRAND_HEADER, RECBOLE_HEADER, SHARED_DATA, kuairand_row
 
+pytestmark = pytest.mark.unit
+
 
 def seqs(ds) -> dict[int, list[int]]:
     """user -> raw item ids in sequence order (independent of the dense mapping)."""

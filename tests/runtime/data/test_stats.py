@@ -10,6 +10,8 @@ import pytest
 from grstack.runtime.data.dataset import from_sequences
 from grstack.runtime.data.stats import dataset_stats, format_stats, gini, zipf_exponent
 
+pytestmark = pytest.mark.unit
+
 
 def _toy():
     # 3 users, lengths 2, 3, 5; item 1 has 5 events, item 2 has 3, items 3 and 4 one each; item 5 unseen.

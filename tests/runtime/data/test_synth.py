@@ -10,6 +10,8 @@ from grstack.runtime.data.stats import dataset_stats
 from grstack.runtime.data.synth import PRESETS, synthesize
 from grstack.runtime.errors import UserError
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def tiny():

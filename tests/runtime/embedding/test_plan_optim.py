@@ -14,6 +14,8 @@ from grstack.runtime.embedding.plan import ShardingPlan
 from grstack.runtime.embedding.sharded import make_unit
 from grstack.runtime.errors import UserError
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize(("rows", "world", "group"), [(101, 4, 0), (101, 4, 2), (7, 2, 1), (16, 8, 4)])
 def test_every_row_has_exactly_one_place_per_group(rows, world, group):

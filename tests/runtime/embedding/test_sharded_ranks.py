@@ -9,6 +9,8 @@ from grstack.runtime.embedding.optim import make_sparse_optimizer
 from grstack.runtime.embedding.sharded import make_unit
 from grstack.runtime.train.launch import call_ranks
 
+pytestmark = pytest.mark.integration
+
 ROWS, DIM = 97, 8
 
 

@@ -1,12 +1,15 @@
 """Full-ranking evaluation excludes the user's earlier items but never the target itself."""
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
 from grstack.runtime.data.dataset import from_sequences
 from grstack.runtime.data.splits import LeaveOneOut
 from grstack.runtime.eval.evaluate import evaluate
+
+pytestmark = pytest.mark.unit
 
 
 class FixedScores(nn.Module):

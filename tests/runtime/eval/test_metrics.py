@@ -6,6 +6,8 @@ import torch
 
 from grstack.runtime.eval.metrics import metrics_from_ranks, target_ranks
 
+pytestmark = pytest.mark.unit
+
 
 def test_metrics_hand_computed():
     ranks = np.array([0, 1, 9, 10, 200])

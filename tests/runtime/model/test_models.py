@@ -8,6 +8,8 @@ from grstack.runtime.data.jagged import JaggedBatch
 from grstack.runtime.model import HSTU, SASRec, build_model
 from grstack.runtime.training_config import ModelConfig
 
+pytestmark = pytest.mark.unit
+
 
 def _batch(lengths, num_items=50, seed=0):
     g = torch.Generator().manual_seed(seed)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import torch
 
 from grstack.runtime.serve.cache import TieredKVCache
 from grstack.runtime.serve.engine import PrefixKV
+
+pytestmark = pytest.mark.unit
 
 
 def kv(n: int, fill: float = 0.0) -> PrefixKV:

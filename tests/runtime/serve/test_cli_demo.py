@@ -18,6 +18,7 @@ from grstack.runtime.cli import main
 pytestmark = pytest.mark.timeout(180)
 
 
+@pytest.mark.integration
 def test_serve_local_starts_serves_and_stops(tiny_checkpoint: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-P", "-m", "grstack.runtime.cli", "serve", "local", "--checkpoint",
                              str(tiny_checkpoint), "--replicas", "1", "--port", "0", "--length-threshold", "4"],
@@ -44,6 +45,7 @@ def test_serve_local_starts_serves_and_stops(tiny_checkpoint: Path) -> None:
     assert proc.returncode == 0, err[-2000:]
 
 
+@pytest.mark.integration
 def test_serve_demo_reports_latency_hits_and_exactness(tiny_checkpoint: Path, tmp_path: Path,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     from grstack.runtime.serve.demo import serve_demo
@@ -62,6 +64,7 @@ def test_serve_demo_reports_latency_hits_and_exactness(tiny_checkpoint: Path, tm
     assert "40/40 rank requests answered, 0 errors" in out and "prefix cache hits" in out
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("argv", "message"), [
     (["serve", "ranker", "--checkpoint", "/nonexistent/model.pt"], "checkpoint /nonexistent/model.pt not found"),
     (["serve", "local", "--checkpoint", "/nonexistent", "--replicas", "0"], "--replicas must be at least 1"),
@@ -73,6 +76,7 @@ def test_cli_mistakes_are_one_line_errors(argv: list[str], message: str, capsys:
     assert err.startswith("error: ") and message in err and "\n" not in err
 
 
+@pytest.mark.unit
 def test_cli_rejects_a_suffix_budget_the_model_cannot_hold(tiny_checkpoint: Path,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "ranker", "--checkpoint", str(tiny_checkpoint), "--max-suffix", "48"]) == 2

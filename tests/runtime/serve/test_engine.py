@@ -12,6 +12,8 @@ from grstack.runtime.serve import attention as serve_attention
 from grstack.runtime.serve.engine import RankItem, RelayEngine
 from grstack.runtime.serve.prefix import prefix_hash
 
+pytestmark = pytest.mark.unit
+
 TOL = 1e-5
 NUM_ITEMS = 300  # conftest's tiny model
 

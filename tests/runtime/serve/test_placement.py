@@ -13,7 +13,9 @@ from grstack.runtime.serve.placement import Event, MemoryPlacementStore, Placeme
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(params=["memory", "etcd"])
+# The in-memory store is a unit test; the same contract on a real etcd server is an integration test.
+@pytest.fixture(params=[pytest.param("memory", marks=pytest.mark.unit),
+                        pytest.param("etcd", marks=pytest.mark.integration)])
 async def store(request: pytest.FixtureRequest):
     if request.param == "memory":
         s: PlacementStore = MemoryPlacementStore(sweep_s=0.05)

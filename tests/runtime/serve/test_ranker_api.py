@@ -13,6 +13,8 @@ import pytest
 from grstack.runtime.serve.engine import RelayEngine
 from grstack.runtime.serve.ranker import RankerConfig, RankerService, start_ranker
 
+pytestmark = pytest.mark.integration
+
 
 def history(seed: int, n: int) -> tuple[list[int], list[int]]:
     rng = np.random.default_rng(seed)

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
+
 from grstack.runtime.serve.ring import HashRing
+
+pytestmark = pytest.mark.unit
 
 
 def test_order_is_a_stable_permutation() -> None:

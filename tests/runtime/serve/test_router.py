@@ -20,7 +20,7 @@ from grstack.runtime.serve.router import Router, RouterConfig, start_router
 from grstack.runtime.serve.trigger import TriggerConfig
 
 # Bounded: a hang (a store client that never answers) fails fast instead of stalling the suite.
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 ROOT = "/grstack/ranking/test"
 

@@ -6,10 +6,13 @@ import asyncio
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
 from grstack.runtime.serve.engine import RelayEngine
 from grstack.runtime.serve.scheduler import ComputeScheduler
+
+pytestmark = pytest.mark.unit
 
 
 def request(eng: RelayEngine, rng: np.random.Generator, n_long: int):

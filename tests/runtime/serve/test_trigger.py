@@ -6,6 +6,8 @@ import pytest
 
 from grstack.runtime.serve.trigger import LatencyModel, SequenceAwareTrigger, TriggerConfig
 
+pytestmark = pytest.mark.unit
+
 # Measured at 100 and 2000 tokens: full(L) = L / 10 ms in between, cached 1 ms, prefill 10 ms; 100 B/token.
 MODEL = LatencyModel(lengths=(100, 2000), full_ms=(10.0, 200.0), cached_ms=(1.0, 1.0), prefill_ms=(10.0, 10.0),
                      kv_bytes_per_token=100)

@@ -2,7 +2,11 @@
 
 import json
 
+import pytest
+
 from grstack.runtime.cli import main
+
+pytestmark = pytest.mark.integration
 
 TRAIN_KEYS = {"imbalance_before", "imbalance_after", "step_ms", "exposed_comm_ratio", "microbatches",
               "unique_keys_per_microbatch", "dbp_max_abs_diff", "fwp_max_abs_diff", "tokens_per_second",

@@ -17,6 +17,8 @@ from grstack.runtime.train.harness import max_abs_diff
 from grstack.runtime.train.launch import call_ranks
 from grstack.runtime.training_config import load_config
 
+pytestmark = pytest.mark.integration
+
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "synthetic-tiny-hstu.yaml"
 STEPS = 20
 DROPOUT = {"model.dropout": 0.1, "model.input_dropout": 0.1}

@@ -17,6 +17,8 @@ from grstack.runtime.train.launch import ENV_FAULT, free_port, rank_env, train_d
 from grstack.runtime.train.trainer import train
 from grstack.runtime.training_config import load_config
 
+pytestmark = pytest.mark.integration
+
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "synthetic-tiny-hstu.yaml"
 
 

@@ -19,6 +19,8 @@ from grstack.runtime.train.negatives import (
 )
 from grstack.runtime.training_config import Config
 
+pytestmark = pytest.mark.unit
+
 
 def _heavy_tailed(n, seed=0):
     return np.minimum(np.random.default_rng(seed).lognormal(np.log(200), 1.0, n).astype(np.int64) + 10, 2000)

@@ -1,9 +1,12 @@
 """Sampled softmax: the sharing modes agree with a per-token loop, collisions are masked."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from grstack.runtime.train.loss import negative_shape, sampled_softmax_loss
+
+pytestmark = pytest.mark.unit
 
 
 def _loop_loss(q, pos, neg_per_token, targets, ids_per_token, t):

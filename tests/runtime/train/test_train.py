@@ -13,6 +13,8 @@ from grstack.runtime.errors import UserError
 from grstack.runtime.train.trainer import train
 from grstack.runtime.training_config import load_config
 
+pytestmark = pytest.mark.unit
+
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "synthetic-tiny-hstu.yaml"
 
 
