@@ -1,18 +1,43 @@
-"""One public attention function with a backend dispatcher (reference / triton / npu).
+"""The public ops with a backend dispatcher (reference / padded / triton / npu).
 
-The model calls only :func:`hstu_attention`. The backend is chosen by argument, else by the
+Models call only these: :func:`hstu_attention` (training and full inference), :func:`hstu_attention_with_prefix`
+(serving: new tokens against a cached prefix), :func:`layer_norm_mul`, :func:`embedding_gather`, and
+:func:`causal_softmax_attention` (the SASRec baseline). The backend is chosen by argument, else by the
 ``GRSTACK_KERNEL_BACKEND`` environment variable, else by device: ``triton`` on CUDA when it imports,
 ``npu`` when torch_npu imports and the tensors are on an NPU, ``reference`` (torch) otherwise.
+
+Every backend implements both attention ops:
+
+============  ===============================  ====================================  ====================
+backend       hstu_attention                   hstu_attention_with_prefix            prefix K/V layout
+============  ===============================  ====================================  ====================
+reference     grouped torch engine (CPU fast)  torch prefix path (``prefix_cpu``)    head-major [H, P, d]
+padded        dense padded formulation          plain [S, P+S] rectangles (oracle)    token-major [P, H, d]
+triton        fused Triton kernels             fused Triton forward                  token-major [P, H, d]
+npu           grouped torch engine on NPU      torch prefix path on NPU              head-major [H, P, d]
+============  ===============================  ====================================  ====================
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 
-from grstack.kernels.plan import JaggedPlan
+from grstack.kernels.plan import (
+    HEAD_MAJOR,
+    TOKEN_MAJOR,
+    JaggedPlan,
+    PrefixLayout,
+    PrefixPlan,
+    cached,
+    make_prefix_plan,
+    tensor_key,
+)
+from grstack.kernels.prefix_cpu import hstu_attention_with_prefix_cpu
 from grstack.kernels.reference import (
+    causal_softmax_attention_reference,
     embedding_gather_reference,
     hstu_attention_padded,
     hstu_attention_reference,
@@ -22,6 +47,7 @@ from grstack.kernels.reference import (
 
 BACKENDS = ("reference", "padded", "triton", "npu")
 ENV_VAR = "GRSTACK_KERNEL_BACKEND"
+_PREFIX_LAYOUTS = {"reference": HEAD_MAJOR, "padded": TOKEN_MAJOR, "triton": TOKEN_MAJOR, "npu": HEAD_MAJOR}
 
 
 def _triton_available() -> bool:
@@ -81,40 +107,85 @@ def hstu_attention(
     return hstu_attention_reference(q, k, v, offsets, plan=plan, **kwargs)
 
 
+def prefix_layout(device: torch.device, backend: str | None = None) -> PrefixLayout:
+    """The layout :func:`hstu_attention_with_prefix` wants each cached sequence's keys and values in, for
+    tensors on ``device`` (and ``backend``, resolved as :func:`select_backend` does)."""
+    return _PREFIX_LAYOUTS[select_backend(device, backend)]
+
+
 def hstu_attention_with_prefix(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     offsets: torch.Tensor,
-    k_prefix: torch.Tensor,
-    v_prefix: torch.Tensor,
-    prefix_offsets: torch.Tensor,
+    k_prefix: Sequence[torch.Tensor],
+    v_prefix: Sequence[torch.Tensor],
     *,
     max_seq_len: int,
     timestamps: torch.Tensor | None = None,
-    prefix_timestamps: torch.Tensor | None = None,
+    prefix_timestamps: Sequence[torch.Tensor] | None = None,
     pos_weight: torch.Tensor | None = None,
     time_weight: torch.Tensor | None = None,
     num_targets: torch.Tensor | None = None,
+    plan: PrefixPlan | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """Serving attention of new tokens against a cached prefix (forward only).
+    """Serving attention of new tokens against a cached prefix (forward; no gradient is promised).
 
     Sequence b's new tokens ``q, k, v[offsets[b]:offsets[b+1]]`` (S_b of them) are positions
-    ``P_b .. P_b + S_b - 1`` of a sequence whose first ``P_b`` tokens' keys and values are
-    ``k_prefix, v_prefix[prefix_offsets[b]:prefix_offsets[b+1]]``; ``timestamps`` / ``prefix_timestamps``
-    likewise. ``num_targets`` [B] counts candidate tokens at the end of the new tokens. The result equals
-    the rows of the new tokens in :func:`hstu_attention` over the whole sequence (``N`` is constant, so the
-    prefix's K/V do not depend on what follows it).
+    ``P_b .. P_b + S_b - 1`` of a sequence whose first ``P_b`` tokens' keys and values are ``k_prefix[b]``,
+    ``v_prefix[b]`` — one tensor per sequence, as a cache stores them, in :func:`prefix_layout`'s layout
+    ([P_b, H, d] token-major or [H, P_b, d] head-major); ``timestamps`` [sum_S] / ``prefix_timestamps[b]``
+    [P_b] likewise. ``num_targets`` [B] counts candidate tokens at the end of the new tokens (at most S_b).
+    The result equals the rows of the new tokens in :func:`hstu_attention` over the whole sequence (``N`` is
+    constant, so the prefix's K/V do not depend on what follows it).
+
+    ``plan`` (:func:`make_prefix_plan`, one per forward) lets every layer reuse what depends only on the
+    batch (masks, bias indices, device offsets); without one each call builds its own.
     """
+    name = select_backend(q.device, backend)
+    batch = offsets.numel() - 1
+    if len(k_prefix) != batch or len(v_prefix) != batch:
+        raise ValueError(f"{len(k_prefix)} prefix keys and {len(v_prefix)} prefix values for {batch} sequences")
+    if time_weight is not None and timestamps is not None and prefix_timestamps is None:
+        raise ValueError("prefix_timestamps are required with timestamps and time_weight")
+    if plan is None:
+        layout = _PREFIX_LAYOUTS[name]
+        plan = make_prefix_plan(offsets, [layout.length(kp) for kp in k_prefix])
+    if batch == 0 or q.shape[0] == 0:
+        return v.new_zeros(v.shape)
     kwargs = dict(max_seq_len=max_seq_len, timestamps=timestamps, prefix_timestamps=prefix_timestamps,
                   pos_weight=pos_weight, time_weight=time_weight, num_targets=num_targets)
-    if select_backend(q.device, backend) == "triton":
-        from grstack.kernels import triton_hstu
+    if name == "triton":
+        return _prefix_triton(q, k, v, offsets, k_prefix, v_prefix, plan, **kwargs)
+    if name == "padded":
+        return hstu_attention_with_prefix_reference(q, k, v, offsets, k_prefix, v_prefix, plan=plan, **kwargs)
+    if name == "npu":
+        from grstack.kernels import npu
 
-        return triton_hstu.hstu_attention_with_prefix_triton(q, k, v, offsets, k_prefix, v_prefix,
-                                                             prefix_offsets, **kwargs)
-    return hstu_attention_with_prefix_reference(q, k, v, offsets, k_prefix, v_prefix, prefix_offsets, **kwargs)
+        return npu.hstu_attention_with_prefix_npu(q, k, v, offsets, k_prefix, v_prefix, plan=plan, **kwargs)
+    return hstu_attention_with_prefix_cpu(q, k, v, offsets, k_prefix, v_prefix, plan=plan, **kwargs)
+
+
+def _prefix_triton(q, k, v, offsets, k_prefix, v_prefix, plan: PrefixPlan, *, prefix_timestamps, **kwargs):
+    """The fused kernel takes one jagged [sum_P, H, d] prefix: per-sequence tensors are concatenated (per
+    layer); the prefix offsets and timestamps once per plan."""
+    from grstack.kernels import triton_hstu
+
+    def join(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        return parts[0] if len(parts) == 1 else torch.cat(list(parts))
+
+    def prefix_offsets() -> torch.Tensor:
+        lengths = torch.tensor(plan.prefix_lengths, dtype=torch.int64)
+        return torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(q.device)
+
+    poffsets = cached(plan, ("triton_prefix_offsets", q.device), prefix_offsets)
+    pts = None
+    if prefix_timestamps is not None:
+        pts = cached(plan, ("triton_prefix_timestamps", *(tensor_key(t) for t in prefix_timestamps)),
+                     lambda: join(prefix_timestamps), keep_alive=list(prefix_timestamps))
+    return triton_hstu.hstu_attention_with_prefix_triton(q, k, v, offsets, join(k_prefix), join(v_prefix), poffsets,
+                                                         prefix_timestamps=pts, **kwargs)
 
 
 def layer_norm_mul(x: torch.Tensor, u: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
@@ -134,3 +205,10 @@ def embedding_gather(table: torch.Tensor, ids: torch.Tensor, *, backend: str | N
 
         return triton_embedding.embedding_gather_triton(table, ids)
     return embedding_gather_reference(table, ids)
+
+
+def causal_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, *,
+                             plan: JaggedPlan | None = None, dropout_p: float = 0.0) -> torch.Tensor:
+    """Jagged causal softmax attention (the SASRec baseline), [sum_L, H, d] -> [sum_L, H, d]; torch on every
+    device, per length group of ``plan`` (no padding to L_max)."""
+    return causal_softmax_attention_reference(q, k, v, offsets, plan=plan, dropout_p=dropout_p)

@@ -24,13 +24,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from grstack.kernels.plan import JaggedPlan
+from grstack.kernels.bias import time_buckets
+from grstack.kernels.plan import JaggedPlan, cached, tensor_key
 
 # A chunk's [H, G, rows, keys] tile holds about this many elements (cache-sized; ~4 MB in fp32).
 CHUNK_ELEMENTS = 1 << 20
 # Groups up to this length are one chunk: their upper triangle is small and fewer ops cost less.
 SINGLE_CHUNK_LEN = 128
-_CACHE_ENTRIES = 4
 
 
 @dataclass(frozen=True)
@@ -54,27 +54,6 @@ class _Chunk:
     index: torch.Tensor | None  # [G or 1, rows, r1] int32 into the flat bias table
 
 
-def _tensor_key(t: torch.Tensor | None):
-    if t is None:
-        return None
-    # Inference tensors have no version counter; they cannot be modified in place, so -1 is exact.
-    version = -1 if t.is_inference() else t._version
-    return (t.data_ptr(), version, tuple(t.shape), t.dtype, t.device)
-
-
-def _cached(plan: JaggedPlan, key, build, keep_alive=()):
-    """Per-plan memo (a plan is built per batch and reused by all layers); holds ``keep_alive`` tensors so a
-    data_ptr in the key cannot be reused by another tensor while the entry lives."""
-    hit = plan.cache.get(key)
-    if hit is not None:
-        return hit[0]
-    value = build()
-    if len(plan.cache) >= _CACHE_ENTRIES:
-        plan.cache.pop(next(iter(plan.cache)))
-    plan.cache[key] = (value, tuple(keep_alive))
-    return value
-
-
 def _layout(plan: JaggedPlan, heads: int) -> _Layout:
     def build() -> _Layout:
         parts, groups, start = [], [], 0
@@ -90,7 +69,7 @@ def _layout(plan: JaggedPlan, heads: int) -> _Layout:
         token_rows[rows[valid]] = slots[valid]
         return _Layout(torch.where(valid, rows, 0), slots[~valid], token_rows, tuple(groups), heads)
 
-    return _cached(plan, ("layout", heads), build)
+    return cached(plan, ("layout", heads), build)
 
 
 def _row_chunks(length: int, heads: int, group_size: int) -> list[tuple[int, int]]:
@@ -104,7 +83,6 @@ def _row_chunks(length: int, heads: int, group_size: int) -> list[tuple[int, int
 def _chunks(plan: JaggedPlan, heads: int, max_seq_len: int, dtype: torch.dtype, num_pos: int | None,
             num_tb: int | None, timestamps: torch.Tensor | None, num_targets: torch.Tensor | None) -> list[_Chunk]:
     """Masks and bias-table indices of every chunk; depends on the batch, not on the layer."""
-    from grstack.kernels.reference import time_buckets
 
     def build() -> list[_Chunk]:
         out = []
@@ -138,9 +116,9 @@ def _chunks(plan: JaggedPlan, heads: int, max_seq_len: int, dtype: torch.dtype, 
                 out.append(_Chunk(gi, r0, r1, scale, index))
         return out
 
-    key = ("chunks", heads, max_seq_len, dtype, num_pos, num_tb, _tensor_key(timestamps),
-           _tensor_key(num_targets))
-    return _cached(plan, key, build, keep_alive=[t for t in (timestamps, num_targets) if t is not None])
+    key = ("chunks", heads, max_seq_len, dtype, num_pos, num_tb, tensor_key(timestamps),
+           tensor_key(num_targets))
+    return cached(plan, key, build, keep_alive=[t for t in (timestamps, num_targets) if t is not None])
 
 
 def _gather(x: torch.Tensor, layout: _Layout) -> torch.Tensor:

@@ -1,17 +1,28 @@
-"""Length-bucketed plans for computing attention on jagged sequences on CPU without padding to L_max.
+"""Per-batch plans the attention ops reuse in every layer.
 
-Sequences are grouped into length classes (powers of 2^(1/4)); each group is gathered into a small dense
-block padded only to that group's own longest sequence. Attention work is then ``sum_g G_g * L_g^2``, within
-a small constant of the jagged ``sum_b L_b^2``, instead of ``B * L_max^2``. A plan depends only on the
-offsets, so a model computes it once per batch and reuses it in every layer.
+:class:`JaggedPlan` (full attention): sequences are grouped into length classes (powers of 2^(1/4)); each
+group is gathered into a small dense block padded only to that group's own longest sequence. Attention work
+is then ``sum_g G_g * L_g^2``, within a small constant of the jagged ``sum_b L_b^2``, instead of
+``B * L_max^2``. A plan depends only on the offsets, so a model computes it once per batch and reuses it in
+every layer.
+
+:class:`PrefixPlan` (attention of new tokens against a cached prefix): the batch's new-token offsets and
+prefix lengths on the host; backends keep what they derive from the batch (masks, bias indices, device
+offsets) in its ``cache``, so every layer of one forward reuses them.
+
+:class:`PrefixLayout`: how a backend of the cached-prefix op wants each sequence's cached keys and values.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+# Entries a plan's cache keeps (batch constants for a few (table size, dtype, ...) combinations).
+_CACHE_ENTRIES = 4
 
 
 @dataclass(frozen=True)
@@ -114,3 +125,87 @@ def scatter_groups(blocks: list[torch.Tensor], plan: JaggedPlan) -> torch.Tensor
     if not parts:
         return blocks[0].new_zeros((0,)) if blocks else torch.zeros(0)
     return torch.cat(parts, dim=0)[plan.inverse]
+
+
+def tensor_key(t: torch.Tensor | None):
+    """Identity of a tensor's current contents, for memo keys (None stays None)."""
+    if t is None:
+        return None
+    # Inference tensors have no version counter; they cannot be modified in place, so -1 is exact.
+    version = -1 if t.is_inference() else t._version
+    return (t.data_ptr(), version, tuple(t.shape), t.dtype, t.device)
+
+
+def cached(plan: JaggedPlan | PrefixPlan, key, build: Callable[[], object], keep_alive: Sequence = ()):
+    """Per-plan memo (a plan is built per batch and reused by all layers); holds ``keep_alive`` tensors so a
+    data_ptr in the key cannot be reused by another tensor while the entry lives."""
+    hit = plan.cache.get(key)
+    if hit is not None:
+        return hit[0]
+    value = build()
+    if len(plan.cache) >= _CACHE_ENTRIES:
+        plan.cache.pop(next(iter(plan.cache)))
+    plan.cache[key] = (value, tuple(keep_alive))
+    return value
+
+
+@dataclass(frozen=True)
+class PrefixPlan:
+    """One cached-prefix forward: sequence b's new tokens are rows ``offsets[b]:offsets[b+1]`` and follow a
+    cached prefix of ``prefix_lengths[b]`` tokens (so they sit at positions ``prefix_lengths[b]..``)."""
+
+    offsets: tuple[int, ...]  # [B + 1], host
+    prefix_lengths: tuple[int, ...]  # [B], host
+    # Batch-dependent constants that backends compute once and reuse in every layer.
+    cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.prefix_lengths)
+
+
+def make_prefix_plan(offsets: torch.Tensor | Sequence[int],
+                     prefix_lengths: torch.Tensor | Sequence[int]) -> PrefixPlan:
+    """Plan of a cached-prefix batch (pass host lists to avoid a device sync)."""
+    offs = tuple(int(o) for o in (offsets.tolist() if isinstance(offsets, torch.Tensor) else offsets))
+    plens = tuple(int(p) for p in (prefix_lengths.tolist() if isinstance(prefix_lengths, torch.Tensor)
+                                   else prefix_lengths))
+    if len(offs) != len(plens) + 1:
+        raise ValueError(f"{len(offs)} offsets for {len(plens)} prefixes; expected B + 1 offsets for B prefixes")
+    return PrefixPlan(offs, plens)
+
+
+@dataclass(frozen=True)
+class PrefixLayout:
+    """How the cached-prefix op wants one sequence's keys or values of one layer.
+
+    ``token_major``: [P, H, d] (the jagged token layout; Triton and the plain formulation);
+    ``head_major``: [H, P, d] contiguous (the CPU path: ``q @ k^T`` is a batched matmul with no copy).
+    """
+
+    name: str
+    seq_dim: int
+
+    def from_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """[n, H, d] (how projections come out) -> this layout."""
+        return x.transpose(0, 1).contiguous() if self.seq_dim == 1 else x
+
+    def to_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """This layout -> [n, H, d] (a view)."""
+        return x.transpose(0, 1) if self.seq_dim == 1 else x
+
+    def empty(self, heads: int, dim: int, *, device: torch.device | str | None = None,
+              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        shape = (heads, 0, dim) if self.seq_dim == 1 else (0, heads, dim)
+        return torch.zeros(shape, device=device, dtype=dtype)
+
+    def length(self, x: torch.Tensor) -> int:
+        return int(x.shape[self.seq_dim])
+
+    def cat(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Concatenates along the sequence (e.g. a prefix and its next chunk)."""
+        return torch.cat(list(parts), dim=self.seq_dim)
+
+
+TOKEN_MAJOR = PrefixLayout("token_major", 0)
+HEAD_MAJOR = PrefixLayout("head_major", 1)

@@ -10,25 +10,27 @@ causal training) and history length ``Hn = L - M``::
     out_i   = sum_j A_ij v_j
 
 ``N`` is a constant, so a prefix's keys and values never depend on what is appended after it — the
-property relay inference relies on. ``bucket(dt) = clamp(floor(ln(max(|dt|, 1)) / TIME_BUCKET_DIV), 0, T)``
-with ``T = len(time_w) - 1``.
+property relay inference relies on. ``bucket`` is :func:`grstack.kernels.bias.time_buckets`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
+from grstack.kernels.bias import time_buckets
 from grstack.kernels.grouped import grouped_hstu_attention
-from grstack.kernels.plan import JaggedPlan, make_plan
-
-TIME_BUCKET_DIV = 0.301
-
-
-def time_buckets(dt: torch.Tensor, num_buckets: int) -> torch.Tensor:
-    """Log-bucketed absolute time gaps, in ``0..num_buckets``."""
-    x = dt.abs().clamp(min=1).to(torch.float32)
-    return (torch.log(x) / TIME_BUCKET_DIV).floor().clamp(0, num_buckets).to(torch.int64)
+from grstack.kernels.jagged import jagged_to_padded, padded_to_jagged
+from grstack.kernels.plan import (
+    JaggedPlan,
+    PrefixPlan,
+    gather_groups,
+    make_plan,
+    make_prefix_plan,
+    scatter_groups,
+)
 
 
 def _dense_block(
@@ -108,8 +110,6 @@ def hstu_attention_padded(
     num_targets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The dense padded implementation of the same math ([B, L_max, L_max] bias): baseline and oracle."""
-    from grstack.runtime.data.jagged import jagged_to_padded, padded_to_jagged
-
     lengths = offsets[1:] - offsets[:-1]
     if q.shape[0] == 0:
         return v.new_zeros(v.shape)
@@ -124,48 +124,51 @@ def hstu_attention_with_prefix_reference(
     k: torch.Tensor,
     v: torch.Tensor,
     offsets: torch.Tensor,
-    k_prefix: torch.Tensor,
-    v_prefix: torch.Tensor,
-    prefix_offsets: torch.Tensor,
+    k_prefix: Sequence[torch.Tensor],
+    v_prefix: Sequence[torch.Tensor],
     *,
     max_seq_len: int,
     timestamps: torch.Tensor | None = None,
-    prefix_timestamps: torch.Tensor | None = None,
+    prefix_timestamps: Sequence[torch.Tensor] | None = None,
     pos_weight: torch.Tensor | None = None,
     time_weight: torch.Tensor | None = None,
     num_targets: torch.Tensor | None = None,
+    plan: PrefixPlan | None = None,
 ) -> torch.Tensor:
-    """Serving: per sequence b, the new tokens (``offsets``, S_b of them) are positions ``P_b..P_b+S_b-1`` of
-    a sequence whose first ``P_b`` tokens' K/V are cached (``prefix_offsets``). ``num_targets`` counts the
-    candidates among the new tokens. Returns [sum_S, H, dv], equal to the full-sequence attention's rows for
-    the new tokens. Computed directly on the [S_b, P_b + S_b] rectangle of each sequence.
+    """The plain formulation of the cached-prefix op (the oracle of its fast paths).
+
+    Per sequence b, the new tokens (``offsets``, S_b of them) are positions ``P_b..P_b+S_b-1`` of a sequence
+    whose first ``P_b`` tokens' K/V are ``k_prefix[b]``, ``v_prefix[b]`` ([P_b, H, d], token-major).
+    ``num_targets`` counts the candidates among the new tokens. Returns [sum_S, H, dv], equal to the
+    full-sequence attention's rows for the new tokens. Computed directly on the [S_b, P_b + S_b] rectangle of
+    each sequence (prefix and new K/V concatenated, one mask).
     """
-    offs = offsets.tolist()
-    poffs = prefix_offsets.tolist()
+    plan = plan if plan is not None else make_prefix_plan(offsets, [kp.shape[0] for kp in k_prefix])
+    offs = plan.offsets
     out = v.new_zeros(v.shape)
     has_time = time_weight is not None and timestamps is not None
     if has_time and prefix_timestamps is None:
         raise ValueError("prefix_timestamps are required with timestamps and time_weight")
     for b in range(len(offs) - 1):
-        s0, s1, p0, p1 = offs[b], offs[b + 1], poffs[b], poffs[b + 1]
+        s0, s1 = offs[b], offs[b + 1]
         if s1 == s0:
             continue
-        n_pre, n_new = p1 - p0, s1 - s0
+        n_pre, n_new = plan.prefix_lengths[b], s1 - s0
         total = n_pre + n_new
         hist = total - int(num_targets[b]) if num_targets is not None else total
         hist = max(hist, 0)
         gi = torch.arange(n_pre, total, device=q.device)
         gj = torch.arange(total, device=q.device)
         allowed = (gj[None, :] <= gi[:, None]) & ((gj[None, :] < hist) | (gj[None, :] == gi[:, None]))
-        kb = torch.cat([k_prefix[p0:p1], k[s0:s1]]).transpose(0, 1)  # [H, P+S, d]
-        vb = torch.cat([v_prefix[p0:p1], v[s0:s1]]).transpose(0, 1)
+        kb = torch.cat([k_prefix[b], k[s0:s1]]).transpose(0, 1)  # [H, P+S, d]
+        vb = torch.cat([v_prefix[b], v[s0:s1]]).transpose(0, 1)
         scores = torch.matmul(q[s0:s1].transpose(0, 1), kb.transpose(1, 2))  # [H, S, P+S]
         bias = None
         if pos_weight is not None:
             dist = torch.clamp_max(gi, hist)[:, None] - torch.clamp_max(gj, hist)[None, :]
             bias = pos_weight[dist.clamp(0, pos_weight.numel() - 1)]
         if has_time:
-            ts = torch.cat([prefix_timestamps[p0:p1], timestamps[s0:s1]])
+            ts = torch.cat([prefix_timestamps[b], timestamps[s0:s1]])
             tb = time_weight[time_buckets(ts[n_pre:, None] - ts[None, :], time_weight.numel() - 1)]
             bias = tb if bias is None else bias + tb
         if bias is not None:
@@ -173,6 +176,24 @@ def hstu_attention_with_prefix_reference(
         attn = F.silu(scores) * (allowed.unsqueeze(0).to(scores.dtype) / max_seq_len)
         out[s0:s1] = torch.matmul(attn, vb).transpose(0, 1)
     return out
+
+
+def causal_softmax_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
+                                       *, plan: JaggedPlan | None = None, dropout_p: float = 0.0) -> torch.Tensor:
+    """Jagged causal softmax attention (SASRec's), q, k, v: [sum_L, H, d] -> [sum_L, H, d].
+
+    Runs per length group of the plan (no [B, L_max] padding): padded keys sit after every real query, so
+    the causal mask alone keeps them out.
+    """
+    plan = plan if plan is not None else make_plan(offsets)
+    if not plan.groups:
+        return v.new_zeros((q.shape[0], q.shape[1], v.shape[-1]))
+    outs = []
+    for qb, kb, vb in zip(gather_groups(q, plan), gather_groups(k, plan), gather_groups(v, plan), strict=True):
+        o = F.scaled_dot_product_attention(qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2),
+                                           is_causal=True, dropout_p=dropout_p)
+        outs.append(o.transpose(1, 2))
+    return scatter_groups(outs, plan)
 
 
 def layer_norm_mul_reference(x: torch.Tensor, u: torch.Tensor, weight: torch.Tensor | None,

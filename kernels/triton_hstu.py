@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from grstack.kernels.reference import TIME_BUCKET_DIV
+from grstack.kernels.bias import TIME_BUCKET_DIV
 from grstack.kernels.triton_util import block_dim, check_device, dot_precision, jagged_tiles, mm
 
 _GRAD_SLOTS = 32

@@ -1,7 +1,7 @@
 """``grstack bench kernels``: jagged vs padded HSTU attention, forward+backward, time and peak memory.
 
 "jagged" is what :func:`grstack.kernels.hstu_attention` runs on the device (CPU: the length-bucketed torch
-reference; CUDA: the fused Triton kernels); "padded" is :func:`hstu_attention_padded`, the same math on a
+reference; CUDA: the fused Triton kernels); "padded" is its ``padded`` backend, the same math on a
 dense [B, L_max, L_max] layout with plain autograd. Prints one JSON object on stdout; progress on stderr.
 """
 
@@ -79,13 +79,12 @@ def _inputs(lengths: list[int], device, dtype, heads: int, dqk: int, dv: int, ma
 def _step(impl: str, inp: dict, plan=None):
     """One forward+backward; returns the output (detached)."""
     from grstack.kernels import hstu_attention, make_plan
-    from grstack.kernels.reference import hstu_attention_padded
 
     q, k, v = (inp[n].detach().requires_grad_() for n in ("q", "k", "v"))
     pw, tw = inp["pos_weight"].detach().requires_grad_(), inp["time_weight"].detach().requires_grad_()
     kw = dict(max_seq_len=inp["max_seq_len"], timestamps=inp["timestamps"], pos_weight=pw, time_weight=tw)
     if impl == "padded":
-        out = hstu_attention_padded(q, k, v, inp["offsets"], **kw)
+        out = hstu_attention(q, k, v, inp["offsets"], backend="padded", **kw)
     else:
         if q.device.type == "cpu" and plan is None:
             plan = make_plan(inp["offsets"])

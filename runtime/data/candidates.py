@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from grstack.runtime.data.jagged import JaggedBatch, segment_ids
+from grstack.kernels import segment_ids
+from grstack.runtime.data.jagged import JaggedBatch
 
 
 def append_candidates(batch: JaggedBatch, cand_ids: torch.Tensor, cand_ts: torch.Tensor) -> tuple[JaggedBatch,

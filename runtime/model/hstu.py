@@ -9,18 +9,26 @@ Per layer, with X jagged [sum_L, d]::
 Heads: retrieval (every history token's output, L2-normalised, scores the next item) and ranking
 (M candidate tokens appended after the history attend to the history and themselves; an MLP gives one
 logit per task).
+
+Relay inference (serving): attention divides by a constant ``N``, so the per-layer keys and values of a
+sequence's first ``P`` tokens do not depend on what follows. :meth:`HSTU.prefill_kv` computes them (what a
+prefix cache stores, in the layout the attention backend wants: :func:`grstack.kernels.prefix_layout`);
+:meth:`HSTU.encode_with_prefix` runs only new tokens (short-term history, candidates) at positions
+``P, P + 1, ...`` against them, equal to :meth:`HSTU.encode`'s rows for those tokens on the whole sequence.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from grstack import kernels
-from grstack.runtime.data.jagged import JaggedBatch, positions
+from grstack.runtime.data.jagged import JaggedBatch
 
 
 class HSTULayer(nn.Module):
@@ -62,6 +70,20 @@ class HSTULayer(nn.Module):
             pos_weight=self.pos_weight, time_weight=self.time_weight, num_targets=num_targets, plan=plan)
         return self.finish(x, attn, u)
 
+    def forward_with_prefix(self, x: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor | None,
+                            num_targets: torch.Tensor | None, k_prefix: Sequence[torch.Tensor],
+                            v_prefix: Sequence[torch.Tensor], prefix_timestamps: Sequence[torch.Tensor] | None,
+                            plan: kernels.PrefixPlan, backend: str | None
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer on new tokens after cached prefixes (per sequence K/V of this layer); returns the output
+        and the new tokens' K [n, H, dqk] and V [n, H, dv]."""
+        u, v, q, k = self.project(x)
+        attn = kernels.hstu_attention_with_prefix(
+            q, k, v, offsets, k_prefix, v_prefix, max_seq_len=self.max_seq_len, timestamps=timestamps,
+            prefix_timestamps=prefix_timestamps, pos_weight=self.pos_weight, time_weight=self.time_weight,
+            num_targets=num_targets, plan=plan, backend=backend)
+        return self.finish(x, attn, u), k, v
+
 
 class HSTU(nn.Module):
     """Retrieval + ranking HSTU over jagged sequences of item ids."""
@@ -88,30 +110,124 @@ class HSTU(nn.Module):
         nn.init.trunc_normal_(self.pos_emb.weight, std=d_model**-0.5)
 
     def token_positions(self, batch: JaggedBatch) -> torch.Tensor:
-        pos = positions(batch.offsets)
+        """Positions 0, 1, ... per sequence; its last ``num_targets`` tokens (candidates) all sit at the
+        position after its history."""
+        pos = kernels.positions(batch.offsets)
         if batch.num_targets is not None:
-            from grstack.runtime.data.jagged import segment_ids
-
-            hist = (batch.lengths - batch.num_targets)[segment_ids(batch.offsets)]
+            hist = (batch.lengths - batch.num_targets)[kernels.segment_ids(batch.offsets)]
             pos = torch.minimum(pos, hist)
         return pos.clamp(max=self.max_seq_len - 1)
+
+    def _prefix_positions(self, plan: kernels.PrefixPlan, num_targets: torch.Tensor | None,
+                          device: torch.device) -> torch.Tensor:
+        """:meth:`token_positions` of new tokens after cached prefixes (sequence b's start at its prefix
+        length), computed on the host from the plan (a few small tensors, no per-token kernels)."""
+        nts = num_targets.tolist() if num_targets is not None else [0] * plan.batch_size
+        parts = []
+        for b, p in enumerate(plan.prefix_lengths):
+            n = plan.offsets[b + 1] - plan.offsets[b]
+            parts.append(np.minimum(np.arange(p, p + n), p + n - int(nts[b])))
+        pos = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        return torch.as_tensor(np.minimum(pos, self.max_seq_len - 1), dtype=torch.int64).to(device)
+
+    def _embed(self, item_rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        x = item_rows * math.sqrt(self.d_model) + self.pos_emb(pos)
+        return F.dropout(x, self.input_dropout, self.training)
 
     def embed_tokens(self, batch: JaggedBatch, item_rows: torch.Tensor | None = None) -> torch.Tensor:
         """``item_rows`` ([sum_L, d], optional): the tokens' item-embedding rows looked up elsewhere (the
         sharded embedding of distributed training); else they are gathered from ``item_emb``."""
         if item_rows is None:
             item_rows = kernels.embedding_gather(self.item_emb.weight, batch.item_ids)
-        x = item_rows * math.sqrt(self.d_model) + self.pos_emb(self.token_positions(batch))
-        return F.dropout(x, self.input_dropout, self.training)
+        return self._embed(item_rows, self.token_positions(batch))
+
+    def _uses_time(self) -> bool:
+        return any(layer.time_weight is not None for layer in self.layers)
 
     def encode(self, batch: JaggedBatch, item_rows: torch.Tensor | None = None) -> torch.Tensor:
         """[sum_L, d] outputs for every token (history and candidates)."""
         plan = kernels.make_plan(batch.offsets) if batch.item_ids.device.type == "cpu" else None
         x = self.embed_tokens(batch, item_rows)
-        ts = batch.timestamps if any(layer.time_weight is not None for layer in self.layers) else None
+        ts = batch.timestamps if self._uses_time() else None
         for layer in self.layers:
             x = layer(x, batch.offsets, ts, batch.num_targets, plan)
         return x
+
+    # -- relay inference: cached prefixes -----------------------------------------------------------
+    def prefix_layout(self, backend: str | None = None) -> kernels.PrefixLayout:
+        """How :meth:`prefill_kv` returns and :meth:`encode_with_prefix` takes one layer's keys/values of one
+        sequence, for this model's device and the attention ``backend`` (None: the kernels' default)."""
+        return kernels.prefix_layout(self.item_emb.weight.device, backend)
+
+    @property
+    def kv_elements_per_token(self) -> int:
+        """Elements of the cached keys and values of one prefix token, over all layers."""
+        return sum(layer.num_heads * (layer.dqk + layer.dv) for layer in self.layers)
+
+    def empty_prefix_kv(self, backend: str | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per-layer keys and values of an empty prefix."""
+        layout = self.prefix_layout(backend)
+        w = self.item_emb.weight
+        keys = [layout.empty(layer.num_heads, layer.dqk, device=w.device, dtype=w.dtype) for layer in self.layers]
+        values = [layout.empty(layer.num_heads, layer.dv, device=w.device, dtype=w.dtype) for layer in self.layers]
+        return keys, values
+
+    def encode_with_prefix(self, item_ids: torch.Tensor, timestamps: torch.Tensor, offsets: torch.Tensor,
+                           prefix_keys: Sequence[Sequence[torch.Tensor]],
+                           prefix_values: Sequence[Sequence[torch.Tensor]],
+                           prefix_timestamps: Sequence[torch.Tensor], *, num_targets: torch.Tensor | None = None,
+                           return_kv: bool = False, backend: str | None = None
+                           ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """Outputs [sum_S, d] of new tokens that follow cached prefixes.
+
+        Sequence b's new tokens are ``item_ids[offsets[b]:offsets[b+1]]`` (S_b of them, timestamps alike).
+        Its cached prefix has ``P_b`` tokens: per-layer keys ``prefix_keys[b][l]`` and values
+        ``prefix_values[b][l]`` (in :meth:`prefix_layout`), timestamps ``prefix_timestamps[b]`` [P_b]. The new
+        tokens start at position ``P_b``; the last ``num_targets[b]`` of them are candidates, which all sit at
+        position ``P_b + S_b - num_targets[b]`` and see the history and themselves only. In eval mode the
+        result equals :meth:`encode`'s rows for these tokens on the whole sequences.
+
+        With ``return_kv``, also the new tokens' per-layer keys and values in :meth:`prefix_layout` (tokens of
+        all sequences in order), else two empty lists.
+        """
+        layout = self.prefix_layout(backend)
+        plens = [layout.length(keys[0]) for keys in prefix_keys]
+        plan = kernels.make_prefix_plan(offsets, plens)
+        rows = kernels.embedding_gather(self.item_emb.weight, item_ids)
+        x = self._embed(rows, self._prefix_positions(plan, num_targets, item_ids.device))
+        use_time = self._uses_time()
+        ts = timestamps if use_time else None
+        pts = list(prefix_timestamps) if use_time else None
+        new_k: list[torch.Tensor] = []
+        new_v: list[torch.Tensor] = []
+        for li, layer in enumerate(self.layers):
+            x, k, v = layer.forward_with_prefix(x, offsets, ts, num_targets, [p[li] for p in prefix_keys],
+                                                [p[li] for p in prefix_values], pts, plan, backend)
+            if return_kv:
+                new_k.append(layout.from_tokens(k))
+                new_v.append(layout.from_tokens(v))
+        return x, new_k, new_v
+
+    def prefill_kv(self, item_ids: torch.Tensor, timestamps: torch.Tensor, keys: Sequence[torch.Tensor] | None = None,
+                   values: Sequence[torch.Tensor] | None = None, prefix_timestamps: torch.Tensor | None = None,
+                   *, backend: str | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per-layer keys and values of one sequence's prefix — what a relay cache stores, in
+        :meth:`prefix_layout` — extended by the tokens ``item_ids`` (with ``timestamps``).
+
+        ``keys``/``values``/``prefix_timestamps``: the prefix computed so far (None: empty), so a long prefix
+        can be prefilled in chunks; the result does not depend on the chunking.
+        """
+        if keys is None or values is None:
+            keys, values = self.empty_prefix_kv(backend)
+            prefix_timestamps = timestamps.new_zeros(0)
+        if item_ids.numel() == 0:
+            return list(keys), list(values)
+        offsets = torch.tensor([0, item_ids.numel()], dtype=torch.int64, device=item_ids.device)
+        _, new_k, new_v = self.encode_with_prefix(item_ids, timestamps, offsets, [keys], [values],
+                                                  [prefix_timestamps], return_kv=True, backend=backend)
+        layout = self.prefix_layout(backend)
+        return ([layout.cat([a, b]) for a, b in zip(keys, new_k, strict=True)],
+                [layout.cat([a, b]) for a, b in zip(values, new_v, strict=True)])
 
     def item_vectors(self, ids: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
         """L2-normalised item vectors the retrieval head scores against (all items when ids is None);

@@ -1,7 +1,7 @@
 """SASRec (Kang & McAuley 2018), the baseline: softmax causal self-attention, learned absolute positions.
 
-Attention runs per length group of the jagged plan (no [B, L_max] padding): padded keys sit after every
-real query, so the causal mask alone keeps them out.
+Attention is :func:`grstack.kernels.causal_softmax_attention`, per length group of the jagged plan (no
+[B, L_max] padding).
 """
 
 from __future__ import annotations
@@ -13,19 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from grstack import kernels
-from grstack.kernels.plan import JaggedPlan, gather_groups, make_plan, scatter_groups
-from grstack.runtime.data.jagged import JaggedBatch, positions
-
-
-def jagged_causal_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: JaggedPlan,
-                                    dropout: float, training: bool) -> torch.Tensor:
-    """q, k, v: [sum_L, H, d] -> [sum_L, H, d]."""
-    outs = []
-    for qb, kb, vb in zip(gather_groups(q, plan), gather_groups(k, plan), gather_groups(v, plan), strict=True):
-        o = F.scaled_dot_product_attention(qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2),
-                                           is_causal=True, dropout_p=dropout if training else 0.0)
-        outs.append(o.transpose(1, 2))
-    return scatter_groups(outs, plan)
+from grstack.runtime.data.jagged import JaggedBatch
 
 
 class SASRecBlock(nn.Module):
@@ -40,10 +28,11 @@ class SASRecBlock(nn.Module):
                                  nn.Dropout(dropout), nn.Linear(ffn_mult * d_model, d_model))
         self.dropout = dropout
 
-    def forward(self, x: torch.Tensor, plan: JaggedPlan) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor, plan: kernels.JaggedPlan) -> torch.Tensor:
         n, d = x.shape
         q, k, v = self.qkv(self.norm1(x)).reshape(n, 3, self.num_heads, d // self.num_heads).unbind(1)
-        a = jagged_causal_softmax_attention(q, k, v, plan, self.dropout, self.training).reshape(n, d)
+        a = kernels.causal_softmax_attention(q, k, v, offsets, plan=plan,
+                                             dropout_p=self.dropout if self.training else 0.0).reshape(n, d)
         x = x + F.dropout(self.proj(a), self.dropout, self.training)
         return x + F.dropout(self.ffn(self.norm2(x)), self.dropout, self.training)
 
@@ -68,14 +57,14 @@ class SASRec(nn.Module):
 
     def encode(self, batch: JaggedBatch, item_rows: torch.Tensor | None = None) -> torch.Tensor:
         """``item_rows``: the tokens' embedding rows when looked up elsewhere (the sharded embedding)."""
-        plan = make_plan(batch.offsets)
-        pos = positions(batch.offsets).clamp(max=self.max_len)
+        plan = kernels.make_plan(batch.offsets)
+        pos = kernels.positions(batch.offsets).clamp(max=self.max_len)
         if item_rows is None:
             item_rows = kernels.embedding_gather(self.item_emb.weight, batch.item_ids)
         x = item_rows * math.sqrt(self.d_model)
         x = F.dropout(x + self.pos_emb(pos), self.input_dropout, self.training)
         for block in self.blocks:
-            x = block(x, plan)
+            x = block(x, batch.offsets, plan)
         return self.norm(x)
 
     def item_vectors(self, ids: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -4,7 +4,10 @@ HSTU attention divides by a constant ``N`` (DESIGN §3), so the per-layer keys a
 ``P`` tokens do not depend on anything appended after them. Prefill computes those K/V once (in chunks of
 ``chunk`` tokens, each chunk attending to the K/V already computed, so long prefills can be interleaved
 with latency-critical work); ranking then runs only the short-term tokens and the candidates through the
-layers, attending to the cached prefix (:func:`grstack.kernels.hstu_attention_with_prefix`).
+layers, attending to the cached prefix. The model does the compute (:meth:`HSTU.prefill_kv`,
+:meth:`HSTU.encode_with_prefix`, over :func:`grstack.kernels.hstu_attention_with_prefix`); this engine
+canonicalises requests, batches them and keeps the K/V in the layout the kernels' backend wants
+(head-major [H, P, d] on CPU, token-major [P, H, d] for Triton on CUDA).
 
 Token layout of one ranking request, identical for the cached and the full path::
 
@@ -16,7 +19,6 @@ so ``P + S <= max_len`` and nothing is ever clamped: cached and full inference s
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -26,8 +28,7 @@ from torch import nn
 
 from grstack import kernels
 from grstack.runtime.data.candidates import append_candidates
-from grstack.runtime.data.jagged import JaggedBatch, lengths_to_offsets
-from grstack.runtime.serve import attention as serve_attention
+from grstack.runtime.data.jagged import JaggedBatch
 from grstack.runtime.serve.prefix import prefix_hash, truncate_prefix
 
 __all__ = ["PrefixKV", "RankItem", "RelayEngine", "prefix_hash"]
@@ -35,7 +36,9 @@ __all__ = ["PrefixKV", "RankItem", "RelayEngine", "prefix_hash"]
 
 @dataclass
 class PrefixKV:
-    """Per-layer keys [P, H, dqk] and values [P, H, dv] of a prefix, with its timestamps [P]."""
+    """Per-layer keys and values of a prefix, with its timestamps [P]; each tensor in the layout of the
+    engine's attention backend (``model.prefix_layout(engine.backend)``: [H, P, d] on CPU, [P, H, d] for
+    Triton)."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
@@ -79,8 +82,8 @@ class RelayEngine:
     """Stateless compute on one device; the caller owns caching and scheduling."""
 
     def __init__(self, model: nn.Module, *, device: torch.device | str = "cpu", max_suffix: int = 64,
-                 chunk: int = 256, attention: str | None = None) -> None:
-        if getattr(model, "rank_head", None) is None or not hasattr(model, "layers"):
+                 chunk: int = 256, backend: str | None = None) -> None:
+        if getattr(model, "rank_head", None) is None or not hasattr(model, "encode_with_prefix"):
             raise ValueError("relay serving needs an HSTU model with a ranking head")
         if not 0 < max_suffix < model.max_len:
             raise ValueError(f"max_suffix must be in 1..{model.max_len - 1} (the model's max_len is "
@@ -91,15 +94,11 @@ class RelayEngine:
         self.max_suffix = int(max_suffix)
         self.max_prefix = self.max_len - self.max_suffix
         self.chunk = int(chunk)
-        # "serve": the CPU-arranged path of this package ([H, P, d] cache layout); "kernels": the kernels'
-        # dispatcher (fused Triton on CUDA; [P, H, d] layout). Both compute the reference math.
-        self.attention = attention or ("serve" if self.device.type == "cpu" else "kernels")
-        if self.attention not in ("serve", "kernels"):
-            raise ValueError(f"attention must be 'serve' or 'kernels', not {self.attention!r}")
-        self._seq_dim = 1 if self.attention == "serve" else 0
-        self.use_time = any(layer.time_weight is not None for layer in model.layers)
-        first = model.layers[0]
-        self.kv_bytes_per_token = len(model.layers) * first.num_heads * (first.dqk + first.dv) * 4 + 8
+        # The kernels' backend for cached-prefix attention (None: by device — the torch prefix path on CPU,
+        # fused Triton on CUDA), resolved once: it fixes the layout the cached K/V are kept in
+        # (self.model.prefix_layout(self.backend)).
+        self.backend = kernels.select_backend(self.device, backend)
+        self.kv_bytes_per_token = model.kv_elements_per_token * 4 + 8  # fp32 K/V and an int64 timestamp
 
     # -- request canonicalisation -------------------------------------------------------------------
     def canonical(self, long_items: Sequence[int], long_ts: Sequence[int], short_items: Sequence[int],
@@ -116,64 +115,9 @@ class RelayEngine:
     def _tensor(self, xs: np.ndarray | list[int]) -> torch.Tensor:
         return torch.as_tensor(np.asarray(xs, dtype=np.int64), device=self.device)
 
-    def _embed(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        # HSTU.embed_tokens in eval mode, with explicit positions (the prefix is not part of this batch).
-        m = self.model
-        emb = kernels.embedding_gather(m.item_emb.weight, ids)
-        return emb * math.sqrt(m.d_model) + m.pos_emb(pos.clamp(max=m.max_seq_len - 1))
-
-    def _forward_new(self, prefixes: list[PrefixKV], ids: torch.Tensor, ts: torch.Tensor, offsets: list[int],
-                     pos: torch.Tensor, num_targets: list[int],
-                     keep_kv: bool) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-        """Runs new tokens (rows ``offsets[b]:offsets[b+1]`` per sequence) through every layer, attending to
-        the cached prefixes; returns the outputs and, with ``keep_kv``, the new tokens' per-layer K/V."""
-        m = self.model
-        x = self._embed(ids, pos)
-        first = m.layers[0]
-        plan = None
-        if self.attention == "serve":
-            plan = serve_attention.make_plan(
-                offsets, [p.length for p in prefixes], num_targets, ts if self.use_time else None,
-                [p.timestamps for p in prefixes] if self.use_time else None, max_seq_len=first.max_seq_len,
-                num_pos=first.pos_weight.numel() if first.pos_weight is not None else None,
-                num_time_buckets=first.time_weight.numel() - 1 if first.time_weight is not None else None)
-        else:
-            offsets_t = torch.tensor(offsets, dtype=torch.int64, device=self.device)
-            plens = torch.tensor([p.length for p in prefixes], dtype=torch.int64)
-            poffsets = lengths_to_offsets(plens).to(self.device)
-            nt = torch.tensor(num_targets, dtype=torch.int64, device=self.device)
-            pts = torch.cat([p.timestamps for p in prefixes])
-        new_k: list[torch.Tensor] = []
-        new_v: list[torch.Tensor] = []
-        for li, layer in enumerate(m.layers):
-            u, v, q, k = layer.project(x)
-            if plan is not None:
-                attn = serve_attention.prefix_attention(q, k, v, [p.keys[li] for p in prefixes],
-                                                        [p.values[li] for p in prefixes], plan,
-                                                        layer.pos_weight, layer.time_weight)
-            else:
-                kp = torch.cat([p.keys[li] for p in prefixes])
-                vp = torch.cat([p.values[li] for p in prefixes])
-                attn = kernels.hstu_attention_with_prefix(
-                    q, k, v, offsets_t, kp, vp, poffsets, max_seq_len=layer.max_seq_len,
-                    timestamps=ts if self.use_time else None, prefix_timestamps=pts if self.use_time else None,
-                    pos_weight=layer.pos_weight, time_weight=layer.time_weight, num_targets=nt)
-            if keep_kv:
-                if self.attention == "serve":
-                    k, v = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
-                new_k.append(k)
-                new_v.append(v)
-            x = layer.finish(x, attn, u)
-        return x, new_k, new_v
-
     def empty_prefix(self) -> PrefixKV:
-        layer = self.model.layers[0]
-        h = layer.num_heads
-        n = len(self.model.layers)
-        shape = (lambda d: (h, 0, d)) if self.attention == "serve" else (lambda d: (0, h, d))
-        zk = torch.zeros(*shape(layer.dqk), device=self.device)
-        zv = torch.zeros(*shape(layer.dv), device=self.device)
-        return PrefixKV([zk] * n, [zv] * n, torch.zeros(0, dtype=torch.int64, device=self.device))
+        keys, values = self.model.empty_prefix_kv(self.backend)
+        return PrefixKV(keys, values, torch.zeros(0, dtype=torch.int64, device=self.device))
 
     # -- prefill ------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -183,12 +127,9 @@ class RelayEngine:
         if n == 0:
             return prefix
         ids_t, ts_t = self._tensor(items), self._tensor(ts)
-        pos = prefix.length + torch.arange(n, device=self.device)
-        _, ks, vs = self._forward_new([prefix], ids_t, ts_t, [0, n], pos, [0], keep_kv=True)
-        d = self._seq_dim
-        return PrefixKV([torch.cat([a, b], dim=d) for a, b in zip(prefix.keys, ks, strict=True)],
-                        [torch.cat([a, b], dim=d) for a, b in zip(prefix.values, vs, strict=True)],
-                        torch.cat([prefix.timestamps, ts_t]))
+        keys, values = self.model.prefill_kv(ids_t, ts_t, prefix.keys, prefix.values, prefix.timestamps,
+                                             backend=self.backend)
+        return PrefixKV(keys, values, torch.cat([prefix.timestamps, ts_t]))
 
     def prefill_steps(self, items: np.ndarray, ts: np.ndarray) -> Iterator[PrefixKV]:
         """Yields the growing prefix after each chunk; the last value is the whole prefix's K/V."""
@@ -212,19 +153,19 @@ class RelayEngine:
         """[M_b, num_tasks] logits per request, from its cached prefix plus short-term and candidates."""
         if not reqs:
             return []
-        ids, tss, pos, lens, nts = [], [], [], [], []
-        for p, r in zip(prefixes, reqs, strict=True):
+        ids, tss, lens, nts = [], [], [], []
+        for r in reqs:
             s, mc = len(r.short_items), len(r.candidates)
             ids += [r.short_items, r.candidates]
             tss += [r.short_ts, np.full(mc, r.request_ts, dtype=np.int64)]
-            pos += [p.length + np.arange(s), np.full(mc, p.length + s)]
             lens.append(s + mc)
             nts.append(mc)
         ids_t = self._tensor(np.concatenate(ids))
         ts_t = self._tensor(np.concatenate(tss))
-        pos_t = self._tensor(np.concatenate(pos))
         offsets = np.concatenate([[0], np.cumsum(lens)]).tolist()
-        x, _, _ = self._forward_new(prefixes, ids_t, ts_t, offsets, pos_t, nts, keep_kv=False)
+        x, _, _ = self.model.encode_with_prefix(
+            ids_t, ts_t, self._tensor(offsets), [p.keys for p in prefixes], [p.values for p in prefixes],
+            [p.timestamps for p in prefixes], num_targets=self._tensor(nts), backend=self.backend)
         cand_rows = self._tensor(np.concatenate([np.arange(offsets[b + 1] - n, offsets[b + 1])
                                                  for b, n in enumerate(nts)]))
         logits = self.model.rank_logits(x[cand_rows], ids_t[cand_rows]).float()
@@ -261,7 +202,7 @@ class RelayEngine:
             return [t for r in reqs for t in self.rank_encode([r])]
         lengths = torch.tensor([len(h) for h in hist], dtype=torch.int64)
         batch = JaggedBatch(item_ids=self._tensor(np.concatenate(hist)),
-                            offsets=lengths_to_offsets(lengths).to(self.device),
+                            offsets=kernels.lengths_to_offsets(lengths).to(self.device),
                             timestamps=self._tensor(np.concatenate(hts)))
         cands = self._tensor(np.stack([r.candidates for r in reqs]))
         cts = self._tensor([r.request_ts for r in reqs])

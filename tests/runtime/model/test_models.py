@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from grstack import kernels
 from grstack.runtime.data.candidates import append_candidates
 from grstack.runtime.data.jagged import JaggedBatch
 from grstack.runtime.model import HSTU, SASRec, build_model
@@ -79,3 +80,43 @@ def test_encode_runs_under_inference_mode():
     with torch.inference_mode():
         got = model.encode(batch)
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("backend", ["reference", "padded"])  # head-major and token-major prefix K/V
+def test_encode_with_prefix_equals_encode_on_the_whole_sequences(backend):
+    """Relay inference as the model owns it: per-layer K/V of each prefix (prefilled in chunks), then the new
+    tokens (history suffix + candidates) encoded against them, equal encode()'s rows for those tokens."""
+    torch.manual_seed(0)
+    model = HSTU(50, max_len=40, d_model=16, num_blocks=2, num_heads=2, dqk=8, dv=4, dropout=0.0,
+                 input_dropout=0.0).eval()
+    with torch.no_grad():
+        for layer in model.layers:  # visible biases
+            layer.pos_weight.normal_(0.0, 0.5)
+            layer.time_weight.normal_(0.0, 0.5)
+        batch = _batch([9, 1, 14, 6], seed=3)
+        cands = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12]])
+        full, _ = append_candidates(batch, cands, torch.full((4,), 2 * 10**6))
+        want = model.encode(full)
+        prefix_lens = [4, 0, 14, 5]  # a whole history cached, none, and partial ones
+        offs = full.offsets.tolist()
+        keys, values, pts, new_rows = [], [], [], []
+        for b, p in enumerate(prefix_lens):
+            s0 = offs[b]
+            k, v = None, None
+            for c0 in range(0, p, 3):  # prefill in chunks of 3 tokens
+                c1 = min(p, c0 + 3)
+                k, v = model.prefill_kv(full.item_ids[s0 + c0:s0 + c1], full.timestamps[s0 + c0:s0 + c1], k, v,
+                                        full.timestamps[s0:s0 + c0], backend=backend)
+            if k is None:
+                k, v = model.empty_prefix_kv(backend)
+            assert all(model.prefix_layout(backend).length(t) == p for t in k + v)
+            keys.append(k)
+            values.append(v)
+            pts.append(full.timestamps[s0:s0 + p])
+            new_rows += range(s0 + p, offs[b + 1])
+        new_rows = torch.tensor(new_rows)
+        new_lengths = torch.tensor([offs[b + 1] - offs[b] - p for b, p in enumerate(prefix_lens)])
+        got, _, _ = model.encode_with_prefix(full.item_ids[new_rows], full.timestamps[new_rows],
+                                             kernels.lengths_to_offsets(new_lengths), keys, values, pts,
+                                             num_targets=full.num_targets, backend=backend)
+    torch.testing.assert_close(got, want[new_rows], rtol=1e-5, atol=1e-5)

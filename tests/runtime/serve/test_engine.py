@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from grstack.runtime.serve import attention as serve_attention
 from grstack.runtime.serve.engine import RankItem, RelayEngine
 from grstack.runtime.serve.prefix import prefix_hash
 
@@ -31,12 +30,13 @@ def random_request(eng: RelayEngine, rng: np.random.Generator, n_long: int, n_sh
     return eng.canonical(items[:n_long], ts[:n_long], items[n_long:], ts[n_long:], cands, int(ts[-1]) + 7)
 
 
-@pytest.mark.parametrize("attention", ["serve", "kernels"])
+# reference: the CPU prefix path (head-major cache); padded: the plain formulation (token-major cache)
+@pytest.mark.parametrize("backend", ["reference", "padded"])
 @pytest.mark.parametrize(("time_bias", "position_bias"), [(True, True), (False, True), (True, False)])
-def test_cached_scores_equal_full_inference(make_model, attention: str, time_bias: bool,
+def test_cached_scores_equal_full_inference(make_model, backend: str, time_bias: bool,
                                             position_bias: bool) -> None:
     eng = RelayEngine(make_model(time_bias=time_bias, position_bias=position_bias), max_suffix=8, chunk=5,
-                      attention=attention)
+                      backend=backend)
     rng = np.random.default_rng(1)
     worst = 0.0
     for n_long, n_short, m in [(1, 0, 1), (7, 3, 4), (17, 8, 6), (40, 8, 3), (0, 5, 2), (23, 0, 5)]:
@@ -87,30 +87,6 @@ def test_serving_truncation_is_the_same_for_cached_and_full(make_model, kit: Sim
     assert len(req.long_items) == MAX_LEN - 6 and len(req.short_items) == 6
     prefix = eng.prefill(req.long_items, req.long_ts)
     assert torch.allclose(eng.rank_cached([prefix], [req])[0], eng.rank_encode([req])[0], atol=TOL, rtol=0)
-
-
-def test_serve_attention_matches_the_kernels_reference() -> None:
-    from grstack.kernels.reference import hstu_attention_with_prefix_reference
-
-    torch.manual_seed(5)
-    h, d, n_pos, n_tb = 2, 4, 64, 16
-    pos_w, time_w = torch.randn(n_pos), torch.randn(n_tb + 1)
-    plens, news, nts = [0, 9, 20], [4, 6, 1], [2, 3, 1]
-    offsets = np.concatenate([[0], np.cumsum(news)]).tolist()
-    q, k, v = (torch.randn(offsets[-1], h, d) for _ in range(3))
-    kp = [torch.randn(h, p, d) for p in plens]
-    vp = [torch.randn(h, p, d) for p in plens]
-    pts = [torch.randint(0, 10**6, (p,)).sort().values for p in plens]
-    ts = torch.randint(10**6, 2 * 10**6, (offsets[-1],))
-    plan = serve_attention.make_plan(offsets, plens, nts, ts, pts, max_seq_len=n_pos, num_pos=n_pos,
-                                     num_time_buckets=n_tb)
-    ours = serve_attention.prefix_attention(q, k, v, kp, vp, plan, pos_w, time_w)
-    ref = hstu_attention_with_prefix_reference(
-        q, k, v, torch.tensor(offsets), torch.cat([x.transpose(0, 1) for x in kp]),
-        torch.cat([x.transpose(0, 1) for x in vp]), torch.tensor(np.concatenate([[0], np.cumsum(plens)])),
-        max_seq_len=n_pos, timestamps=ts, prefix_timestamps=torch.cat(pts), pos_weight=pos_w, time_weight=time_w,
-        num_targets=torch.tensor(nts))
-    assert torch.allclose(ours, ref, atol=1e-6, rtol=0)
 
 
 def test_prefix_hash_versions_content() -> None:
