@@ -113,9 +113,12 @@ def hstu_attention_with_prefix_cpu(
     seqs = _tables(plan, q.device, q.dtype, max_seq_len,
                    pos_weight.numel() if pos_weight is not None else None,
                    time_weight.numel() - 1 if has_time else None, timestamps, prefix_timestamps, num_targets)
-    # bias tables in the compute dtype once per call (a no-op in fp32), not per sequence
-    pos_weight = pos_weight.to(q.dtype) if pos_weight is not None else None
-    time_weight = time_weight.to(q.dtype) if has_time else None
+    # bias tables in the compute dtype once per call, not per sequence
+    if pos_weight is not None and pos_weight.dtype != q.dtype:
+        pos_weight = pos_weight.to(q.dtype)
+    time_weight = time_weight if has_time else None
+    if time_weight is not None and time_weight.dtype != q.dtype:
+        time_weight = time_weight.to(q.dtype)
     out = v.new_empty(v.shape)  # every row belongs to one non-empty sequence
     inv_n = 1.0 / max_seq_len
     for s in seqs:
