@@ -1,4 +1,4 @@
-"""Maps the top-level folders onto the ``grstack.*`` namespace (see DESIGN §1).
+"""Maps the top-level folders onto the ``grstack.*`` namespace (see docs/architecture.md §1).
 
 ``operator/`` must not shadow the standard library's ``operator`` module, so the folders are installed as
 ``grstack.operator``, ``grstack.runtime`` and ``grstack.kernels``; ``grstack`` itself is a namespace package.

@@ -1,7 +1,7 @@
 """Torch reference of jagged HSTU attention: the oracle for every fused kernel, and the CPU path.
 
-Math (DESIGN §3), per sequence of length L with ``M`` candidate tokens at the end (``M = 0`` for plain
-causal training) and history length ``Hn = L - M``::
+Math (docs/architecture.md §3), per sequence of length L with ``M`` candidate tokens at the end (``M = 0``
+for plain causal training) and history length ``Hn = L - M``::
 
     pos_i   = min(i, Hn)                                  # candidates all sit at the next position
     allowed = (j <= i) and (j < Hn or j == i)              # causal; candidates see history and themselves

@@ -111,8 +111,8 @@ class DistributedConfig(_Strict):
 
 
 class PipelineConfig(_Strict):
-    """Nested pipelining of the sharded embedding (DESIGN §4.4-4.6); none of it changes the numbers except
-    ``semi_async`` (one step stale)."""
+    """Nested pipelining of the sharded embedding (docs/architecture.md §4.4-4.6); none of it changes the
+    numbers except ``semi_async`` (one step stale)."""
 
     dbp: bool = Field(False, description="dual-buffer pipelining: look up batch t+1 while t computes")
     microbatches: int = Field(1, ge=1, description="frozen-window pipelining: micro-batches per batch")

@@ -1,6 +1,6 @@
 """Row-sharded item embeddings: deduplicated All2All lookup, All2All gradients, sparse updates.
 
-The protocol, per batch (DESIGN §4.3-4.4):
+The protocol, per batch (docs/architecture.md §4.3-4.4):
 
 1. ``make_unit`` dedupes the ids of one lookup unit (a micro-batch, or the batch's shared negatives). Keys
    needed at full precision come first, negative-only keys (sent in FP16 when enabled) after them.

@@ -1,4 +1,5 @@
-"""HSTU (DESIGN §3): SiLU pointwise attention with relative position/time bias and U-gating, on jagged input.
+"""HSTU (docs/architecture.md §3): SiLU pointwise attention with relative position/time bias and U-gating,
+on jagged input.
 
 Per layer, with X jagged [sum_L, d]::
 

@@ -1,4 +1,5 @@
-"""Relay-race ranking service (DESIGN §5): ranker replicas with a prefix KV cache, and a router.
+"""Relay-race ranking service (docs/architecture.md §5): ranker replicas with a prefix KV cache, and a
+router.
 
 Modules: ``engine`` (relay inference on HSTU), ``cache`` (device LRU + DRAM expander), ``scheduler``
 (batched compute loop), ``ranker`` / ``router`` (HTTP services), ``trigger`` (sequence-aware trigger),

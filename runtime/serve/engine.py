@@ -1,7 +1,7 @@
 """Relay inference on an HSTU ranking model: prefix K/V, chunked prefill, cached and full ranking.
 
-HSTU attention divides by a constant ``N`` (DESIGN §3), so the per-layer keys and values of a user's first
-``P`` tokens do not depend on anything appended after them. Prefill computes those K/V once (in chunks of
+HSTU attention divides by a constant ``N`` (docs/architecture.md §3), so the per-layer keys and values of a
+user's first ``P`` tokens do not depend on anything appended after them. Prefill computes those K/V once (in chunks of
 ``chunk`` tokens, each chunk attending to the K/V already computed, so long prefills can be interleaved
 with latency-critical work); ranking then runs only the short-term tokens and the candidates through the
 layers, attending to the cached prefix. The model does the compute (:meth:`HSTU.prefill_kv`,

@@ -1,4 +1,4 @@
-"""Token-aware batches and global reallocation across ranks (DESIGN §4.2).
+"""Token-aware batches and global reallocation across ranks (docs/architecture.md §4.2).
 
 A global step takes a slice of the epoch's order: ``batch_size`` sequences, or (token budget) as many
 sequences as make ``world_size * token_budget`` tokens. The slice is then split across ranks so that every

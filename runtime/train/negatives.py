@@ -1,4 +1,4 @@
-"""Cheap negatives (DESIGN §4.7): per-step generators, intra-batch logit sharing, host offload.
+"""Cheap negatives (docs/architecture.md §4.7): per-step generators, intra-batch logit sharing, host offload.
 
 * Every random draw of a step (negatives, ranking candidates, logit-sharing shuffles) comes from a
   generator seeded by (seed, purpose, step, rank). A background thread can therefore prepare batches

@@ -1,4 +1,4 @@
-"""One training step of the distributed engine, with nested pipelining (DESIGN §4.4-4.6).
+"""One training step of the distributed engine, with nested pipelining (docs/architecture.md §4.4-4.6).
 
 The five stages of a batch: (1) data prefetch — ``BatchStream`` prepares batches in a thread; (2) H2D —
 the prepared tensors move to the device; (3) key routing — dedupe, bucket by owner, All2All of keys;

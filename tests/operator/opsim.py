@@ -1,8 +1,8 @@
 """A small Kubernetes for operator tests: KMock's API emulator with the API-server behaviour the operator
 relies on, a garbage collector, and a local kubelet that runs pod commands as processes.
 
-KMock stores objects and streams watch events but is deliberately simple (see DESIGN §7). What it lacks and
-this module adds:
+KMock stores objects and streams watch events but is deliberately simple (see docs/architecture.md §7).
+What it lacks and this module adds:
 
 - ``/api/v1/namespaces`` (create, get, list, watch, delete), which KMock cannot route;
 - uid, creationTimestamp, resourceVersion and generation on writes (kopf and ownerReferences need them);
