@@ -1,4 +1,4 @@
-"""Run-directory rules shared by the single-process and distributed trainers."""
+"""Run-directory rules of the trainer."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ import shutil
 from pathlib import Path
 
 # What a run writes before its first checkpoint (plus the checkpoint folders themselves, still empty).
-PREPARED = {"config.yaml", "dataset", "metrics.jsonl", "model.pt", "training_curve.png", "checkpoints",
-            "dist_checkpoints"}
+PREPARED = {"config.yaml", "dataset", "metrics.jsonl", "model.pt", "training_curve.png", "checkpoints"}
 
 
 def reclaim_unstarted(run_dir: Path, config_text: str) -> bool:
@@ -23,10 +22,9 @@ def reclaim_unstarted(run_dir: Path, config_text: str) -> bool:
     entries = [p for p in run_dir.iterdir() if not p.name.startswith(".")]
     if any(p.name not in PREPARED for p in entries):
         return False
-    for name in ("checkpoints", "dist_checkpoints"):
-        folder = run_dir / name
-        if folder.is_dir() and any(not p.name.startswith(".") for p in folder.iterdir()):
-            return False
+    folder = run_dir / "checkpoints"
+    if folder.is_dir() and any(not p.name.startswith(".") for p in folder.iterdir()):
+        return False
     for p in run_dir.iterdir():
         if p.is_dir():
             shutil.rmtree(p)
