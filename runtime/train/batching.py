@@ -1,8 +1,7 @@
 """What each rank trains on at each global step, prepared ahead by a background thread.
 
-``Schedule`` is a pure function of (seed, epoch, lengths): the epoch order (the single-process trainer's),
-its cut into global batches (count or token budget), and the split of each global batch across ranks
-(token balancing). ``prepare`` turns a rank's part into frozen-window micro-batches (contiguous or
+``Schedule`` is a pure function of (seed, epoch, lengths): the epoch order, its cut into global batches
+(count or token budget), and the split of each global batch across ranks (token balancing). ``prepare`` turns a rank's part into frozen-window micro-batches (contiguous or
 key-clustered), draws negatives and ranking candidates from per-step generators, and dedupes the ids of
 every lookup unit. ``BatchStream`` runs ``prepare`` in a thread, a bounded number of steps ahead: stage 1
 (data prefetch) of the pipeline.
