@@ -48,10 +48,8 @@ def popularity_baseline(run_dir: Path, ks: list[int], max_len: int) -> dict[str,
     import numpy as np
     import torch
 
-    from grstack.runtime.data.dataset import read_dataset
-    from grstack.runtime.data.splits import LeaveOneOut
-    from grstack.runtime.eval.evaluate import exclude_history
-    from grstack.runtime.eval.metrics import metrics_from_ranks, target_ranks
+    from grstack.runtime.data import LeaveOneOut, read_dataset
+    from grstack.runtime.eval import exclude_history, metrics_from_ranks, target_ranks
 
     split = LeaveOneOut(read_dataset(run_dir / "dataset"))
     counts = np.bincount(split.ds.item_ids, minlength=split.ds.num_items + 1).astype(np.float64)
@@ -65,7 +63,7 @@ def popularity_baseline(run_dir: Path, ks: list[int], max_len: int) -> dict[str,
 def run(args: argparse.Namespace) -> int:
     from grstack.runtime.config_files import config_path
     from grstack.runtime.errors import UserError
-    from grstack.runtime.train.cli import format_summary
+    from grstack.runtime.train import format_summary
     from grstack.runtime.training_config import load_config
 
     out = Path(args.out)
@@ -82,11 +80,11 @@ def run(args: argparse.Namespace) -> int:
           f"leave-one-out evaluation{'' if args.no_serve else ' -> relay-race serving'}; run directory {out}")
     t0 = time.perf_counter()
     if args.nproc > 1:
-        from grstack.runtime.train.launch import train_distributed
+        from grstack.runtime.train import train_distributed
 
         summary = train_distributed(cfg, out, nproc=args.nproc, progress=not args.no_progress)
     else:
-        from grstack.runtime.train.trainer import train
+        from grstack.runtime.train import train
 
         summary = train(cfg, out, progress=not args.no_progress)
     if "stopped_at_step" in summary:
@@ -98,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"  popularity baseline test ndcg@10={pop['ndcg@10']:.4f} hr@10={pop['hr@10']:.4f} "
           f"-> HSTU is {ratio:.1f}x on ndcg@10")
     if not args.no_serve:
-        from grstack.runtime.serve.demo import serve_demo
+        from grstack.runtime.serve import serve_demo
 
         report = serve_demo(out, replicas=2, requests=args.requests)
         (out / "serve_report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")

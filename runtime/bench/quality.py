@@ -25,7 +25,7 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from grstack.runtime.config_files import config_path
-    from grstack.runtime.train.trainer import train
+    from grstack.runtime.train import train
     from grstack.runtime.training_config import load_config
 
     base = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="grstack-quality-"))

@@ -81,7 +81,7 @@ def build_point(mode: str, length: int, qps: float, n: int, users: int, wl: Work
     """Pre-encoded prefill/rank requests of one sweep point (identical for both modes but the user ids)."""
     import numpy as np
 
-    from grstack.runtime.serve.loadgen import Request, poisson_times
+    from grstack.runtime.serve import Request, poisson_times
 
     rng = np.random.default_rng([seed, length, int(qps * 10)])
     hist = {}
@@ -137,7 +137,7 @@ async def _measure(session: Any, router_url: str, ranker_url: str, mode: str, le
                    keep: list[dict[str, Any]]) -> dict[str, Any]:
     import numpy as np
 
-    from grstack.runtime.serve.loadgen import latency_summary, run_open_loop
+    from grstack.runtime.serve import latency_summary, run_open_loop
 
     n = max(cfg["min_requests"], int(qps * cfg["point_s"]))
     point = build_point(mode, length, qps, n, cfg["users"], wl, seed)
@@ -182,8 +182,7 @@ def _score_diff(checkpoint: Path, kept: list[dict[str, Any]], max_suffix: int) -
     """Relay scores vs HSTU.encode + rank_logits of the whole (truncated) sequence, fp32."""
     import numpy as np
 
-    from grstack.runtime.serve.artifact import load_ranking_model
-    from grstack.runtime.serve.engine import RelayEngine
+    from grstack.runtime.serve import RelayEngine, load_ranking_model
 
     model, _ = load_ranking_model(checkpoint)
     eng = RelayEngine(model, max_suffix=max_suffix)
@@ -232,10 +231,14 @@ def _plot(result: dict[str, Any], path: Path) -> None:
 async def _bench(args: argparse.Namespace, cfg: dict[str, Any], wl: Workload) -> dict[str, Any]:
     import aiohttp
 
-    from grstack.runtime.serve.artifact import write_untrained_model
-    from grstack.runtime.serve.local import spawn_ranker
-    from grstack.runtime.serve.router import Router, RouterConfig, start_router
-    from grstack.runtime.serve.trigger import TriggerConfig
+    from grstack.runtime.serve import (
+        Router,
+        RouterConfig,
+        TriggerConfig,
+        spawn_ranker,
+        start_router,
+        write_untrained_model,
+    )
 
     out_dir = Path(args.out)
     max_len = max(max(cfg["lengths"]), args.qps_length or 0) + wl.max_suffix

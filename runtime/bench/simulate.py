@@ -62,10 +62,8 @@ def _log(msg: str) -> None:
 def workload(quick: bool) -> dict[str, Any]:
     """Per-worker statistics of the bench-train setting (2 ranks' split of a global batch), measured."""
     from grstack.runtime.bench.train import bench_config
-    from grstack.runtime.data.source import load_source
-    from grstack.runtime.data.splits import LeaveOneOut
-    from grstack.runtime.train.batching import Preparer, Schedule
-    from grstack.runtime.train.harness import with_overrides
+    from grstack.runtime.data import LeaveOneOut, load_source
+    from grstack.runtime.train import Preparer, Schedule, with_overrides
 
     cfg = with_overrides(bench_config(quick, 4), {"data.source": "small", "data.max_len": 256 if quick else 1024,
                                                   "loss.negatives": 512})
@@ -88,7 +86,7 @@ def workload(quick: bool) -> dict[str, Any]:
 def measured_stages(quick: bool) -> dict[str, float]:
     """The engine's per-stage CPU times on one rank (reference only; the model uses FLOPs and bytes)."""
     from grstack.runtime.bench.train import bench_config
-    from grstack.runtime.train.launch import call_ranks
+    from grstack.runtime.train import call_ranks
 
     cfg = bench_config(quick, 4)
     steps = 3 if quick else 6

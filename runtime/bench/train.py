@@ -65,10 +65,8 @@ def bench_config(quick: bool, microbatches: int) -> Any:
 def imbalance_stats(cfg: Any, world: int) -> tuple[float, float]:
     import numpy as np
 
-    from grstack.runtime.data.source import load_source
-    from grstack.runtime.data.splits import LeaveOneOut
-    from grstack.runtime.train.balance import imbalance
-    from grstack.runtime.train.batching import Schedule
+    from grstack.runtime.data import LeaveOneOut, load_source
+    from grstack.runtime.train import Schedule, imbalance
 
     split = LeaveOneOut(load_source(cfg.data))
     s = Schedule(split, cfg, world, cfg.loss.ranking_candidates)
@@ -129,10 +127,8 @@ def embedding_rank(env: Any, payload: dict[str, Any]) -> dict[str, Any]:
 
     import torch
 
-    from grstack.runtime.embedding.optim import RowWiseAdagrad
-    from grstack.runtime.embedding.plan import ShardingPlan
-    from grstack.runtime.embedding.sharded import ShardedEmbedding, make_unit
-    from grstack.runtime.train.context import DistContext
+    from grstack.runtime.embedding import RowWiseAdagrad, ShardedEmbedding, ShardingPlan, make_unit
+    from grstack.runtime.train import DistContext
 
     torch.set_num_threads(payload["threads"])
     rows, dim, steps = payload["rows"], payload["dim"], payload["steps"]
@@ -207,8 +203,7 @@ def torchrec_available() -> bool:
 
 def run(args: argparse.Namespace) -> int:
     from grstack.runtime.errors import UserError
-    from grstack.runtime.train.harness import max_abs_diff
-    from grstack.runtime.train.launch import call_ranks
+    from grstack.runtime.train import call_ranks, max_abs_diff
 
     t_start = time.perf_counter()
     quick, world, n = args.quick, args.nproc, args.microbatches
@@ -216,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
     steps = args.steps or (5 if quick else 12)
     warmup = 1 if quick else 2
     _log(f"data {cfg.data.source} (synthetic KuaiRand-like), {world} ranks, global batch {cfg.train.batch_size}")
-    from grstack.runtime.train.harness import with_overrides
+    from grstack.runtime.train import with_overrides
 
     # balancing matters with long, heavy-tailed histories: measured at KuaiRand-like lengths
     long = with_overrides(cfg, {"data.source": "small" if quick else "27k", "data.max_len": 1024 if quick else 4096})

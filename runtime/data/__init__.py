@@ -1,9 +1,10 @@
-"""Sequence datasets: the Parquet format, importers, the synthetic generator and statistics.
+"""Sequence datasets: the Parquet format, importers, the synthetic generator, the leave-one-out split and
+the jagged batch (docs/architecture.md §2).
 
-``import_dataset(fmt, src, **opts)``, ``synthesize(preset, seed, **overrides)`` and
-``read_dataset(dir)`` each return a validated, time-ordered ``SequenceDataset``; ``write_dataset`` writes
-one atomically; ``dataset_stats`` summarises one. Exports load lazily, so importing this package (as
-``grstack --help`` does) stays cheap.
+Other packages import from here, never a submodule: ``SequenceDataset`` and ``read_dataset`` /
+``write_dataset`` / ``from_sequences``; ``load_source`` (the dataset a config names); ``LeaveOneOut`` and
+``ranges_index``; ``JaggedBatch`` and ``append_candidates``. Exports load lazily, so importing this package
+(as ``grstack --help`` does, through ``data.cli``) stays cheap.
 """
 
 from __future__ import annotations
@@ -12,28 +13,33 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from grstack.runtime.data.dataset import SequenceDataset, read_dataset, read_meta, write_dataset
-    from grstack.runtime.data.importers import import_dataset
-    from grstack.runtime.data.stats import dataset_stats
-    from grstack.runtime.data.synth import synthesize
+    from grstack.runtime.data.candidates import append_candidates
+    from grstack.runtime.data.dataset import SequenceDataset, from_sequences, read_dataset, write_dataset
+    from grstack.runtime.data.jagged import JaggedBatch
+    from grstack.runtime.data.source import load_source
+    from grstack.runtime.data.splits import LeaveOneOut, ranges_index
 
 _EXPORTS = {
     "SequenceDataset": "grstack.runtime.data.dataset",
+    "from_sequences": "grstack.runtime.data.dataset",
     "read_dataset": "grstack.runtime.data.dataset",
-    "read_meta": "grstack.runtime.data.dataset",
     "write_dataset": "grstack.runtime.data.dataset",
-    "import_dataset": "grstack.runtime.data.importers",
-    "synthesize": "grstack.runtime.data.synth",
-    "dataset_stats": "grstack.runtime.data.stats",
+    "load_source": "grstack.runtime.data.source",
+    "LeaveOneOut": "grstack.runtime.data.splits",
+    "ranges_index": "grstack.runtime.data.splits",
+    "JaggedBatch": "grstack.runtime.data.jagged",
+    "append_candidates": "grstack.runtime.data.candidates",
 }
 
 __all__ = [
+    "JaggedBatch",
+    "LeaveOneOut",
     "SequenceDataset",
-    "dataset_stats",
-    "import_dataset",
+    "append_candidates",
+    "from_sequences",
+    "load_source",
+    "ranges_index",
     "read_dataset",
-    "read_meta",
-    "synthesize",
     "write_dataset",
 ]
 

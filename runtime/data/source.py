@@ -12,7 +12,7 @@ from grstack.runtime.training_config import DataConfig
 def load_source(cfg: DataConfig) -> SequenceDataset:
     """Everything is read into memory before any output is written, so a bad source leaves nothing."""
     if cfg.format == "synth":
-        from grstack.runtime.data import synthesize
+        from grstack.runtime.data.synth import synthesize
 
         return synthesize(cfg.source, seed=cfg.seed)
     src = Path(cfg.source)
@@ -20,6 +20,6 @@ def load_source(cfg: DataConfig) -> SequenceDataset:
         raise UserError(f"data.source {src} does not exist")
     if cfg.format == "parquet":
         return read_dataset(src)
-    from grstack.runtime.data import import_dataset
+    from grstack.runtime.data.importers import import_dataset
 
     return import_dataset(cfg.format, src)

@@ -16,8 +16,7 @@ def register(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from grstack.runtime.data.dataset import read_dataset
-    from grstack.runtime.data.splits import LeaveOneOut
+    from grstack.runtime.data import LeaveOneOut, read_dataset
     from grstack.runtime.errors import UserError
     from grstack.runtime.eval.evaluate import evaluate
     from grstack.runtime.model import BEST_MODEL, DATASET_DIR, load_exported

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from grstack.runtime.data.splits import LeaveOneOut
+from grstack.runtime.data import LeaveOneOut
 from grstack.runtime.eval.metrics import metrics_from_ranks, target_ranks
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from grstack.runtime.data.dataset import SequenceDataset
+from grstack.runtime.data import SequenceDataset
 from grstack.runtime.errors import UserError
 from grstack.runtime.model.build import build_model
 from grstack.runtime.training_config import Config

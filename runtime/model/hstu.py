@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from grstack import kernels
-from grstack.runtime.data.jagged import JaggedBatch
+from grstack.runtime.data import JaggedBatch
 
 
 class HSTULayer(nn.Module):

@@ -5,5 +5,61 @@ Modules: ``engine`` (relay inference on HSTU), ``cache`` (device LRU + DRAM expa
 (batched compute loop), ``ranker`` / ``router`` (HTTP services), ``trigger`` (sequence-aware trigger),
 ``ring`` (consistent hashing with bounded load), ``placement`` / ``etcd_store`` (placement stores),
 ``local`` (router + ranker processes on one machine), ``loadgen`` (open-loop load), ``demo``.
-Nothing is imported here, so ``grstack --help`` stays light.
+
+Other packages import from here, never a submodule: the model artefact's loaders, ``RelayEngine``, the
+router (``Router``, ``RouterConfig``, ``start_router``, ``TriggerConfig``), ``spawn_ranker``, the load
+generator and ``serve_demo``. Exports load lazily, so importing this package (as ``grstack --help`` does,
+through ``serve.cli``) stays light.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from grstack.runtime.serve.artifact import load_ranking_model, write_untrained_model
+    from grstack.runtime.serve.demo import serve_demo
+    from grstack.runtime.serve.engine import RelayEngine
+    from grstack.runtime.serve.loadgen import Request, latency_summary, poisson_times, run_open_loop
+    from grstack.runtime.serve.local import spawn_ranker
+    from grstack.runtime.serve.router import Router, RouterConfig, start_router
+    from grstack.runtime.serve.trigger import TriggerConfig
+
+_EXPORTS = {
+    "load_ranking_model": "grstack.runtime.serve.artifact",
+    "write_untrained_model": "grstack.runtime.serve.artifact",
+    "serve_demo": "grstack.runtime.serve.demo",
+    "RelayEngine": "grstack.runtime.serve.engine",
+    "Request": "grstack.runtime.serve.loadgen",
+    "latency_summary": "grstack.runtime.serve.loadgen",
+    "poisson_times": "grstack.runtime.serve.loadgen",
+    "run_open_loop": "grstack.runtime.serve.loadgen",
+    "spawn_ranker": "grstack.runtime.serve.local",
+    "Router": "grstack.runtime.serve.router",
+    "RouterConfig": "grstack.runtime.serve.router",
+    "start_router": "grstack.runtime.serve.router",
+    "TriggerConfig": "grstack.runtime.serve.trigger",
+}
+
+__all__ = [
+    "RelayEngine",
+    "Request",
+    "Router",
+    "RouterConfig",
+    "TriggerConfig",
+    "latency_summary",
+    "load_ranking_model",
+    "poisson_times",
+    "run_open_loop",
+    "serve_demo",
+    "spawn_ranker",
+    "start_router",
+    "write_untrained_model",
+]
+
+
+def __getattr__(name: str) -> object:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -29,7 +29,7 @@ def write_untrained_model(path: str | Path, *, num_items: int = 10_000, max_len:
                           num_blocks: int = 2, num_heads: int = 2, dqk: int = 32, dv: int = 32,
                           actions: tuple[str, ...] = (), seed: int = 0) -> Path:
     """An exported HSTU (random weights, the same format as training's ``model.pt``)."""
-    from grstack.runtime.data.dataset import from_sequences
+    from grstack.runtime.data import from_sequences
     from grstack.runtime.training_config import Config
 
     cfg = Config.model_validate({

@@ -37,7 +37,7 @@ def serve_demo(run_dir: Path, replicas: int = 2, requests: int = 200, *, qps: fl
 def _users(run_dir: Path, rng: Any, max_users: int) -> list[dict[str, Any]]:
     import numpy as np
 
-    from grstack.runtime.data.dataset import read_dataset
+    from grstack.runtime.data import read_dataset
     from grstack.runtime.errors import UserError
 
     ds = read_dataset(run_dir / "dataset")

@@ -27,8 +27,7 @@ import torch
 from torch import nn
 
 from grstack import kernels
-from grstack.runtime.data.candidates import append_candidates
-from grstack.runtime.data.jagged import JaggedBatch
+from grstack.runtime.data import JaggedBatch, append_candidates
 from grstack.runtime.serve.prefix import prefix_hash, truncate_prefix
 
 __all__ = ["PrefixKV", "RankItem", "RelayEngine", "prefix_hash"]

@@ -17,10 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from grstack.runtime.data.candidates import append_candidates
-from grstack.runtime.data.jagged import JaggedBatch
-from grstack.runtime.data.splits import LeaveOneOut, ranges_index
-from grstack.runtime.embedding.sharded import LookupUnit, make_unit
+from grstack.runtime.data import JaggedBatch, LeaveOneOut, append_candidates, ranges_index
+from grstack.runtime.embedding import LookupUnit, make_unit
 from grstack.runtime.train import balance, microbatching
 from grstack.runtime.train.negatives import share_permutations, step_generator, uniform_items
 from grstack.runtime.training_config import Config

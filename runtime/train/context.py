@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from grstack.runtime.device import distributed_backend
-from grstack.runtime.embedding.comm import Comm
+from grstack.runtime.embedding import Comm
 from grstack.runtime.errors import UserError
 
 T = TypeVar("T")

@@ -10,8 +10,7 @@ from typing import Any
 
 import torch
 
-from grstack.runtime.data.source import load_source
-from grstack.runtime.data.splits import LeaveOneOut
+from grstack.runtime.data import LeaveOneOut, load_source
 from grstack.runtime.model import task_names
 from grstack.runtime.train.batching import BatchStream
 from grstack.runtime.train.context import DistContext

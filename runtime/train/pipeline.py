@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from grstack.runtime.embedding.sharded import ActiveRows, RoutedBatch, ShardedEmbedding
+from grstack.runtime.embedding import ActiveRows, RoutedBatch, ShardedEmbedding
 from grstack.runtime.train.balance import imbalance, wait_ratio
 from grstack.runtime.train.batching import MicroBatch, PreparedBatch
 from grstack.runtime.train.context import DistContext

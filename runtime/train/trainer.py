@@ -25,15 +25,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from grstack.runtime.data.dataset import read_dataset, write_dataset
-from grstack.runtime.data.source import load_source
-from grstack.runtime.data.splits import LeaveOneOut
-from grstack.runtime.embedding.optim import make_sparse_optimizer
-from grstack.runtime.embedding.plan import ShardingPlan
-from grstack.runtime.embedding.sharded import ShardedEmbedding
+from grstack.runtime.data import LeaveOneOut, load_source, read_dataset, write_dataset
+from grstack.runtime.embedding import ShardedEmbedding, ShardingPlan, make_sparse_optimizer
 from grstack.runtime.errors import UserError
-from grstack.runtime.eval.evaluate import eval_ranks
-from grstack.runtime.eval.metrics import metrics_from_ranks
+from grstack.runtime.eval import eval_ranks, metrics_from_ranks
 from grstack.runtime.model import BEST_MODEL, DATASET_DIR, build_model, export_model, task_names
 from grstack.runtime.train import checkpoint as ckpt
 from grstack.runtime.train.batching import BatchStream, Preparer, Schedule
