@@ -40,17 +40,19 @@ def grouped_logits(query: torch.Tensor, neg: torch.Tensor, group_of: torch.Tenso
     """[N, R] scores of every token against its group's negatives (neg [G, R, d]; group_of [N] in 0..G-1),
     as one batched matmul over groups padded to the largest group (no [N, R, d] gather)."""
     n, d = query.shape
-    G = neg.shape[0]
+    G, R = neg.shape[0], neg.shape[1]
     order = torch.argsort(group_of, stable=True)
-    g_sorted = group_of[order]
+    g_sorted = group_of.index_select(0, order)
     counts = torch.bincount(group_of, minlength=G)
     k = int(counts.max()) if n else 0
     starts = torch.cumsum(counts, 0) - counts
-    slot = torch.arange(n, device=query.device) - starts[g_sorted]
-    padded = query.new_zeros((G, k, d)).index_put((g_sorted, slot), query[order])
-    scores = torch.bmm(padded, neg.transpose(1, 2))  # [G, k, R]
-    out = query.new_empty((n, neg.shape[1]))
-    return out.index_put((order,), scores[g_sorted, slot])
+    at = torch.arange(n, device=query.device)
+    flat = g_sorted * k + (at - starts.index_select(0, g_sorted))  # row of each sorted token in [G * k]
+    # index_select / index_copy (not advanced indexing): their backward passes are cheap gathers and adds
+    padded = query.new_zeros((G * k, d)).index_copy(0, flat, query.index_select(0, order))
+    scores = torch.bmm(padded.view(G, k, d), neg.transpose(1, 2)).view(G * k, R)
+    where = torch.empty_like(order).index_copy_(0, order, flat)  # row of token i in [G * k]
+    return scores.index_select(0, where)
 
 
 def sampled_softmax_sum(query: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor, targets: torch.Tensor,

@@ -58,6 +58,12 @@ class _Pending:
     parked: list[int] = field(default_factory=list)
 
 
+def _take(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``rows[index]`` for an index of any shape, through index_select: its backward is one index_add
+    (advanced indexing's backward is a much slower accumulate-put on CPU)."""
+    return rows.index_select(0, index.reshape(-1)).reshape(*index.shape, rows.shape[-1])
+
+
 class _Inline:
     """An executor that runs each call at once in the caller's thread (a one-rank job's comm "thread")."""
 
@@ -119,19 +125,19 @@ class Engine:
                  neg_rows: torch.Tensor | None) -> tuple[torch.Tensor, float, float]:
         cfg, dev = self.cfg, self.device
         full = mb.full.to(dev, non_blocking=True)
-        item_rows = rows[mb.inv_input.to(dev)]
+        item_rows = _take(rows, mb.inv_input.to(dev))
         out = self.model.encode(full, item_rows=item_rows)
         is_hist = mb.is_hist.to(dev) if mb.is_hist is not None else None
         hist_out = out[is_hist] if is_hist is not None else out
         q = self.model.query_vectors(hist_out)
         targets = mb.targets.to(dev)
-        pos = self.model.item_vectors(rows=rows[mb.inv_target.to(dev)])
+        pos = self.model.item_vectors(rows=_take(rows, mb.inv_target.to(dev)))
         if mb.inv_neg is not None:
-            neg = self.model.item_vectors(rows=rows[mb.inv_neg.to(dev)])
+            neg = self.model.item_vectors(rows=_take(rows, mb.inv_neg.to(dev)))
             neg_ids = mb.neg_ids.to(dev)
         else:
             assert neg_rows is not None and batch.inv_batch_neg is not None and batch.batch_neg_ids is not None
-            neg = self.model.item_vectors(rows=neg_rows[batch.inv_batch_neg.to(dev)])
+            neg = self.model.item_vectors(rows=_take(neg_rows, batch.inv_batch_neg.to(dev)))
             neg_ids = batch.batch_neg_ids.to(dev)
         share = [p.to(dev) for p in mb.share]
         group_of = mb.neg_group.to(dev) if mb.neg_group is not None else None
