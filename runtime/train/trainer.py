@@ -283,13 +283,16 @@ class Trainer:
         stopped_early = False
         try:
             while not stopped_early:
+                # a step's time includes waiting for (or, inline, preparing) its batch
+                t0 = time.perf_counter()
                 batch = stream.next()
                 if batch is None:
                     break
                 stopping = self.stop_after is not None and st.global_step + 1 >= self.stop_after
-                upcoming = None if stopping else stream.peek()
-                t0 = time.perf_counter()
+                upcoming = None if stopping or not self.engine.prefetching else stream.peek()
+                data_wait = time.perf_counter() - t0
                 out = self.engine.step(batch, upcoming, self._lr(st.global_step))
+                out["data_wait_ms"] = 1e3 * data_wait
                 dt = time.perf_counter() - t0
                 self.beat(st.global_step + 1)
                 st.train_seconds += dt
@@ -313,7 +316,8 @@ class Trainer:
                            "lr": self._lr(st.global_step - 1),
                            "samples_per_second": window["samples"] / max(window["t"], 1e-9),
                            "tokens_per_second": window["tokens"] / max(window["t"], 1e-9),
-                           **{k: out[k] for k in ("step_ms", "compute_ms", "exposed_comm_ms", "comm_ms",
+                           **{k: out[k] for k in ("step_ms", "data_wait_ms", "compute_ms", "exposed_comm_ms",
+                                                  "comm_ms",
                                                   "sparse_update_ms",
                                                   "microbatches", "unique_keys_per_microbatch",
                                                   "imbalance", "imbalance_count_split", "wait_ratio",
