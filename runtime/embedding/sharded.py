@@ -179,6 +179,8 @@ class ShardedEmbedding:
             send = [f + h for f, h in zip(unit.recv_full, unit.recv_half, strict=True)]
             recv = [f + h for f, h in zip(unit.send_full, unit.send_half, strict=True)]
             got = comm.all_to_all(out_rows, send, recv)
+            if self.plan.group_size == 1:  # one owner: the keys are already in owner order
+                return got
             rows = got.new_empty((unit.num_keys, self.plan.dim))
             rows[unit.order.to(dev)] = got
             return rows
@@ -200,7 +202,8 @@ class ShardedEmbedding:
         assert rb.grad is not None and unit.order is not None and unit.pos is not None
         send = [f + h for f, h in zip(unit.send_full, unit.send_half, strict=True)]
         recv = [f + h for f, h in zip(unit.recv_full, unit.recv_half, strict=True)]
-        got = comm.all_to_all(grad[unit.order.to(grad.device)], send, recv)
+        ordered = grad if self.plan.group_size == 1 else grad[unit.order.to(grad.device)]
+        got = comm.all_to_all(ordered, send, recv)
         rb.grad.index_add_(0, unit.pos.to(rb.grad.device), got.to(rb.grad.device))
 
     # -- the update ------------------------------------------------------------------------------------------

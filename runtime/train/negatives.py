@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 NEG_INF = -1e9
 PURPOSES = {"negatives": 1, "candidates": 2, "share": 3}
@@ -28,7 +29,7 @@ def step_generator(seed: int, purpose: str, step: int, rank: int) -> torch.Gener
 
 
 def uniform_items(num_items: int, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
-    """Item ids in 1..num_items (0 is padding), as ``loss.sample_negatives`` draws them."""
+    """Item ids in 1..num_items (0 is padding), the range every negative and candidate is drawn from."""
     return torch.randint(1, num_items + 1, shape, generator=generator)
 
 
@@ -41,12 +42,16 @@ def grouped_logits(query: torch.Tensor, neg: torch.Tensor, group_of: torch.Tenso
     as one batched matmul over groups padded to the largest group (no [N, R, d] gather)."""
     n, d = query.shape
     G, R = neg.shape[0], neg.shape[1]
-    order = torch.argsort(group_of, stable=True)
-    g_sorted = group_of.index_select(0, order)
     counts = torch.bincount(group_of, minlength=G)
     k = int(counts.max()) if n else 0
-    starts = torch.cumsum(counts, 0) - counts
     at = torch.arange(n, device=query.device)
+    if n and -(-n // k) == G and torch.equal(group_of, at // k):
+        # consecutive sets of k tokens (the last may be shorter): a reshape, no gather or scatter
+        padded = F.pad(query, (0, 0, 0, G * k - n))
+        return torch.bmm(padded.view(G, k, d), neg.transpose(1, 2)).view(G * k, R)[:n]
+    order = torch.argsort(group_of, stable=True)
+    g_sorted = group_of.index_select(0, order)
+    starts = torch.cumsum(counts, 0) - counts
     flat = g_sorted * k + (at - starts.index_select(0, g_sorted))  # row of each sorted token in [G * k]
     # index_select / index_copy (not advanced indexing): their backward passes are cheap gathers and adds
     padded = query.new_zeros((G * k, d)).index_copy(0, flat, query.index_select(0, order))
@@ -58,7 +63,7 @@ def grouped_logits(query: torch.Tensor, neg: torch.Tensor, group_of: torch.Tenso
 def sampled_softmax_sum(query: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor, targets: torch.Tensor,
                         neg_ids: torch.Tensor, temperature: float, group_of: torch.Tensor | None = None,
                         share: list[torch.Tensor] | None = None) -> torch.Tensor:
-    """Sum over tokens of InfoNCE (``loss.sampled_softmax_loss`` times N, for global normalisation).
+    """Sum over tokens of InfoNCE (summed, not averaged: the engine divides by the global token count).
 
     neg: [R, d] shared by all tokens, or [G, R, d] with ``group_of`` [N] naming each token's set (one set per
     token or per group of tokens). ``share``: permutations of the G sets; token i also scores the negatives

@@ -10,11 +10,8 @@ from grstack.runtime.data.splits import LeaveOneOut
 from grstack.runtime.data.synth import synthesize
 from grstack.runtime.train import balance, microbatching
 from grstack.runtime.train.batching import BatchStream, Preparer, Schedule
-from grstack.runtime.train.loss import sampled_softmax_loss
 from grstack.runtime.train.negatives import (
     HostOffload,
-    sampled_softmax_sum,
-    share_permutations,
     step_generator,
 )
 from grstack.runtime.training_config import Config
@@ -70,35 +67,6 @@ def test_clustering_puts_sequences_that_share_keys_together():
     assert sorted(np.concatenate(grouped).tolist()) == list(range(32))
     assert all(len(g) for g in grouped)
     assert sum(microbatching.unique_keys(grouped, key_sets)) < 0.6 * sum(microbatching.unique_keys(plain, key_sets))
-
-
-def test_sampled_softmax_sum_matches_the_single_process_loss():
-    g = torch.Generator().manual_seed(0)
-    q = torch.nn.functional.normalize(torch.randn(7, 8, generator=g), dim=-1)
-    pos = torch.nn.functional.normalize(torch.randn(7, 8, generator=g), dim=-1)
-    targets = torch.tensor([1, 2, 3, 4, 5, 6, 7])
-    shared_ids = torch.tensor([3, 9, 1])
-    shared = torch.nn.functional.normalize(torch.randn(3, 8, generator=g), dim=-1)
-    want = sampled_softmax_loss(q, pos, shared, targets, shared_ids, 0.05) * 7
-    torch.testing.assert_close(sampled_softmax_sum(q, pos, shared, targets, shared_ids, 0.05), want)
-    for groups in (7, 3):  # one set per token; one per 3 consecutive tokens (the last group is short)
-        set_ids = torch.randint(1, 10, (groups, 4), generator=g)
-        sets = torch.nn.functional.normalize(torch.randn(groups, 4, 8, generator=g), dim=-1)
-        group_of = torch.arange(7) // -(-7 // groups)
-        want = sampled_softmax_loss(q, pos, sets, targets, set_ids, 0.05) * 7
-        got = sampled_softmax_sum(q, pos, sets, targets, set_ids, 0.05, group_of)
-        torch.testing.assert_close(got, want)
-    # any assignment of tokens to sets (micro-batches hold tokens of sets in any order)
-    shuffled = torch.tensor([2, 0, 1, 1, 0, 2, 0])
-    direct = torch.stack([torch.cat([(q[i] * pos[i]).sum()[None], sets[shuffled[i]] @ q[i]]) for i in range(7)])
-    direct[:, 1:] = direct[:, 1:].masked_fill(set_ids[shuffled] == targets[:, None], -1e9)
-    direct = direct / 0.05
-    want = (torch.logsumexp(direct, 1) - direct[:, 0]).sum()
-    torch.testing.assert_close(sampled_softmax_sum(q, pos, sets, targets, set_ids, 0.05, shuffled), want)
-    # logit sharing adds k-1 more negative blocks: the loss can only grow
-    perms = share_permutations(3, 3, torch.Generator().manual_seed(1))
-    shared_loss = sampled_softmax_sum(q, pos, sets, targets, set_ids, 0.05, shuffled, perms)
-    assert len(perms) == 2 and float(shared_loss) > float(want)
 
 
 def test_step_generators_are_a_pure_function_of_their_key():
