@@ -63,12 +63,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    """etcd gets SIGKILL if the test process dies without tearing down (Linux prctl PR_SET_PDEATHSIG)."""
-    import ctypes
-    import signal
-
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+def _die_with_parent() -> list[str]:
+    """A command prefix that gives etcd SIGKILL if the test process dies without tearing down (util-linux's
+    setpriv sets PR_SET_PDEATHSIG). Not a ``preexec_fn``: Python code between fork and exec in a process
+    whose gRPC client threads are running can abort the child (it did, restarting etcd mid-test)."""
+    return ["setpriv", "--pdeathsig", "KILL"] if shutil.which("setpriv") else []
 
 
 class EtcdServer:
@@ -83,12 +82,11 @@ class EtcdServer:
 
     def start(self, timeout_s: float = 30.0) -> None:
         peer = f"http://127.0.0.1:{self.peer_port}"
-        cmd = ["etcd", "--name", "default", "--data-dir", str(self.data_dir),
+        cmd = [*_die_with_parent(), "etcd", "--name", "default", "--data-dir", str(self.data_dir),
                "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                "--initial-cluster", f"default={peer}"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log.open("ab"),
-                                     preexec_fn=_die_with_parent)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log.open("ab"))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
