@@ -63,8 +63,13 @@ class OptimConfig(_Strict):
     weight_decay: float = Field(0.0, ge=0.0)
     beta1: float = Field(0.9, ge=0.0, lt=1.0)
     beta2: float = Field(0.98, ge=0.0, lt=1.0)
-    warmup_steps: int = Field(0, ge=0)
-    grad_clip: float | None = Field(None, gt=0.0)
+    warmup_steps: int = Field(0, ge=0, description="optimizer updates of linear warm-up from 0 to lr")
+    schedule: Literal["constant", "cosine", "linear"] = Field(
+        "constant", description="after warm-up: constant, or cosine / linear decay to min_lr_ratio·lr at the "
+        "last optimizer update")
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="the decay's floor, as a fraction of lr")
+    grad_clip: float | None = Field(None, gt=0.0, description="clip dense and item-table gradients together "
+                                    "to this global norm")
 
 
 class TrainSection(_Strict):
@@ -73,6 +78,12 @@ class TrainSection(_Strict):
     max_steps: int | None = Field(None, ge=1, description="stop after this many steps in total")
     seed: int = 0
     device: str = "auto"
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32", description="bf16: autocast the dense compute to bfloat16 (weights, optimizer state, item table "
+        "and loss stay fp32)")
+    tf32: bool = Field(False, description="CUDA: let fp32 matmuls and convolutions use TF32 tensor cores")
+    grad_accum_steps: int = Field(1, ge=1, description="batches whose gradients are summed into one optimizer "
+                                  "update (the update's batch is grad_accum_steps x batch_size)")
     num_threads: int | None = Field(None, ge=1)
     log_every: int = Field(10, ge=1)
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0 = once per epoch")
