@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import warnings
+from typing import Any
 
 import torch
 
@@ -45,3 +47,69 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
     elif device.type == "npu":
         torch.npu.synchronize(device)
+
+
+def set_current_device(device: torch.device) -> None:
+    """Makes ``device`` the thread's current accelerator (NCCL/HCCL and ``torch.cuda`` calls without an
+    explicit index use it); no-op on CPU."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    elif device.type == "npu":
+        torch.npu.set_device(device)
+
+
+def local_device(device: torch.device, local_rank: int) -> torch.device:
+    """The accelerator of local rank ``local_rank`` when ``device`` names a kind without an index (several
+    ranks per pod or machine, one accelerator each); a user error when there are fewer accelerators than
+    local ranks. CPU (and an explicit index) is returned as is."""
+    if device.type not in ("cuda", "npu") or device.index is not None:
+        return device
+    count = torch.cuda.device_count() if device.type == "cuda" else torch.npu.device_count()
+    if local_rank >= count:
+        raise UserError(f"LOCAL_RANK={local_rank} needs a {device.type} device of its own, but this machine "
+                        f"(or pod) has {count}; start at most {count} ranks per machine")
+    return torch.device(device.type, local_rank)
+
+
+def check_precision(device: torch.device, precision: str) -> None:
+    """A precision ``device`` cannot train in is a user error (before anything starts)."""
+    if precision == "fp32":
+        return
+    if precision != "bf16":
+        raise UserError(f"train.precision={precision!r}: expected fp32 or bf16")
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        name = torch.cuda.get_device_name(device)
+        raise UserError(f"train.precision=bf16: {name} has no bfloat16 support (it needs compute capability "
+                        ">= 8.0, e.g. A100/H100); use train.precision=fp32 (with train.tf32=true on Ampere+)")
+    if device.type == "cpu" and not hasattr(torch, "autocast"):
+        raise UserError("train.precision=bf16 needs torch.autocast on CPU (torch >= 1.10)")
+
+
+class HostSyncCounter:
+    """Counts the host-device synchronisations CUDA's sync debug mode reports while active (every thread
+    of the process); ``count`` stays None on devices without such a mode (on CPU there is nothing to wait
+    for)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.count: int | None = None
+        self._catch: Any = None
+        self._records: list[Any] = []
+
+    def __enter__(self) -> HostSyncCounter:
+        if self.device.type == "cuda":
+            self._catch = warnings.catch_warnings(record=True)
+            self._records = self._catch.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._catch is None:
+            return
+        torch.cuda.set_sync_debug_mode("default")
+        self._catch.__exit__(*exc)
+        self.count = sum(1 for w in self._records if "synchroniz" in str(w.message).lower())
+        for w in self._records:  # everything else is shown as usual
+            if "synchroniz" not in str(w.message).lower():
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)

@@ -10,7 +10,14 @@ from __future__ import annotations
 from grstack.runtime.embedding.comm import Comm
 from grstack.runtime.embedding.optim import RowWiseAdagrad, make_sparse_optimizer
 from grstack.runtime.embedding.plan import ShardingPlan
-from grstack.runtime.embedding.sharded import ActiveRows, LookupUnit, RoutedBatch, ShardedEmbedding, make_unit
+from grstack.runtime.embedding.sharded import (
+    ActiveRows,
+    LookupUnit,
+    RoutedBatch,
+    ShardedEmbedding,
+    make_unit,
+    merge_rows,
+)
 
 __all__ = [
     "ActiveRows",
@@ -22,4 +29,5 @@ __all__ = [
     "ShardingPlan",
     "make_sparse_optimizer",
     "make_unit",
+    "merge_rows",
 ]

@@ -18,6 +18,7 @@ import torch
 
 class SparseOptimizer:
     name = "base"
+    moves_all_rows = False  # True: every step changes every row (the Active rows are the whole shard)
 
     def __init__(self, weight: torch.Tensor, lr: float) -> None:
         self.weight = weight
@@ -111,6 +112,7 @@ class DenseAdamW(SparseOptimizer):
     """``torch.optim.AdamW`` over the whole shard: every row's moments decay and every row moves each step."""
 
     name = "adamw"
+    moves_all_rows = True
 
     def __init__(self, weight: torch.Tensor, lr: float, betas: tuple[float, float] = (0.9, 0.999),
                  weight_decay: float = 0.0) -> None:

@@ -26,6 +26,11 @@ from grstack.runtime.embedding.optim import SparseOptimizer
 from grstack.runtime.embedding.plan import ShardingPlan
 
 
+def _dev(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host routing metadata (indices) on ``device``: an asynchronous copy, never a host-device sync."""
+    return t if t.device == device else t.to(device, non_blocking=True)
+
+
 @dataclass
 class LookupUnit:
     """The deduplicated keys of one lookup, and where they travel."""
@@ -99,6 +104,7 @@ class ShardedEmbedding:
         self.weight = shard
         self.optimizer = optimizer
         self.half_dtype = half_dtype
+        self._all_rows: torch.Tensor | None = None
 
     # -- routing (stage 3) ------------------------------------------------------------------------------
     def route(self, units: list[LookupUnit], comm: Comm) -> RoutedBatch:
@@ -118,11 +124,12 @@ class ShardedEmbedding:
             bounds = torch.searchsorted(sorted_owner, torch.arange(G + 1))
             for d in range(G):
                 per_dest[d].append(local[bounds[d] : bounds[d + 1]])
-        recv_counts = comm.exchange(counts)  # [G sources, n_units, 2]
+        meta = comm.meta  # keys and counts are host data: they travel on the group's gloo twin
+        recv_counts = meta.exchange(counts)  # [G sources, n_units, 2]
         send = torch.cat([t for d in range(G) for t in per_dest[d]]) if n_units else torch.zeros(0, dtype=torch.int64)
         send_split = counts.sum(dim=(1, 2)).tolist()
         recv_split = recv_counts.sum(dim=(1, 2)).tolist()
-        received = comm.all_to_all(send, send_split, recv_split)
+        received = meta.all_to_all(send, send_split, recv_split)
         # received: per source s, per unit u: full keys then half keys
         pieces: list[list[torch.Tensor]] = [[] for _ in range(n_units)]
         halves: list[list[torch.Tensor]] = [[] for _ in range(n_units)]
@@ -145,7 +152,7 @@ class ShardedEmbedding:
 
     # -- retrieval (stage 4) and the dual-buffer sync ------------------------------------------------------
     def retrieve(self, rb: RoutedBatch) -> None:
-        rb.rows = self.weight.index_select(0, rb.keys.to(self.weight.device))
+        rb.rows = self.weight.index_select(0, _dev(rb.keys, self.weight.device))
         rb.grad = torch.zeros_like(rb.rows)
 
     def overlap(self, rb: RoutedBatch, active: ActiveRows) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,7 +167,7 @@ class ShardedEmbedding:
             return 0
         where, idx = self.overlap(rb, active)
         dev = rb.rows.device
-        rb.rows[where.to(dev)] = active.rows[idx.to(active.rows.device)].to(dev)
+        rb.rows[_dev(where, dev)] = active.rows[_dev(idx, active.rows.device)].to(dev)
         rb.refreshed = where.numel()
         return rb.refreshed
 
@@ -174,7 +181,7 @@ class ShardedEmbedding:
         assert rb.rows is not None and unit.pos is not None and unit.recv_is_half is not None
         assert unit.order is not None
         dev = rb.rows.device
-        out_rows = rb.rows[unit.pos.to(dev)]
+        out_rows = rb.rows.index_select(0, _dev(unit.pos, dev))
         if not (fp16 and unit.has_half):
             send = [f + h for f, h in zip(unit.recv_full, unit.recv_half, strict=True)]
             recv = [f + h for f, h in zip(unit.send_full, unit.send_half, strict=True)]
@@ -182,19 +189,20 @@ class ShardedEmbedding:
             if self.plan.group_size == 1:  # one owner: the keys are already in owner order
                 return got
             rows = got.new_empty((unit.num_keys, self.plan.dim))
-            rows[unit.order.to(dev)] = got
+            rows[_dev(unit.order, got.device)] = got
             return rows
-        is_half = unit.recv_is_half.to(dev)
-        full = comm.all_to_all(out_rows[~is_half], unit.recv_full, unit.send_full)
-        half_src = out_rows[is_half]
+        # positions are split on the host (a boolean mask on the device would cost a sync)
+        half_at = torch.nonzero(unit.recv_is_half).squeeze(1)
+        full_at = torch.nonzero(~unit.recv_is_half).squeeze(1)
+        full = comm.all_to_all(out_rows.index_select(0, _dev(full_at, dev)), unit.recv_full, unit.send_full)
+        half_src = out_rows.index_select(0, _dev(half_at, dev))
         if fp16:
             half_src = half_src.to(self.half_dtype)
         half = comm.all_to_all(half_src, unit.recv_half, unit.send_half)
         rows = full.new_empty((unit.num_keys, self.plan.dim))
-        order = unit.order.to(dev)
-        sorted_half = order >= unit.n_full
-        rows[order[~sorted_half]] = full
-        rows[order[sorted_half]] = half.to(full.dtype)
+        is_half = unit.order >= unit.n_full
+        rows[_dev(unit.order[~is_half], full.device)] = full
+        rows[_dev(unit.order[is_half], full.device)] = half.to(full.dtype)
         return rows
 
     def send_grads(self, rb: RoutedBatch, unit: LookupUnit, grad: torch.Tensor, comm: Comm) -> None:
@@ -202,22 +210,22 @@ class ShardedEmbedding:
         assert rb.grad is not None and unit.order is not None and unit.pos is not None
         send = [f + h for f, h in zip(unit.send_full, unit.send_half, strict=True)]
         recv = [f + h for f, h in zip(unit.recv_full, unit.recv_half, strict=True)]
-        ordered = grad if self.plan.group_size == 1 else grad[unit.order.to(grad.device)]
+        ordered = grad if self.plan.group_size == 1 else grad.index_select(0, _dev(unit.order, grad.device))
         got = comm.all_to_all(ordered, send, recv)
-        rb.grad.index_add_(0, unit.pos.to(rb.grad.device), got.to(rb.grad.device))
+        rb.grad.index_add_(0, _dev(unit.pos, rb.grad.device), got.to(rb.grad.device))
 
     # -- the update ------------------------------------------------------------------------------------------
     def reduce_replicas(self, keys: torch.Tensor, grad: torch.Tensor, replicas: Comm
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sums gradients of the same shard over sparse groups, in replica order (identical everywhere)."""
-        if replicas.size == 1:
+        if not replicas.live:
             return keys, grad
-        all_keys = replicas.all_gather_v(keys)
+        all_keys = replicas.meta.all_gather_v(keys)  # host keys on the gloo twin
         all_grads = replicas.all_gather_v(grad)
         union = torch.unique(torch.cat(all_keys))
-        total = grad.new_zeros((union.numel(), grad.shape[1]))
+        total = all_grads[0].new_zeros((union.numel(), grad.shape[1]))
         for k, g in zip(all_keys, all_grads, strict=True):
-            total.index_add_(0, torch.searchsorted(union, k), g)
+            total.index_add_(0, _dev(torch.searchsorted(union, k), total.device), g)
         return union, total
 
     def reduce(self, rb: RoutedBatch, replicas: Comm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,9 +234,14 @@ class ShardedEmbedding:
         return self.reduce_replicas(rb.keys, rb.grad, replicas)
 
     def update(self, keys: torch.Tensor, grad: torch.Tensor) -> ActiveRows:
-        """Runs the shard optimizer; returns the rows it changed (the Active rows the next refresh reads)."""
-        changed, rows = self.optimizer.step(keys.to(self.weight.device), grad.to(self.weight.device))
-        return ActiveRows(keys=changed.to(keys.device), rows=rows)
+        """Runs the shard optimizer on host ``keys`` (sorted local rows) and their gradient; returns the rows
+        it changed, keys on the host (the Active rows the next refresh reads)."""
+        _, rows = self.optimizer.step(_dev(keys, self.weight.device), grad.to(self.weight.device))
+        if self.optimizer.moves_all_rows:
+            if self._all_rows is None:
+                self._all_rows = torch.arange(self.weight.shape[0])
+            return ActiveRows(keys=self._all_rows, rows=rows)
+        return ActiveRows(keys=keys, rows=rows)
 
     def apply(self, rb: RoutedBatch, replicas: Comm) -> ActiveRows:
         return self.update(*self.reduce(rb, replicas))
@@ -243,3 +256,14 @@ class ShardedEmbedding:
         for s, shard in enumerate(shards[:G]):
             table[s::G] = shard
         return table
+
+
+def merge_rows(keys_a: torch.Tensor, grad_a: torch.Tensor, keys_b: torch.Tensor, grad_b: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sum of two sparse gradients given as (sorted unique host keys, [n, d] rows): gradient
+    accumulation over the batches of a window. Deterministic (fixed order: a, then b)."""
+    union = torch.unique(torch.cat([keys_a, keys_b]))
+    total = grad_a.new_zeros((union.numel(), grad_a.shape[1]))
+    total.index_add_(0, _dev(torch.searchsorted(union, keys_a), total.device), grad_a)
+    total.index_add_(0, _dev(torch.searchsorted(union, keys_b), total.device), grad_b.to(total.device))
+    return union, total

@@ -18,16 +18,20 @@ from grstack.runtime.model.artifact import (
 )
 from grstack.runtime.model.build import build_model
 from grstack.runtime.model.hstu import HSTU
+from grstack.runtime.model.item_rows import ITEM_INIT_STD, ExternalItemRows, initial_item_rows
 from grstack.runtime.model.sasrec import SASRec
 
 __all__ = [
     "BEST_MODEL",
     "DATASET_DIR",
     "HSTU",
+    "ITEM_INIT_STD",
+    "ExternalItemRows",
     "SASRec",
     "atomic_torch_save",
     "build_model",
     "export_model",
+    "initial_item_rows",
     "load_checkpoint",
     "load_exported",
     "resolve_model_file",

@@ -9,8 +9,12 @@ from grstack.runtime.model.sasrec import SASRec
 from grstack.runtime.training_config import ModelConfig
 
 
-def build_model(cfg: ModelConfig, num_items: int, max_len: int, num_tasks: int = 1) -> nn.Module:
+def build_model(cfg: ModelConfig, num_items: int, max_len: int, num_tasks: int = 1,
+                item_table: bool = True) -> nn.Module:
+    """``item_table=False``: a model whose item rows are passed in (training's sharded table); its
+    ``item_emb`` holds no weight. Their initial values are :func:`initial_item_rows`."""
     kwargs = cfg.model_dump(exclude={"type"})
+    kwargs["item_table"] = item_table
     if cfg.type == "hstu":
         kwargs.pop("ffn_mult")
         return HSTU(num_items, max_len=max_len, num_tasks=num_tasks, **kwargs)

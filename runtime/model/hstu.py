@@ -30,6 +30,7 @@ from torch import nn
 
 from grstack import kernels
 from grstack.runtime.data import JaggedBatch
+from grstack.runtime.model.item_rows import ITEM_INIT_STD, ExternalItemRows
 
 
 class HSTULayer(nn.Module):
@@ -92,12 +93,15 @@ class HSTU(nn.Module):
     def __init__(self, num_items: int, *, max_len: int, d_model: int = 64, num_blocks: int = 4,
                  num_heads: int = 4, dqk: int = 16, dv: int = 16, dropout: float = 0.5,
                  input_dropout: float = 0.5, time_buckets: int = 128, position_bias: bool = True,
-                 time_bias: bool = True, num_tasks: int = 1, ranking_head: bool = True) -> None:
+                 time_bias: bool = True, num_tasks: int = 1, ranking_head: bool = True,
+                 item_table: bool = True) -> None:
         super().__init__()
         self.num_items, self.max_len, self.d_model = num_items, max_len, d_model
         # Candidates sit at position hist_len <= max_len, hence max_len + 1 positions.
         self.max_seq_len = max_len + 1
-        self.item_emb = nn.Embedding(num_items + 1, d_model)
+        # item_table=False: the rows live elsewhere (training's sharded table); nothing is allocated for them
+        self.item_emb = (nn.Embedding(num_items + 1, d_model) if item_table
+                         else ExternalItemRows(num_items + 1, d_model))
         self.pos_emb = nn.Embedding(self.max_seq_len, d_model)
         self.input_dropout = input_dropout
         self.layers = nn.ModuleList(
@@ -107,7 +111,8 @@ class HSTU(nn.Module):
         self.num_tasks = num_tasks
         self.rank_head = (nn.Sequential(nn.Linear(2 * d_model, d_model), nn.SiLU(), nn.Linear(d_model, num_tasks))
                           if ranking_head else None)
-        nn.init.trunc_normal_(self.item_emb.weight, std=0.02)
+        if item_table:
+            nn.init.trunc_normal_(self.item_emb.weight, std=ITEM_INIT_STD)
         nn.init.trunc_normal_(self.pos_emb.weight, std=d_model**-0.5)
 
     def token_positions(self, batch: JaggedBatch) -> torch.Tensor:

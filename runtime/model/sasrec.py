@@ -14,6 +14,7 @@ from torch import nn
 
 from grstack import kernels
 from grstack.runtime.data import JaggedBatch
+from grstack.runtime.model.item_rows import ITEM_INIT_STD, ExternalItemRows
 
 
 class SASRecBlock(nn.Module):
@@ -40,19 +41,22 @@ class SASRecBlock(nn.Module):
 class SASRec(nn.Module):
     def __init__(self, num_items: int, *, max_len: int, d_model: int = 64, num_blocks: int = 2,
                  num_heads: int = 2, dropout: float = 0.5, input_dropout: float = 0.5, ffn_mult: int = 1,
-                 **_: object) -> None:
+                 item_table: bool = True, **_: object) -> None:
         super().__init__()
         if d_model % num_heads:
             raise ValueError(f"model.d_model={d_model} must be divisible by model.num_heads={num_heads}")
         self.num_items, self.max_len, self.d_model = num_items, max_len, d_model
-        self.item_emb = nn.Embedding(num_items + 1, d_model)
+        # item_table=False: the rows live elsewhere (training's sharded table); nothing is allocated for them
+        self.item_emb = (nn.Embedding(num_items + 1, d_model) if item_table
+                         else ExternalItemRows(num_items + 1, d_model))
         self.pos_emb = nn.Embedding(max_len + 1, d_model)
         self.input_dropout = input_dropout
         self.blocks = nn.ModuleList(SASRecBlock(d_model, num_heads, dropout, ffn_mult) for _ in range(num_blocks))
         self.norm = nn.LayerNorm(d_model, eps=1e-8)
         self.rank_head = None
         self.num_tasks = 0
-        nn.init.trunc_normal_(self.item_emb.weight, std=0.02)
+        if item_table:
+            nn.init.trunc_normal_(self.item_emb.weight, std=ITEM_INIT_STD)
         nn.init.trunc_normal_(self.pos_emb.weight, std=0.02)
 
     def encode(self, batch: JaggedBatch, item_rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -7,6 +7,9 @@ Groups (every rank creates every group, in the same order, as torch.distributed 
   the current batch), one for the dual-buffer prefetch thread (keys of the next batch), so the two threads
   never interleave collectives on one group;
 * replica groups (same shard index in every sparse group): the sparse-gradient sum across groups.
+
+On NCCL/HCCL every group also has a gloo twin over the same ranks for host data (routing metadata, sizes,
+objects); see ``grstack.runtime.embedding.Comm``.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from grstack.runtime.device import distributed_backend
+from grstack.runtime.device import distributed_backend, set_current_device
 from grstack.runtime.embedding import Comm
 from grstack.runtime.errors import UserError
 
@@ -66,50 +69,67 @@ def resolve_group_size(world_size: int, sparse_group_size: int) -> int:
 
 
 class DistContext:
-    def __init__(self, env: DistEnv, device: torch.device, sparse_group_size: int, timeout_s: float) -> None:
+    def __init__(self, env: DistEnv, device: torch.device, sparse_group_size: int, timeout_s: float,
+                 launched: bool = True) -> None:
+        """``launched``: started as a rank (a launcher or torchrun set the environment). Such a job has a
+        process group even as a world of one, so every collective really runs (on NCCL/HCCL: with device
+        tensors); ``single`` (a plain ``grstack train``) has none and every collective short-circuits."""
         self.env = env
         self.rank, self.world_size = env.rank, env.world_size
         self.device = device
         self.group_size = resolve_group_size(env.world_size, sparse_group_size)
         self.timeout_s = timeout_s
         self.backend = distributed_backend(device)
+        self.launched = launched
         timeout = datetime.timedelta(seconds=timeout_s)
-        # one rank needs no process group: every Comm below is a group of one and short-circuits
-        if env.world_size > 1 and not dist.is_initialized():
+        if launched and not dist.is_initialized():
+            set_current_device(device)
             os.environ.setdefault("MASTER_ADDR", env.master_addr)
             os.environ.setdefault("MASTER_PORT", str(env.master_port))
             dist.init_process_group(self.backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
                                     rank=env.rank, world_size=env.world_size, timeout=timeout)
+        # collectives take tensors on the backend's device; routing metadata rides on gloo side groups
+        self.comm_device = device if self.backend != "gloo" else torch.device("cpu")
         G, W = self.group_size, self.world_size
         groups = [list(range(g * G, (g + 1) * G)) for g in range(W // G)]
         replicas = [[s + g * G for g in range(W // G)] for s in range(G)]
         mine = self.rank // G
         self.sparse_ranks, self.replica_ranks = groups[mine], replicas[self.rank % G]
-        made: dict[str, Any] = {}
+        made: dict[str, Comm] = {}
         for name in ("fwd", "pre"):
             for g, ranks in enumerate(groups):
-                pg = self._group(ranks, timeout)
+                comm = self._comm(ranks, f"sparse-{name}", timeout)
                 if g == mine:
-                    made[name] = pg
+                    made[name] = comm
         for s, ranks in enumerate(replicas):
-            pg = self._group(ranks, timeout)
+            comm = self._comm(ranks, "replica", timeout)
             if s == self.rank % G:
-                made["replica"] = pg
-        self.world = Comm(None, list(range(W)), self.rank, "world")
-        self.sparse_fwd = Comm(made["fwd"], self.sparse_ranks, self.rank, "sparse-fwd")
-        self.sparse_pre = Comm(made["pre"], self.sparse_ranks, self.rank, "sparse-pre")
-        self.replica = Comm(made["replica"], self.replica_ranks, self.rank, "replica")
+                made["replica"] = comm
+        world_meta = None
+        if launched and self.backend != "gloo":
+            world_meta = Comm(dist.new_group(list(range(W)), timeout=timeout, backend="gloo"), list(range(W)),
+                              self.rank, "world-meta", live=True)
+        self.world = Comm(None, list(range(W)), self.rank, "world", self.comm_device, world_meta, live=launched)
+        self.sparse_fwd, self.sparse_pre, self.replica = made["fwd"], made["pre"], made["replica"]
 
-    def _group(self, ranks: list[int], timeout: datetime.timedelta) -> Any:
-        if len(ranks) == 1:
-            return None  # Comm short-circuits single-member groups
-        return dist.new_group(ranks, timeout=timeout, backend=self.backend)
+    def _comm(self, ranks: list[int], name: str, timeout: datetime.timedelta) -> Comm:
+        """A Comm over ``ranks`` (every rank calls this for every group, in the same order). A group of one in
+        a larger world short-circuits without a process group."""
+        live = self.launched and (len(ranks) > 1 or self.world_size == 1)
+        if not live:
+            return Comm(None, [self.rank], self.rank, name, self.comm_device, live=False)
+        pg = dist.new_group(ranks, timeout=timeout, backend=self.backend)
+        meta_pg = dist.new_group(ranks, timeout=timeout, backend="gloo") if self.backend != "gloo" else None
+        if self.rank not in ranks:
+            return Comm(None, [self.rank], self.rank, name, live=False)  # another rank's group: never used
+        meta = Comm(meta_pg, ranks, self.rank, f"{name}-meta", live=True) if meta_pg is not None else None
+        return Comm(pg, ranks, self.rank, name, self.comm_device, meta, live=True)
 
     @classmethod
     def single(cls, device: torch.device, sparse_group_size: int = 0, timeout_s: float = 120.0) -> DistContext:
         """A world of one rank (a plain ``grstack train``): the same engine, no network, no process group."""
         env = DistEnv(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=0)
-        return cls(env, device, sparse_group_size, timeout_s)
+        return cls(env, device, sparse_group_size, timeout_s, launched=False)
 
     @property
     def comms(self) -> list[Comm]:

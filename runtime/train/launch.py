@@ -116,15 +116,12 @@ def guarded(rank: int, fn: Callable[[], T]) -> T:
 def rank_device(cfg: Any, env: Any) -> Any:
     import torch
 
-    from grstack.runtime.device import resolve_device
+    from grstack.runtime.device import local_device, resolve_device
 
     threads = os.environ.get(ENV_THREADS)
     if threads and not cfg.train.num_threads:
         torch.set_num_threads(int(threads))
-    device = resolve_device(cfg.train.device)
-    if device.type == "cuda":
-        device = torch.device("cuda", env.local_rank % max(1, torch.cuda.device_count()))
-    return device
+    return local_device(resolve_device(cfg.train.device), env.local_rank)
 
 
 def run_rank(cfg: Any, run_dir: str | Path, env: Any, *, progress: bool = True,

@@ -31,23 +31,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from grstack.runtime.embedding import ActiveRows, RoutedBatch, ShardedEmbedding
+from grstack.runtime.embedding import ActiveRows, RoutedBatch, ShardedEmbedding, merge_rows
 from grstack.runtime.train.balance import imbalance, wait_ratio
 from grstack.runtime.train.batching import MicroBatch, PreparedBatch
 from grstack.runtime.train.context import DistContext
 from grstack.runtime.train.negatives import HostOffload, sampled_softmax_sum
 from grstack.runtime.training_config import Config
-
-
-class ShardedItemEmbedding(nn.Module):
-    """Stands in for ``model.item_emb`` in distributed training: the rows live in ShardedEmbedding."""
-
-    def __init__(self, num_rows: int, dim: int) -> None:
-        super().__init__()
-        self.num_embeddings, self.embedding_dim = num_rows, dim
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("item embeddings are sharded: pass looked-up rows (item_rows=/rows=/cand_rows=)")
 
 
 @dataclass
@@ -56,6 +45,11 @@ class _Pending:
     future: Future
     retrieved: threading.Event
     parked: list[int] = field(default_factory=list)
+
+
+def _dev(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host batch data on ``device``: an asynchronous copy (a blocking one would wait for the device)."""
+    return t if t.device == device else t.to(device, non_blocking=True)
 
 
 def _take(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -92,7 +86,7 @@ class Engine:
         self.ranking = getattr(model, "rank_head", None) is not None and cfg.loss.ranking_weight > 0
         # one rank has nothing to overlap with: its lookups and gradient sends run inline
         self.comm_pool: ThreadPoolExecutor | _Inline = (
-            ThreadPoolExecutor(1, thread_name_prefix="grstack-comm") if ctx.world_size > 1 else _Inline())
+            ThreadPoolExecutor(1, thread_name_prefix="grstack-comm") if ctx.sparse_fwd.live else _Inline())
         self.pre_pool = ThreadPoolExecutor(1, thread_name_prefix="grstack-prefetch")
         self.offload = HostOffload(device, cfg.negatives.fp16)
         self.active: ActiveRows | None = None
@@ -100,6 +94,10 @@ class Engine:
         # gradients of looked-up rows go where the table lives (the owner accumulates them there)
         self.comm_device = table.weight.device
         self.sparse_base_lr = table.optimizer.lr
+        self.bf16 = cfg.train.precision == "bf16"
+        # gradient accumulation: this rank's (sorted local keys, summed gradient) of the window so far
+        self.held: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._window_open = False
 
     # -- stages 3-4 (and, semi-async, the rows) of a batch --------------------------------------------------
     def _lookup(self, batch: PreparedBatch, pending: _Pending | None) -> RoutedBatch:
@@ -122,41 +120,57 @@ class Engine:
 
     # -- stage 5 --------------------------------------------------------------------------------------------
     def _forward(self, batch: PreparedBatch, mb: MicroBatch, rows: torch.Tensor,
-                 neg_rows: torch.Tensor | None) -> tuple[torch.Tensor, float, float]:
+                 neg_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The micro-batch's loss, and its retrieval and ranking parts (detached, on the device: reading them
+        on the host would cost a sync per micro-batch). Dense compute runs under autocast with
+        ``train.precision=bf16``; the loss is computed in fp32 from fp32 copies of its inputs."""
         cfg, dev = self.cfg, self.device
         full = mb.full.to(dev, non_blocking=True)
-        item_rows = _take(rows, mb.inv_input.to(dev))
-        out = self.model.encode(full, item_rows=item_rows)
-        is_hist = mb.is_hist.to(dev) if mb.is_hist is not None else None
-        hist_out = out[is_hist] if is_hist is not None else out
-        q = self.model.query_vectors(hist_out)
-        targets = mb.targets.to(dev)
-        pos = self.model.item_vectors(rows=_take(rows, mb.inv_target.to(dev)))
-        if mb.inv_neg is not None:
-            neg = self.model.item_vectors(rows=_take(rows, mb.inv_neg.to(dev)))
-            neg_ids = mb.neg_ids.to(dev)
-        else:
-            assert neg_rows is not None and batch.inv_batch_neg is not None and batch.batch_neg_ids is not None
-            neg = self.model.item_vectors(rows=_take(neg_rows, batch.inv_batch_neg.to(dev)))
-            neg_ids = batch.batch_neg_ids.to(dev)
-        share = [p.to(dev) for p in mb.share]
-        group_of = mb.neg_group.to(dev) if mb.neg_group is not None else None
-        ret = sampled_softmax_sum(q, pos, neg, targets, neg_ids, cfg.loss.temperature, group_of, share)
+        item_rows = _take(rows, _dev(mb.inv_input, dev))
+        hist_at = cand_at = None
+        if mb.is_hist is not None:  # positions split on the host: a device mask would cost a sync
+            hist_at = _dev(torch.nonzero(mb.is_hist).squeeze(1), dev)
+            cand_at = _dev(torch.nonzero(~mb.is_hist).squeeze(1), dev)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.bf16):
+            out = self.model.encode(full, item_rows=item_rows)
+            hist_out = out.index_select(0, hist_at) if hist_at is not None else out
+            q = self.model.query_vectors(hist_out)
+            pos = self.model.item_vectors(rows=_take(rows, _dev(mb.inv_target, dev)))
+            if mb.inv_neg is not None:
+                neg = self.model.item_vectors(rows=_take(rows, _dev(mb.inv_neg, dev)))
+                neg_ids = _dev(mb.neg_ids, dev)
+            else:
+                assert neg_rows is not None and batch.inv_batch_neg is not None and batch.batch_neg_ids is not None
+                neg = self.model.item_vectors(rows=_take(neg_rows, _dev(batch.inv_batch_neg, dev)))
+                neg_ids = _dev(batch.batch_neg_ids, dev)
+            logits = None
+            if self.ranking and mb.labels is not None and cand_at is not None:
+                cand_out = out.index_select(0, cand_at)
+                logits = self.model.rank_logits(cand_out, _dev(mb.cand_ids.reshape(-1), dev),
+                                                cand_rows=item_rows.index_select(0, cand_at))
+        share = [_dev(p, dev) for p in mb.share]
+        group_of = _dev(mb.neg_group, dev) if mb.neg_group is not None else None
+        ret = sampled_softmax_sum(q.float(), pos.float(), neg.float(), _dev(mb.targets, dev), neg_ids,
+                                  cfg.loss.temperature, group_of, share)
         ret = ret / batch.global_tokens
         loss = ret
-        rank_part = 0.0
-        if self.ranking and mb.labels is not None and is_hist is not None:
-            cand_out = out[~is_hist]
-            logits = self.model.rank_logits(cand_out, mb.cand_ids.reshape(-1).to(dev),
-                                            cand_rows=item_rows[~is_hist])
+        rank_t = None
+        if logits is not None:
             T = mb.labels.shape[-1]
-            bce = F.binary_cross_entropy_with_logits(logits, mb.labels.reshape(-1, T).to(dev), reduction="sum")
+            bce = F.binary_cross_entropy_with_logits(logits.float(), _dev(mb.labels.reshape(-1, T), dev),
+                                                     reduction="sum")
             rank_t = bce / (batch.global_cands * T)
             loss = loss + cfg.loss.ranking_weight * rank_t
-            rank_part = float(rank_t.detach())
-        return loss, float(ret.detach()), rank_part
+            rank_t = rank_t.detach()
+        return loss, ret.detach(), rank_t
 
-    def step(self, batch: PreparedBatch, upcoming: PreparedBatch | None, lr: float) -> dict[str, Any]:
+    def step(self, batch: PreparedBatch, upcoming: PreparedBatch | None, lr: float, *, update: bool = True,
+             grad_scale: float = 1.0) -> dict[str, Any]:
+        """One batch: forward, backward, gradients to their owners. With ``update`` (the last batch of a
+        gradient-accumulation window, or every batch without accumulation) also the dense all-reduce, the
+        replica sum and both optimizers; otherwise the gradients are kept and summed with the next batch's.
+        ``grad_scale`` multiplies this batch's gradients (1 / the window's batches: the update is the mean).
+        """
         cfg, ctx, table = self.cfg, self.ctx, self.table
         t_start = time.perf_counter()
         comm_before = sum(c.seconds for c in ctx.comms)
@@ -181,10 +195,9 @@ class Engine:
         if self.prefetching and upcoming is not None:
             self._start_prefetch(upcoming)
 
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        table.optimizer.lr = self.sparse_base_lr * lr / cfg.optim.lr  # the same warm-up as the dense part
-        self.optimizer.zero_grad(set_to_none=True)
+        if self._window_open is False:  # the first batch of an accumulation window
+            self.optimizer.zero_grad(set_to_none=True)
+            self._window_open = True
 
         def fetch(u: int) -> Future:
             return self.comm_pool.submit(table.send_rows, rb, batch.units[u], ctx.sparse_fwd, fp16)
@@ -203,7 +216,8 @@ class Engine:
             futures[batch.micro[0].unit] = fetch(batch.micro[0].unit)
         neg_leaf = None
         grad_futures: list[Future] = []
-        ret_total = rank_total = 0.0
+        zero = torch.zeros((), device=self.device)
+        ret_total, rank_total = zero, zero
         for m, mb in enumerate(batch.micro):
             t0 = time.perf_counter()
             if batch.neg_unit is not None and neg_leaf is None:
@@ -217,10 +231,11 @@ class Engine:
                     futures[batch.micro[m + 1].unit] = fetch(batch.micro[m + 1].unit)
             t0 = time.perf_counter()
             loss, ret_part, rank_part = self._forward(batch, mb, leaf, neg_leaf)
-            loss.backward()
+            (loss * grad_scale if grad_scale != 1.0 else loss).backward()
             compute += time.perf_counter() - t0
-            ret_total += ret_part
-            rank_total += rank_part
+            ret_total = ret_total + ret_part
+            if rank_part is not None:
+                rank_total = rank_total + rank_part
             grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
             grad_futures.append(self.comm_pool.submit(table.send_grads, rb, batch.units[mb.unit],
                                                       grad.to(self.comm_device), ctx.sparse_fwd))
@@ -233,12 +248,61 @@ class Engine:
         for f in grad_futures:
             f.result()
         exposed += time.perf_counter() - t0
+        assert rb.grad is not None
+        keys, local_grad = rb.keys, rb.grad
+        if self.held is not None:  # earlier batches of this accumulation window
+            keys, local_grad = merge_rows(self.held[0], self.held[1], keys, local_grad)
+        extra = torch.tensor([float(rb.refreshed), float(stale)], device=self.device)
+        stats = torch.cat([ret_total.reshape(1), rank_total.reshape(1), extra]).to(ctx.comm_device)
+        update_s = 0.0
+        if not update:
+            self.held = (keys, local_grad)
+            self.active = None  # nothing was written: the next prefetched rows need no refresh
+            ctx.world.all_reduce(stats)
+            values = stats.tolist()  # the step's one host sync
+        else:
+            self.held = None
+            self._window_open = False
+            values, update_s, wait_s = self._update(keys, local_grad, stats, lr, semi)
+            exposed += wait_s
+        ret_g, rank_g, refreshed, stale_g = values
+        comm_total = sum(c.seconds for c in ctx.comms) - comm_before
+        step_s = time.perf_counter() - t_start
+        return {
+            "loss": ret_g + cfg.loss.ranking_weight * rank_g if self.ranking else ret_g,
+            "retrieval_loss": ret_g,
+            "ranking_loss": rank_g if self.ranking else None,
+            "updated": update,
+            "samples": batch.global_seqs,
+            "tokens": batch.global_tokens,
+            "step_ms": 1e3 * step_s,
+            "compute_ms": 1e3 * compute,
+            "sparse_update_ms": 1e3 * update_s,
+            "exposed_comm_ms": 1e3 * exposed,
+            "comm_ms": 1e3 * comm_total,
+            "microbatches": len(batch.micro),
+            "unique_keys_per_microbatch": sum(batch.mb_unique_keys) / max(1, len(batch.mb_unique_keys)),
+            "refreshed_rows": int(refreshed),
+            "stale_rows": int(stale_g),
+            "staleness": 1 if semi else 0,
+            "imbalance": imbalance(batch.rank_costs),
+            "imbalance_count_split": imbalance(batch.count_costs),
+            "wait_ratio": wait_ratio(batch.rank_costs),
+        }
 
-        # the dense all-reduce (async) overlaps the sparse replica sum and update
-        stats = torch.tensor([ret_total, rank_total, float(rb.refreshed), float(stale)], dtype=torch.float32)
-        if ctx.world_size > 1:
+    def _update(self, keys: torch.Tensor, local_grad: torch.Tensor, stats: torch.Tensor, lr: float, semi: bool
+                ) -> tuple[list[float], float, float]:
+        """The update at the end of a window: dense all-reduce (async, with the step's stats riding along)
+        overlapping the sparse replica sum and update, then the dense step. Returns the all-reduced stats,
+        the sparse-update seconds and the exposed wait seconds."""
+        cfg, ctx, table = self.cfg, self.ctx, self.table
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        table.optimizer.lr = self.sparse_base_lr * lr / cfg.optim.lr  # the same schedule as the dense part
+        exposed = 0.0
+        if ctx.world.live:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.dense_params]
-            flat = torch.cat([g.reshape(-1) for g in grads] + [stats.to(grads[0].device if grads else self.device)])
+            flat = torch.cat([g.reshape(-1) for g in grads] + [stats.to(grads[0].device if grads else stats.device)])
             work = ctx.world.all_reduce(flat, async_op=True)
         else:
             grads, flat, work = [], stats, None
@@ -248,7 +312,7 @@ class Engine:
         exposed += time.perf_counter() - t0
         clip = cfg.optim.grad_clip
         t0 = time.perf_counter()
-        keys, sparse_grad = table.reduce(rb, ctx.replica)
+        keys, sparse_grad = table.reduce_replicas(keys, local_grad, ctx.replica)
         if not clip:
             self.active = table.update(keys, sparse_grad)
         update = time.perf_counter() - t0
@@ -267,29 +331,7 @@ class Engine:
             self.active = table.update(keys, self._clip(sparse_grad, clip))
             update += time.perf_counter() - t0
         self.optimizer.step()
-        ret_g, rank_g, refreshed, stale_g = flat[at:].tolist()
-        comm_total = sum(c.seconds for c in ctx.comms) - comm_before
-        step_s = time.perf_counter() - t_start
-        return {
-            "loss": ret_g + cfg.loss.ranking_weight * rank_g if self.ranking else ret_g,
-            "retrieval_loss": ret_g,
-            "ranking_loss": rank_g if self.ranking else None,
-            "samples": batch.global_seqs,
-            "tokens": batch.global_tokens,
-            "step_ms": 1e3 * step_s,
-            "compute_ms": 1e3 * compute,
-            "sparse_update_ms": 1e3 * update,
-            "exposed_comm_ms": 1e3 * exposed,
-            "comm_ms": 1e3 * comm_total,
-            "microbatches": len(batch.micro),
-            "unique_keys_per_microbatch": sum(batch.mb_unique_keys) / max(1, len(batch.mb_unique_keys)),
-            "refreshed_rows": int(refreshed),
-            "stale_rows": int(stale_g),
-            "staleness": 1 if semi else 0,
-            "imbalance": imbalance(batch.rank_costs),
-            "imbalance_count_split": imbalance(batch.count_costs),
-            "wait_ratio": wait_ratio(batch.rank_costs),
-        }
+        return flat[at:].tolist(), update, exposed  # the step's one host sync
 
     def _clip(self, sparse_grad: torch.Tensor, max_norm: float) -> torch.Tensor:
         """Scales dense and sparse gradients together to a global norm of at most ``max_norm`` (what

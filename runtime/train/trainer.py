@@ -26,19 +26,30 @@ import torch
 from torch import nn
 
 from grstack.runtime.data import LeaveOneOut, load_source, read_dataset, write_dataset
+from grstack.runtime.device import HostSyncCounter, check_precision
 from grstack.runtime.embedding import ShardedEmbedding, ShardingPlan, make_sparse_optimizer
 from grstack.runtime.errors import UserError
 from grstack.runtime.eval import eval_ranks, metrics_from_ranks
-from grstack.runtime.model import BEST_MODEL, DATASET_DIR, build_model, export_model, task_names
+from grstack.runtime.model import (
+    BEST_MODEL,
+    DATASET_DIR,
+    ITEM_INIT_STD,
+    build_model,
+    export_model,
+    initial_item_rows,
+    task_names,
+)
 from grstack.runtime.train import checkpoint as ckpt
 from grstack.runtime.train.batching import BatchStream, Preparer, Schedule
 from grstack.runtime.train.context import DistContext
-from grstack.runtime.train.pipeline import Engine, ShardedItemEmbedding
+from grstack.runtime.train.lr_schedule import count_updates, learning_rate, window_bounds
+from grstack.runtime.train.pipeline import Engine
 from grstack.runtime.train.rundir import reclaim_unstarted
 from grstack.runtime.training_config import Config, dump_config
 
 # Config sections (or fields) that must match for a checkpoint to be resumed.
-RESUME_FIELDS = ("data", "model", "loss", "optim", "embedding", "balance", "train.batch_size", "train.seed")
+RESUME_FIELDS = ("data", "model", "loss", "optim", "embedding", "balance", "train.batch_size", "train.seed",
+                 "train.grad_accum_steps")
 
 
 @dataclass
@@ -47,7 +58,8 @@ class TrainState:
 
     epoch: int = 0
     step_in_epoch: int = 0
-    global_step: int = 0
+    global_step: int = 0  # batches done
+    updates: int = 0  # optimizer updates done (one per gradient-accumulation window)
     samples: int = 0
     tokens: int = 0
     train_seconds: float = 0.0
@@ -84,15 +96,16 @@ class Built:
 
 
 def build_engine(cfg: Config, ctx: DistContext, plan: ShardingPlan, split: LeaveOneOut, tasks: list[str]) -> Built:
-    """The model (its item table replaced by this rank's shard), shard and dense optimizers, the engine and
-    the batch schedule. Every rank builds the full initial model from the same seed and keeps its rows, so a
-    job's initial state does not depend on the number of ranks."""
+    """The dense model (its item rows live in this rank's shard), shard and dense optimizers, the engine and
+    the batch schedule. Every rank builds the dense part from the same seed and initialises only its own
+    rows of the item table, on its device; each row's initial value is a function of (seed, row id) alone,
+    so a job's initial state does not depend on the number of ranks."""
     ds = split.ds
     torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model, ds.num_items, cfg.data.max_len, num_tasks=len(tasks))
-    full = model.item_emb.weight.detach()
-    shard = full[plan.shard_of(ctx.rank) :: plan.group_size].clone().to(ctx.device)
-    model.item_emb = ShardedItemEmbedding(plan.num_rows, plan.dim)
+    model = build_model(cfg.model, ds.num_items, cfg.data.max_len, num_tasks=len(tasks), item_table=False)
+    mine = plan.shard_of(ctx.rank)
+    shard = initial_item_rows(cfg.train.seed, plan.global_ids(mine, torch.arange(plan.shard_rows(mine))),
+                              plan.dim, ITEM_INIT_STD, ctx.device)
     model = model.to(ctx.device)
     if ctx.rank > 0:  # dropout masks differ between ranks
         torch.manual_seed(cfg.train.seed * 1_000_003 + ctx.rank)
@@ -121,6 +134,10 @@ class Trainer:
         self.device = ctx.device
         if cfg.train.num_threads:
             torch.set_num_threads(cfg.train.num_threads)
+        check_precision(self.device, cfg.train.precision)
+        if self.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = cfg.train.tf32
+            torch.backends.cudnn.allow_tf32 = cfg.train.tf32
         self.resume_path: Path | None = ctx.agree(self._decide)
         if self.resume_path is not None:
             self.ds = ctx.check_all(lambda: read_dataset(self.run_dir / DATASET_DIR))
@@ -180,6 +197,9 @@ class Trainer:
         b = build_engine(cfg, ctx, self.plan, self.split, self.tasks)
         self.model, self.table, self.engine = b.model, b.table, b.engine
         self.schedule, self.preparer = b.schedule, b.preparer
+        t = cfg.train
+        self.total_updates = count_updates([self.schedule.steps_in_epoch(e) for e in range(t.epochs)],
+                                           t.grad_accum_steps, t.max_steps)
         self.state = TrainState()
         self.best_state: dict[str, torch.Tensor] | None = None
         with torch.random.fork_rng(devices=[]):
@@ -190,7 +210,7 @@ class Trainer:
             part = ckpt.load_part(self.resume_path, ctx.rank)
             self.model.load_state_dict(dense["model"])
             self.engine.optimizer.load_state_dict(dense["optimizer"])
-            self.state = TrainState(**dense["state"])
+            self.state = TrainState(**{"updates": dense["state"]["global_step"], **dense["state"]})
             self.table.weight.copy_(part["shard"])
             self.table.optimizer.load_state_dict(part["sparse_optimizer"])
             torch.set_rng_state(part["rng"])
@@ -241,9 +261,8 @@ class Trainer:
         report_progress({"step": self.state.global_step, "epoch": self.state.epoch,
                          "total_steps": self.schedule.total_steps(), **fields})
 
-    def _lr(self, step: int) -> float:
-        warm = self.cfg.optim.warmup_steps
-        return self.cfg.optim.lr * min(1.0, (step + 1) / warm) if warm else self.cfg.optim.lr
+    def _lr(self, update: int) -> float:
+        return learning_rate(update, self.total_updates, self.cfg.optim)
 
     def _save(self) -> Path:
         cfg, ctx = self.cfg, self.ctx
@@ -271,6 +290,7 @@ class Trainer:
     def _loop(self) -> dict[str, Any]:
         cfg, st, ctx = self.cfg, self.state, self.ctx
         total = self.schedule.total_steps()
+        accum = cfg.train.grad_accum_steps
         stream = BatchStream(self.schedule.positions(st.epoch, st.step_in_epoch, st.global_step), self.preparer,
                              cfg.negatives.prefetch, cfg.negatives.background)
         from tqdm import tqdm
@@ -279,7 +299,7 @@ class Trainer:
                    dynamic_ncols=True, desc=cfg.name if ctx.world_size == 1 else f"{cfg.name} x{ctx.world_size}")
         window: dict[str, float] = {"t": 0.0, "samples": 0, "tokens": 0}
         self.totals = {"imbalance": 0.0, "imbalance_count_split": 0.0, "exposed_comm_ms": 0.0, "comm_ms": 0.0,
-                       "stale_rows": 0, "steps": 0}
+                       "stale_rows": 0, "steps": 0, "host_syncs": 0, "sync_steps": 0}
         stopped_early = False
         try:
             while not stopped_early:
@@ -288,10 +308,19 @@ class Trainer:
                 batch = stream.next()
                 if batch is None:
                     break
-                stopping = self.stop_after is not None and st.global_step + 1 >= self.stop_after
+                # the accumulation window of this batch: updates (and checkpoints, stops) only at its end
+                first, end = window_bounds(st.step_in_epoch, self.schedule.steps_in_epoch(st.epoch), accum)
+                size = min(end - first, total - (st.global_step - (st.step_in_epoch - first)))
+                boundary = st.step_in_epoch + 1 == end or st.global_step + 1 == total
+                stopping = boundary and self.stop_after is not None and st.global_step + 1 >= self.stop_after
                 upcoming = None if stopping or not self.engine.prefetching else stream.peek()
                 data_wait = time.perf_counter() - t0
-                out = self.engine.step(batch, upcoming, self._lr(st.global_step))
+                lr = self._lr(st.updates)
+                with HostSyncCounter(self.device) as syncs:
+                    out = self.engine.step(batch, upcoming, lr, update=boundary, grad_scale=1.0 / size)
+                if syncs.count is not None:
+                    self.totals["host_syncs"] += syncs.count
+                    self.totals["sync_steps"] += 1
                 out["data_wait_ms"] = 1e3 * data_wait
                 dt = time.perf_counter() - t0
                 self.beat(st.global_step + 1)
@@ -300,6 +329,7 @@ class Trainer:
                 st.tokens += out["tokens"]
                 st.step_in_epoch += 1
                 st.global_step += 1
+                st.updates += int(boundary)
                 window["t"] += dt
                 window["samples"] += out["samples"]
                 window["tokens"] += out["tokens"]
@@ -313,7 +343,7 @@ class Trainer:
                 if st.global_step % cfg.train.log_every == 0 or epoch_done:
                     rec = {"kind": "train", "step": st.global_step, "epoch": st.epoch, "loss": out["loss"],
                            "retrieval_loss": out["retrieval_loss"], "ranking_loss": out["ranking_loss"],
-                           "lr": self._lr(st.global_step - 1),
+                           "lr": lr, "updated": boundary,
                            "samples_per_second": window["samples"] / max(window["t"], 1e-9),
                            "tokens_per_second": window["tokens"] / max(window["t"], 1e-9),
                            **{k: out[k] for k in ("step_ms", "data_wait_ms", "compute_ms", "exposed_comm_ms",
@@ -334,8 +364,10 @@ class Trainer:
                     if stopped_early:
                         self.engine.drain()
                     self._save()
-                elif cfg.train.checkpoint_every and st.global_step % cfg.train.checkpoint_every == 0:
-                    self._save()
+                elif (cfg.train.checkpoint_every and boundary
+                      and st.global_step // cfg.train.checkpoint_every
+                      > (st.global_step - size) // cfg.train.checkpoint_every):
+                    self._save()  # the first window end at or after each multiple of checkpoint_every
                 if stopping:
                     if not epoch_done:
                         self._save()
@@ -405,6 +437,12 @@ class Trainer:
                 "exposed_comm_ratio": self.totals["exposed_comm_ms"] / max(self.totals["comm_ms"], 1e-9),
                 "stale_rows": self.totals["stale_rows"],
             },
+            "precision": cfg.train.precision,
+            "grad_accum_steps": cfg.train.grad_accum_steps,
+            "optimizer_updates": st.updates,
+            # measured by CUDA's sync debug mode over every step (None where there is no such mode: CPU)
+            "host_syncs_per_step": (self.totals["host_syncs"] / self.totals["sync_steps"]
+                                    if self.totals["sync_steps"] else None),
         }
         if ctx.rank == 0:
             tmp = self.run_dir / ".summary.json.tmp"

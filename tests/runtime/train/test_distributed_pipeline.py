@@ -3,7 +3,9 @@
 All modes start from the same initial state and train 20 steps on the same data. Dual-buffer pipelining is
 compared bit for bit (the same floating-point operations on the same values). Frozen-window pipelining with
 N micro-batches sums each batch's gradients (and its loss) as N partial sums instead of one, so it is
-compared within 1e-6 (relative for the loss, whose magnitude is ~10: one float32 ulp there is ~1e-6);
+compared within 1e-6 relative for the loss (magnitude ~10: one float32 ulp there is ~1e-6) and 5e-6 absolute
+for the parameters after 20 AdamW steps (Adam divides by the root of the second moment, so rows with tiny
+gradients turn a partial-sum rounding into a visible move; measured 1.2e-6 to 1.3e-6);
 dropout is off for that comparison because N forward calls draw the dropout masks in a different order.
 """
 
@@ -64,13 +66,13 @@ def test_dual_buffer_pipelining_is_bitwise_identical(runs):
     assert len(_losses(runs, "sync")) == STEPS
 
 
-def test_frozen_window_matches_one_micro_batch_within_1e6(runs):
+def test_frozen_window_matches_one_micro_batch_within_float_order(runs):
     for base, mode in (("sync", "fwp4"), ("sync", "fwp4_cluster"), ("batch_sharing", "batch_sharing_fwp3"),
                        ("batch_sharing", "batch_sharing_fwp3_cluster")):
         assert all(r["microbatches"] > 1 for r in runs[mode]["records"])
         for a, b in zip(_losses(runs, base), _losses(runs, mode), strict=True):
             assert abs(a - b) <= 1e-6 * max(1.0, abs(a))
-        assert max_abs_diff(runs[base]["params"], runs[mode]["params"]) <= 1e-6
+        assert max_abs_diff(runs[base]["params"], runs[mode]["params"]) <= 5e-6
     assert _losses(runs, "sync")[-1] < 0.5 * _losses(runs, "sync")[0]  # it is training
 
 

@@ -60,8 +60,9 @@ def test_a_one_rank_step_is_the_plain_pytorch_step(data_dir, sharing):
     tasks = task_names(ds)
     ctx = DistContext.single(torch.device("cpu"))
     built = build_engine(cfg, ctx, make_plan(cfg, ctx, ds.num_items), split, tasks)
-    torch.manual_seed(cfg.train.seed)
     plain = build_model(cfg.model, ds.num_items, cfg.data.max_len, num_tasks=len(tasks))
+    # the same initial state: the engine's dense part and its (initialised-per-row) item table
+    plain.load_state_dict({**built.model.state_dict(), "item_emb.weight": built.table.weight.clone()})
     o = cfg.optim
     opt = torch.optim.AdamW(plain.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
     try:
