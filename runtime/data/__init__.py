@@ -2,7 +2,8 @@
 the jagged batch (docs/architecture.md §2).
 
 Other packages import from here, never a submodule: ``SequenceDataset`` and ``read_dataset`` /
-``write_dataset`` / ``from_sequences``; ``load_source`` (the dataset a config names); ``LeaveOneOut`` and
+``write_dataset`` / ``from_sequences``; ``load_source`` (the dataset a config names) and
+``known_item_count``; ``LeaveOneOut`` and
 ``ranges_index``; ``JaggedBatch`` and ``append_candidates``. Exports load lazily, so importing this package
 (as ``grstack --help`` does, through ``data.cli``) stays cheap.
 """
@@ -16,7 +17,7 @@ if TYPE_CHECKING:
     from grstack.runtime.data.candidates import append_candidates
     from grstack.runtime.data.dataset import SequenceDataset, from_sequences, read_dataset, write_dataset
     from grstack.runtime.data.jagged import JaggedBatch
-    from grstack.runtime.data.source import load_source
+    from grstack.runtime.data.source import known_item_count, load_source
     from grstack.runtime.data.splits import LeaveOneOut, ranges_index
 
 _EXPORTS = {
@@ -25,6 +26,7 @@ _EXPORTS = {
     "read_dataset": "grstack.runtime.data.dataset",
     "write_dataset": "grstack.runtime.data.dataset",
     "load_source": "grstack.runtime.data.source",
+    "known_item_count": "grstack.runtime.data.source",
     "LeaveOneOut": "grstack.runtime.data.splits",
     "ranges_index": "grstack.runtime.data.splits",
     "JaggedBatch": "grstack.runtime.data.jagged",
@@ -37,6 +39,7 @@ __all__ = [
     "SequenceDataset",
     "append_candidates",
     "from_sequences",
+    "known_item_count",
     "load_source",
     "ranges_index",
     "read_dataset",

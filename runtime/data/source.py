@@ -23,3 +23,19 @@ def load_source(cfg: DataConfig) -> SequenceDataset:
     from grstack.runtime.data.importers import import_dataset
 
     return import_dataset(cfg.format, src)
+
+
+def known_item_count(cfg: DataConfig) -> int | None:
+    """The source's item count when it is cheap to know without loading it (a grstack dataset's metadata, a
+    synthetic preset): what a launcher checks the sharding plan against before starting any rank. None when
+    only an import would tell (then rank 0 checks it after loading, before anything is written)."""
+    if cfg.format == "synth":
+        from grstack.runtime.data.synth import PRESETS
+
+        preset = PRESETS.get(cfg.source)
+        return preset.num_items if preset is not None else None
+    if cfg.format == "parquet":
+        from grstack.runtime.data.dataset import read_meta
+
+        return int(read_meta(cfg.source)["num_items"])
+    return None

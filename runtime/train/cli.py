@@ -16,9 +16,11 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="run directory; an existing checkpoint there is resumed")
     parser.add_argument("--stop-after-step", type=int, default=None, metavar="N",
                         help="checkpoint and exit after global step N (resume later with the same command)")
-    parser.add_argument("--nproc", type=int, default=1, metavar="N",
-                        help="train on N local ranks (sharded embeddings, gloo on CPU); inside a pod the "
-                             "torchrun environment (WORLD_SIZE, RANK, MASTER_ADDR, ...) makes this one rank")
+    parser.add_argument("--nproc", type=int, default=None, metavar="N",
+                        help="train on N local ranks (sharded embeddings; gloo on CPU, NCCL/HCCL on "
+                             "accelerators, one per rank), --nproc 1 included (a process group of one: every "
+                             "collective runs); without it, one process and no process group. Inside a pod "
+                             "the torchrun environment (WORLD_SIZE, RANK, MASTER_ADDR, ...) makes this one rank")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.set_defaults(func=run)
@@ -46,13 +48,13 @@ def _train(cfg, args: argparse.Namespace) -> dict:
     progress, stop = not args.no_progress, args.stop_after_step
     env = DistEnv.from_env()
     if env is not None and env.world_size > 1:
-        if args.nproc > 1:
+        if args.nproc is not None:
             raise UserError(f"--nproc {args.nproc} inside a distributed job (WORLD_SIZE={env.world_size}): "
                             "drop --nproc")
         from grstack.runtime.train.launch import run_rank
 
         return run_rank(cfg, args.out, env, progress=progress, stop_after=stop)
-    if args.nproc > 1:
+    if args.nproc is not None:
         from grstack.runtime.train.launch import train_distributed
 
         return train_distributed(cfg, args.out, nproc=args.nproc, progress=progress, stop_after=stop)

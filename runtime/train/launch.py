@@ -213,15 +213,34 @@ def failure_message(codes: list[int], tmp: Path) -> tuple[int, str]:
     return EXIT_PEER, messages[first] + note
 
 
-def train_distributed(cfg: Any, run_dir: str | Path, nproc: int = 2, progress: bool = True,
-                      stop_after: int | None = None) -> dict[str, Any]:
-    """Trains ``cfg`` on ``nproc`` local ranks (gloo on CPU); returns rank 0's summary (or
-    ``{"stopped_at_step": N}``). Failures raise UserError (exit status 2) or PeerFailure (3), one line each."""
+def preflight(cfg: Any, nproc: int) -> None:
+    """What can be checked before any rank starts, so a mistake is one clear error, not a gang of failing
+    ranks: the world size against the sharding plan and the batch, the precision against the device, the
+    local ranks against the accelerators."""
+    from grstack.runtime.data import known_item_count
+    from grstack.runtime.device import check_precision, local_device, resolve_device
+    from grstack.runtime.embedding import ShardingPlan
     from grstack.runtime.train.context import resolve_group_size
 
     if nproc < 1:
         raise UserError(f"--nproc must be >= 1, got {nproc}")
-    resolve_group_size(nproc, cfg.distributed.sparse_group_size)
+    group = resolve_group_size(nproc, cfg.distributed.sparse_group_size)
+    if cfg.balance.token_budget is None and cfg.train.batch_size < nproc:
+        raise UserError(f"train.batch_size={cfg.train.batch_size} is the global batch: it must be at least the "
+                        f"number of ranks ({nproc})")
+    device = resolve_device(cfg.train.device)
+    check_precision(device, cfg.train.precision)
+    local_device(device, nproc - 1)  # every local rank needs an accelerator of its own
+    items = known_item_count(cfg.data)
+    if items is not None:
+        ShardingPlan.make(items + 1, cfg.model.d_model, nproc, group, cfg.distributed.max_shard_rows)
+
+
+def train_distributed(cfg: Any, run_dir: str | Path, nproc: int = 2, progress: bool = True,
+                      stop_after: int | None = None) -> dict[str, Any]:
+    """Trains ``cfg`` on ``nproc`` local ranks (gloo on CPU); returns rank 0's summary (or
+    ``{"stopped_at_step": N}``). Failures raise UserError (exit status 2) or PeerFailure (3), one line each."""
+    preflight(cfg, nproc)
     with tempfile.TemporaryDirectory(prefix="grstack-launch-") as tmpdir:
         tmp = Path(tmpdir)
         (tmp / "config.json").write_text(json.dumps(cfg.model_dump(mode="json")))
