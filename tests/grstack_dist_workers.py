@@ -57,3 +57,19 @@ def sharded_lookup_and_update(env: Any, payload: dict[str, Any]) -> dict[str, An
             table.send_grads(rb, unit, rank_grads(ctx.rank, step, u, (unit.num_keys, dim)), ctx.sparse_fwd)
         table.apply(rb, ctx.replica)
     return {"looked_up": looked_up, "shard": table.weight.clone(), "table": table.full_table(ctx.world)}
+
+
+def run_modes_per_group_size(env: Any, payload: dict[str, Any]) -> dict[int, Any]:
+    """``harness.run_modes`` once per ``distributed.sparse_group_size`` in ``payload["group_sizes"]``, in one
+    gang (one process start for all of them: each run builds its own sparse and replica groups on the same
+    world). Returns {group size: run_modes' result}."""
+    from grstack.runtime.train.harness import run_modes, with_overrides
+    from grstack.runtime.training_config import Config
+
+    base = Config.model_validate(payload["config"])
+    out = {}
+    for group in payload["group_sizes"]:
+        cfg = with_overrides(base, {"distributed.sparse_group_size": group})
+        out[group] = run_modes(env, {**payload, "config": cfg.model_dump(mode="json"),
+                                     "modes": payload["modes"][str(group)]})
+    return out

@@ -1,10 +1,18 @@
 """What each rank trains on at each global step, prepared ahead by a background thread.
 
 ``Schedule`` is a pure function of (seed, epoch, lengths): the epoch order, its cut into global batches
-(count or token budget), and the split of each global batch across ranks (token balancing). ``prepare`` turns a rank's part into frozen-window micro-batches (contiguous or
-key-clustered), draws negatives and ranking candidates from per-step generators, and dedupes the ids of
-every lookup unit. ``BatchStream`` runs ``prepare`` in a thread, a bounded number of steps ahead: stage 1
-(data prefetch) of the pipeline.
+(count or token budget), and the split of each global batch across ranks (token balancing). ``Preparer``
+turns a rank's part into frozen-window micro-batches (contiguous or key-clustered), draws negatives, ranking
+candidates and logit-sharing permutations from per-step generators, and dedupes the ids of every lookup
+unit. ``BatchStream`` runs ``Preparer`` in a thread, a bounded number of steps ahead: stage 1 (data
+prefetch) of the pipeline.
+
+Every draw is made once per rank batch, before it is cut into micro-batches, so the cut does not change
+what any token scores: its negative set (sets belong to tokens: ``loss.group_size`` consecutive tokens of
+the rank batch, or one token), the sets it scores through logit sharing (``negatives.share_k``: k-1
+permutations of all of the rank's sets), and its ranking candidates. A micro-batch carries the sets its
+tokens own and, after them, the sets they score only through sharing, all in its lookup unit; with N=1 the
+micro-batch's sets, groups and sharing permutations are exactly the rank batch's.
 """
 
 from __future__ import annotations
@@ -31,13 +39,17 @@ class MicroBatch:
     targets: torch.Tensor  # [N] next item of every history token
     cand_ids: torch.Tensor | None  # [B, M]
     labels: torch.Tensor | None  # [B, M, T]
-    neg_ids: torch.Tensor | None  # [G, R] the negative sets of this micro-batch's tokens (sharing group/token)
-    neg_group: torch.Tensor | None  # [N] each token's set, in 0..G-1
+    # sharing group/token: the G negative sets this micro-batch's tokens score, the Gown sets its tokens own
+    # first (in rank-batch order), then the sets they score only through logit sharing (in rank-batch order)
+    neg_ids: torch.Tensor | None  # [G, R]
+    neg_group: torch.Tensor | None  # [N] each token's own set, in 0..Gown-1
     unit: int  # index of this micro-batch's lookup unit in PreparedBatch.units
     inv_input: torch.Tensor  # [sum_L'] index of every input token's id in the unit's keys
     inv_target: torch.Tensor  # [N]
     inv_neg: torch.Tensor | None  # [G, R]
-    share: list[torch.Tensor] = field(default_factory=list)  # logit-sharing permutations
+    # logit sharing: k-1 maps [Gown] -> 0..G-1, the step's permutations restricted to this micro-batch's own
+    # sets (token i also scores set perm[neg_group[i]]); with one micro-batch they are the permutations
+    share: list[torch.Tensor] = field(default_factory=list)
     num_seqs: int = 0
     num_tokens: int = 0
 
@@ -163,17 +175,29 @@ class Preparer:
         per_set = 1 if cfg.loss.sharing == "token" else cfg.loss.group_size
         g = step_generator(seed, "negatives", global_step, self.rank)
         negs = uniform_items(self.num_items, (-(-N // per_set), R) if per_token else (R,), g)
+        # logit sharing: drawn once over all of the rank's sets, so micro-batching does not change it
+        perms = ([p.numpy() for p in share_permutations(negs.shape[0], cfg.negatives.share_k,
+                                                        step_generator(seed, "share", global_step, self.rank))]
+                 if per_token and cfg.negatives.share_k > 1 else [])
         lengths = batch.lengths.numpy()
         n_micro = min(cfg.pipeline.microbatches, min(len(p) for p in parts))
         if cfg.pipeline.cluster and n_micro > 1:
-            # a sequence's keys: its items, targets, candidates and the negative sets its tokens use
+            # a sequence's keys: its items, targets, candidates and the negative sets its tokens use (their
+            # own sets and the sets they score through logit sharing)
             off = batch.offsets.numpy()
             ids, tg = batch.item_ids.numpy(), batch.targets.numpy()
+            negs_np = negs.numpy()
             none = np.zeros(0, np.int64)
+
+            def neg_keys(i: int) -> np.ndarray:
+                if not per_token:
+                    return none
+                own = np.arange(off[i] // per_set, (off[i + 1] - 1) // per_set + 1)
+                return negs_np[np.concatenate([own, *(p[own] for p in perms)])].reshape(-1)
+
             key_sets = [np.concatenate([
                 ids[off[i]:off[i + 1]], tg[off[i]:off[i + 1]], cands[i].numpy() if cands is not None else none,
-                negs[off[i] // per_set : (off[i + 1] - 1) // per_set + 1].numpy().reshape(-1) if per_token
-                else none]) for i in range(B)]
+                neg_keys(i)]) for i in range(B)]
             groups = microbatching.cluster_by_keys(key_sets, lengths, n_micro)
         else:
             groups = microbatching.split_contiguous(lengths, n_micro)
@@ -185,7 +209,7 @@ class Preparer:
             inv_batch_neg = inv_h if fp16 else inv_f
             neg_unit = 0
             units.append(unit)
-        share_gen = step_generator(seed, "share", global_step, self.rank)
+        where = np.full(negs.shape[0] if per_token else 0, -1, np.int64)  # rank set -> micro-batch set
         micro = []
         for grp in groups:
             sub, sub_ts, tok = _slice(batch, target_ts, grp)
@@ -203,8 +227,16 @@ class Preparer:
                         labels[:, 0, t] = ((bits >> (t - 1)) & 1).float()
             n_in = full.item_ids.numel()
             mb_negs = neg_group = None
+            share: list[torch.Tensor] = []
             if per_token:
-                sets, local = np.unique(tok // per_set, return_inverse=True)
+                own, local = np.unique(tok // per_set, return_inverse=True)
+                # the sets these tokens score through sharing, after their own (a micro-batch's lookup unit
+                # must hold every set its tokens score)
+                extra = np.setdiff1d(np.concatenate([p[own] for p in perms]), own) if perms else own[:0]
+                sets = np.concatenate([own, extra])
+                where[sets] = np.arange(len(sets))
+                share = [torch.from_numpy(where[p[own]]) for p in perms]
+                where[sets] = -1
                 mb_negs, neg_group = negs[torch.from_numpy(sets)], torch.from_numpy(local.reshape(-1))
             full_ids = torch.cat([full.item_ids, sub.targets])
             if mb_negs is None:
@@ -215,8 +247,6 @@ class Preparer:
             else:
                 unit, inv_all, _ = make_unit(torch.cat([full_ids, mb_negs.reshape(-1)]))
                 inv_f, inv_neg = inv_all[: full_ids.numel()], inv_all[full_ids.numel():]
-            share = (share_permutations(mb_negs.shape[0], cfg.negatives.share_k, share_gen)
-                     if mb_negs is not None and cfg.negatives.share_k > 1 else [])
             micro.append(MicroBatch(
                 full=full, is_hist=is_hist, targets=sub.targets, cand_ids=mb_cands, labels=labels,
                 neg_ids=mb_negs, neg_group=neg_group, unit=len(units), inv_input=inv_f[:n_in],

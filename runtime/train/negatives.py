@@ -6,14 +6,18 @@
 * Negatives are shared by the whole batch (``loss.sharing=batch``), or drawn per set of ``loss.group_size``
   consecutive tokens of the rank's batch (``group``; ``token`` is groups of one). Sets belong to tokens, not
   to micro-batches, so splitting a batch into micro-batches does not change any token's negatives.
-* Logit sharing: token i also scores the negative sets drawn for k-1 other tokens' sets (shuffled), k·R
-  negatives per token for the lookups of R.
+* Logit sharing (``negatives.share_k`` k): k-1 permutations of the rank batch's sets are drawn once per
+  step; a token whose own set is s also scores sets perm_1[s], ..., perm_{k-1}[s], k·R negatives per token
+  for the lookups of R. Micro-batches do not change this either: each micro-batch carries its tokens' own
+  sets followed by the sets they score through sharing, with index maps local to the micro-batch.
 * ``HostOffload`` keeps looked-up rows that wait for a later micro-batch in host memory (FP16 when asked)
   and reloads them one micro-batch ahead; on a CPU job host and device are the same memory, so it only
-  applies the dtype.
+  applies the dtype. A slot is freed when it is taken.
 """
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import torch
@@ -34,15 +38,19 @@ def uniform_items(num_items: int, shape: tuple[int, ...], generator: torch.Gener
 
 
 def share_permutations(n: int, k: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """The k-1 logit-sharing permutations of a rank batch's n negative sets (drawn once per step)."""
     return [torch.randperm(n, generator=generator) for _ in range(k - 1)]
 
 
 def grouped_logits(query: torch.Tensor, neg: torch.Tensor, group_of: torch.Tensor) -> torch.Tensor:
     """[N, R] scores of every token against its group's negatives (neg [G, R, d]; group_of [N] in 0..G-1),
-    as one batched matmul over groups padded to the largest group (no [N, R, d] gather)."""
+    as one batched matmul over groups padded to the largest group (no [N, R, d] gather). Sets after the
+    last one a token uses are not computed (a micro-batch's sets scored only through sharing come last)."""
     n, d = query.shape
-    G, R = neg.shape[0], neg.shape[1]
-    counts = torch.bincount(group_of, minlength=G)
+    R = neg.shape[1]
+    counts = torch.bincount(group_of)  # length max(group_of) + 1: the trailing sets no token uses drop out
+    G = counts.numel()
+    neg = neg[:G]
     k = int(counts.max()) if n else 0
     at = torch.arange(n, device=query.device)
     if n and -(-n // k) == G and torch.equal(group_of, at // k):
@@ -66,8 +74,12 @@ def sampled_softmax_sum(query: torch.Tensor, pos: torch.Tensor, neg: torch.Tenso
     """Sum over tokens of InfoNCE (summed, not averaged: the engine divides by the global token count).
 
     neg: [R, d] shared by all tokens, or [G, R, d] with ``group_of`` [N] naming each token's set (one set per
-    token or per group of tokens). ``share``: permutations of the G sets; token i also scores the negatives
-    of set ``perm[group_of[i]]`` (intra-batch logit sharing). Negatives equal to the target are masked.
+    token or per group of tokens). ``share`` (intra-batch logit sharing): index arrays into the G sets, each
+    with one entry per set a token may own (every ``group_of[i]`` < ``len(perm)`` <= G); token i also scores
+    the negatives of set ``perm[group_of[i]]``. Over a whole rank batch they are permutations of the sets; a
+    micro-batch lists its tokens' own sets first and the sets they score only through sharing after them,
+    and its maps are the batch permutations restricted to its own sets. Negatives equal to the target are
+    masked.
     """
     pos_logit = (query * pos).sum(-1, keepdim=True)
     if neg.dim() == 2:
@@ -89,26 +101,52 @@ class HostOffload:
     """Rows parked in host memory until their micro-batch; ``prefetch`` starts the reload of the next.
 
     ``park(rows, half=True)`` stores negative-only rows in FP16; positives are parked at full precision.
+    ``park`` returns a new slot number (never reused); ``take(slot)`` hands the rows back and frees the slot,
+    so what is held is only what was parked and not yet taken (one batch's rows in a semi-async step).
+    ``discard`` frees slots that will never be taken (a prefetched batch that is dropped).
     """
 
     def __init__(self, device: torch.device, fp16: bool) -> None:
         self.device = device
         self.fp16 = fp16
-        self.parked: list[torch.Tensor] = []
-        self.loaded: dict[int, torch.Tensor] = {}
+        self.parked: dict[int, torch.Tensor] = {}  # slot -> rows in host memory, until taken
+        self.loaded: dict[int, torch.Tensor] = {}  # slot -> rows on the device (prefetched), until taken
+        self._next = 0
+        self._lock = threading.Lock()  # park runs in the prefetch thread, take in the main thread
 
     def park(self, rows: torch.Tensor, half: bool = False) -> int:
         host = rows.to(torch.float16) if half and self.fp16 else rows
         if self.device.type != "cpu":
             host = host.to("cpu").pin_memory()
-        self.parked.append(host)
-        return len(self.parked) - 1
+        with self._lock:
+            slot = self._next
+            self._next += 1
+            self.parked[slot] = host
+        return slot
 
     def prefetch(self, slot: int) -> None:
-        if 0 <= slot < len(self.parked) and slot not in self.loaded:
-            self.loaded[slot] = self.parked[slot].to(self.device, non_blocking=True)
+        with self._lock:
+            host = self.parked.get(slot)
+            if host is None or slot in self.loaded:
+                return
+            # the host copy stays parked until take: a non-blocking copy may still be reading it
+            self.loaded[slot] = host.to(self.device, non_blocking=True)
 
     def take(self, slot: int) -> torch.Tensor:
         self.prefetch(slot)
-        rows = self.loaded.pop(slot)
+        with self._lock:
+            rows = self.loaded.pop(slot)
+            del self.parked[slot]
         return rows.float() if rows.dtype != torch.float32 else rows
+
+    def discard(self, slots: list[int]) -> None:
+        with self._lock:
+            for slot in slots:
+                self.parked.pop(slot, None)
+                self.loaded.pop(slot, None)
+
+    @property
+    def held(self) -> int:
+        """Slots parked and not yet taken or discarded."""
+        with self._lock:
+            return len(self.parked)

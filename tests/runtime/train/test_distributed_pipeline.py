@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from grstack_dist_workers import DIST_ENV
 from grstack_testing import tiny_config_args, write_cyclic
 
 from grstack.runtime.train.harness import max_abs_diff
@@ -102,18 +103,32 @@ def test_fp16_negatives_stay_close_and_logit_sharing_trains(runs):
     assert all(torch.isfinite(torch.tensor(shared)))
 
 
-def test_hierarchical_groups_keep_replicas_identical(tmp_path):
+def test_hierarchical_groups_keep_replicas_identical_and_equal_flat_sharding(tmp_path):
+    """4 ranks as two sparse groups of 2 (each shard held by 2 replicas) vs one flat group of 4: the same
+    batches, negatives and dense all-reduce; only where a row's gradient is summed differs (inside the group
+    at the owner, then across replicas, vs all 4 ranks at the owner), so losses and parameters agree up to
+    the order of float32 sums (the 1e-6 of the frozen-window comparison; dropout is off)."""
     data = write_cyclic(tmp_path / "cyclic")
-    cfg = load_config(CONFIG, [*tiny_config_args(data), "distributed.sparse_group_size=2"])
-    out = call_ranks("grstack.runtime.train.harness:run_modes", 4,
-                     {"config": cfg.model_dump(mode="json"), "steps": 8, "shards": True,
-                      "modes": {"sync": {}, "dbp": {"pipeline.dbp": True}}}, limit_s=300)
+    cfg = load_config(CONFIG, [*tiny_config_args(data), "model.dropout=0", "model.input_dropout=0"])
+    runs = call_ranks("grstack_dist_workers:run_modes_per_group_size", 4,
+                      {"config": cfg.model_dump(mode="json"), "steps": 8, "shards": True, "group_sizes": [2, 4],
+                       "modes": {"2": {"sync": {}, "dbp": {"pipeline.dbp": True}}, "4": {"sync": {}}}},
+                      limit_s=300, env=DIST_ENV)
+    out, flat = [r[2] for r in runs], [r[4] for r in runs]
     for mode in ("sync", "dbp"):
         assert torch.equal(out[0][mode]["shard"], out[2][mode]["shard"])
         assert torch.equal(out[1][mode]["shard"], out[3][mode]["shard"])
         assert not torch.equal(out[0][mode]["shard"][:5], out[1][mode]["shard"][:5])
     assert _losses(out[0], "sync") == _losses(out[0], "dbp")
     assert max_abs_diff(out[0]["sync"]["params"], out[0]["dbp"]["params"]) == 0.0
+    # flat: 4 shards of a quarter of the table each; hierarchical: 2 shards of half, each on 2 ranks
+    assert flat[0]["sync"]["shard"].shape[0] < out[0]["sync"]["shard"].shape[0]
+    hier_losses, flat_losses = _losses(out[0], "sync"), _losses(flat[0], "sync")
+    assert len(hier_losses) == len(flat_losses) == 8
+    for a, b in zip(hier_losses, flat_losses, strict=True):
+        assert abs(a - b) <= 1e-6 * max(1.0, abs(a))
+    assert max_abs_diff(out[0]["sync"]["params"], flat[0]["sync"]["params"]) <= 1e-6
+    assert hier_losses[-1] < hier_losses[0]  # it trained
 
 
 def test_token_budget_sizes_batches_by_tokens(runs):

@@ -86,6 +86,44 @@ def test_resume_is_exact_and_foreign_checkpoints_are_refused(tmp_path, data_dir)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+# what a train record holds that does not depend on timing
+DETERMINISTIC = ("step", "epoch", "loss", "retrieval_loss", "ranking_loss", "lr", "microbatches",
+                 "unique_keys_per_microbatch", "imbalance", "imbalance_count_split", "wait_ratio",
+                 "refreshed_rows", "stale_rows")
+
+
+def _records(run_dir: Path) -> list[dict]:
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: r[k] for k in DETERMINISTIC if k in r} if r["kind"] == "train" else r for r in recs]
+
+
+def test_resume_is_exact_with_micro_batches_clustering_and_token_budgets(tmp_path, data_dir):
+    """Frozen-window micro-batches (3), key clustering, a token budget (variable batch sizes) and logit
+    sharing: a run stopped mid-epoch and resumed from its checkpoint repeats the uninterrupted run's
+    records (losses, micro-batches, unique keys, imbalance; evaluations) and ends with the same parameters,
+    bit for bit."""
+    args = [*tiny_config_args(data_dir), "train.epochs=2", "train.checkpoint_every=4", "train.num_threads=1",
+            "pipeline.microbatches=3", "pipeline.cluster=true", "balance.token_budget=80", "negatives.share_k=2"]
+    cfg = load_config(CONFIG, args)
+    straight = train_distributed(cfg, tmp_path / "straight", nproc=2, progress=False)
+    assert train_distributed(cfg, tmp_path / "resumed", nproc=2, progress=False, stop_after=10) == {
+        "stopped_at_step": 10}
+    assert [r["step"] for r in _records(tmp_path / "resumed")] == list(range(1, 11))
+    resumed = train_distributed(cfg, tmp_path / "resumed", nproc=2, progress=False)
+    recs = _records(tmp_path / "straight")
+    train_recs = [r for r in recs if "microbatches" in r]
+    # the settings were in force: 3 micro-batches, and batch sizes that vary with the token budget
+    assert len(train_recs) == straight["steps"] > 10 and all(r["microbatches"] == 3 for r in train_recs)
+    assert len({r["unique_keys_per_microbatch"] for r in train_recs}) > 1
+    assert recs == _records(tmp_path / "resumed")
+    a = torch.load(tmp_path / "straight" / "model.pt", weights_only=False)["state_dict"]
+    b = torch.load(tmp_path / "resumed" / "model.pt", weights_only=False)["state_dict"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert straight["metrics"] == resumed["metrics"] and straight["steps"] == resumed["steps"]
+    last = sorted((tmp_path / "resumed" / "checkpoints").iterdir())[-1]
+    assert last.name == f"step-{straight['steps']:09d}"
+
+
 def test_unsatisfiable_sharding_plans_are_clear_and_write_nothing(tmp_path, data_dir, capsys):
     out = tmp_path / "run"
     base = ["train", "--config", str(CONFIG), "--out", str(out), "--nproc", "2", "--no-progress",
