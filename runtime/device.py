@@ -85,6 +85,14 @@ def check_precision(device: torch.device, precision: str) -> None:
         raise UserError("train.precision=bf16 needs torch.autocast on CPU (torch >= 1.10)")
 
 
+def configure_precision(device: torch.device, precision: str, tf32: bool) -> None:
+    """Checks ``precision`` on ``device`` (a user error if it cannot run) and sets the TF32 switch (CUDA)."""
+    check_precision(device, precision)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+
+
 class HostSyncCounter:
     """Counts the host-device synchronisations CUDA's sync debug mode reports while active (every thread
     of the process); ``count`` stays None on devices without such a mode (on CPU there is nothing to wait

@@ -156,7 +156,8 @@ class NegativesConfig(_Strict):
     prefetch: int = Field(2, ge=1, description="batches prepared ahead")
     fp16: bool = Field(False, description="send negative-only embedding rows in FP16 (positives stay FP32)")
     share_k: int = Field(1, ge=1, description="intra-batch logit sharing: each token also scores the "
-                         "negatives of k-1 other tokens (loss.sharing=token)")
+                         "negatives of k-1 other tokens' sets (loss.sharing=token or group; drawn once per "
+                         "rank batch, so micro-batches score what one batch scores)")
 
 
 class Config(_Strict):

@@ -248,15 +248,6 @@ def _percentile(values: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
-def _build_engine() -> Any:
-    """The trainer's ``build_engine``. The train package's front does not export it yet, and this change may
-    not edit the front: once ``runtime/train/__init__.py`` lists ``build_engine`` in its exports, replace
-    this with ``from grstack.runtime.train import build_engine``."""
-    import importlib
-
-    return importlib.import_module("grstack.runtime.train.trainer").build_engine
-
-
 def run(args: argparse.Namespace) -> int:
     from grstack.runtime.config_files import config_path
     from grstack.runtime.training_config import load_config
@@ -272,12 +263,13 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from grstack.runtime.data import LeaveOneOut, load_source
-    from grstack.runtime.device import resolve_device, synchronize
+    from grstack.runtime.device import HostSyncCounter, configure_precision, resolve_device, synchronize
     from grstack.runtime.embedding import ShardingPlan
     from grstack.runtime.model import task_names
-    from grstack.runtime.train import DistContext, with_overrides
+    from grstack.runtime.train import DistContext, build_engine, with_overrides
 
     device = resolve_device(args.device or cfg.train.device)
+    configure_precision(device, cfg.train.precision, cfg.train.tf32)
     threads = args.threads or cfg.train.num_threads
     if threads:
         torch.set_num_threads(threads)
@@ -296,7 +288,7 @@ def run(args: argparse.Namespace) -> int:
     ctx = DistContext.single(device, cfg.distributed.sparse_group_size, cfg.distributed.timeout_s)
     plan = ShardingPlan.make(ds.num_items + 1, cfg.model.d_model, ctx.world_size, ctx.group_size,
                              cfg.distributed.max_shard_rows)
-    built = _build_engine()(cfg, ctx, plan, split, tasks)
+    built = build_engine(cfg, ctx, plan, split, tasks)
     engine, dims = built.engine, ModelDims.of(cfg.model)
     dense = sum(p.numel() for p in built.model.parameters())
     params = {"dense": dense, "item_table": plan.num_rows * plan.dim, "total": dense + plan.num_rows * plan.dim}
@@ -308,14 +300,18 @@ def run(args: argparse.Namespace) -> int:
                         f"({total_steps})")
     times: list[float] = []
     counts: list[FlopCount] = []
+    sync_counts: list[int] = []  # host syncs per timed step (CUDA's sync debug mode; none on CPU)
     try:
         for i, pos in enumerate(positions):
             batch = built.preparer(*pos)  # the trainer prepares in a background thread: not timed
             synchronize(device)
             t = time.perf_counter()
-            out = engine.step(batch, None, cfg.optim.lr)
+            with HostSyncCounter(device) as syncs:
+                out = engine.step(batch, None, cfg.optim.lr)
             synchronize(device)
             dt = time.perf_counter() - t
+            if syncs.count is not None and i >= args.warmup:
+                sync_counts.append(syncs.count)
             if not math.isfinite(out["loss"]):
                 raise UserError(f"loss is {out['loss']} at step {i + 1}; lower optim.lr")
             if i >= args.warmup:
@@ -368,6 +364,7 @@ def run(args: argparse.Namespace) -> int:
         "device_name": name,
         "threads": torch.get_num_threads() if device.type == "cpu" else None,
         "steps": n,
+        "host_syncs_per_step": sum(sync_counts) / len(sync_counts) if sync_counts else None,
         "warmup": args.warmup,
         "config": cfg.name,
         "formula": FORMULA,

@@ -4,7 +4,8 @@
 Other packages import from here, never a submodule: ``train`` and ``train_distributed`` (a run),
 ``format_summary`` (its one-paragraph report), ``call_ranks`` (a function on N local ranks), the batch
 ``Schedule`` / ``Preparer``, ``DistContext``, ``imbalance`` and the benchmark harness's ``with_overrides`` /
-``max_abs_diff``. Exports load lazily, so importing this package (as ``grstack --help`` does, through
+``max_abs_diff``, and ``build_engine`` (the engine of a rank, for benchmarks that time its steps). Exports
+load lazily, so importing this package (as ``grstack --help`` does, through
 ``train.cli``) never imports torch.
 """
 
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
     from grstack.runtime.train.context import DistContext
     from grstack.runtime.train.harness import max_abs_diff, with_overrides
     from grstack.runtime.train.launch import call_ranks, train_distributed
-    from grstack.runtime.train.trainer import train
+    from grstack.runtime.train.trainer import build_engine, train
 
 _EXPORTS = {
     "imbalance": "grstack.runtime.train.balance",
@@ -33,12 +34,14 @@ _EXPORTS = {
     "call_ranks": "grstack.runtime.train.launch",
     "train_distributed": "grstack.runtime.train.launch",
     "train": "grstack.runtime.train.trainer",
+    "build_engine": "grstack.runtime.train.trainer",
 }
 
 __all__ = [
     "DistContext",
     "Preparer",
     "Schedule",
+    "build_engine",
     "call_ranks",
     "format_summary",
     "imbalance",

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -42,21 +43,44 @@ def share_permutations(n: int, k: int, generator: torch.Generator) -> list[torch
     return [torch.randperm(n, generator=generator) for _ in range(k - 1)]
 
 
-def grouped_logits(query: torch.Tensor, neg: torch.Tensor, group_of: torch.Tensor) -> torch.Tensor:
+@dataclass(frozen=True)
+class GroupLayout:
+    """How tokens fall into negative sets, known on the host: per-set token counts (the sets a token uses,
+    trailing unused sets dropped), and whether the sets are runs of ``max(counts)`` consecutive tokens.
+    Computed from the host copy of ``group_of`` so the device never has to report it (each would be a sync)."""
+
+    counts: torch.Tensor  # [G] int64, on the host
+    k: int
+    consecutive: bool
+
+    @classmethod
+    def of(cls, group_of: torch.Tensor) -> GroupLayout:
+        g = group_of.cpu()
+        counts = torch.bincount(g)  # length max(group_of) + 1: the trailing sets no token uses drop out
+        n = g.numel()
+        k = int(counts.max()) if n else 0
+        consecutive = bool(n) and -(-n // k) == counts.numel() and torch.equal(g, torch.arange(n) // k)
+        return cls(counts=counts, k=k, consecutive=consecutive)
+
+
+def grouped_logits(query: torch.Tensor, neg: torch.Tensor, group_of: torch.Tensor,
+                   layout: GroupLayout | None = None) -> torch.Tensor:
     """[N, R] scores of every token against its group's negatives (neg [G, R, d]; group_of [N] in 0..G-1),
     as one batched matmul over groups padded to the largest group (no [N, R, d] gather). Sets after the
-    last one a token uses are not computed (a micro-batch's sets scored only through sharing come last)."""
+    last one a token uses are not computed (a micro-batch's sets scored only through sharing come last).
+    ``layout``: ``GroupLayout.of(group_of)`` computed on the host (else it is computed here, which on an
+    accelerator reads ``group_of`` back)."""
+    layout = layout if layout is not None else GroupLayout.of(group_of)
     n, d = query.shape
     R = neg.shape[1]
-    counts = torch.bincount(group_of)  # length max(group_of) + 1: the trailing sets no token uses drop out
-    G = counts.numel()
+    G, k = layout.counts.numel(), layout.k
     neg = neg[:G]
-    k = int(counts.max()) if n else 0
     at = torch.arange(n, device=query.device)
-    if n and -(-n // k) == G and torch.equal(group_of, at // k):
+    if layout.consecutive:
         # consecutive sets of k tokens (the last may be shorter): a reshape, no gather or scatter
         padded = F.pad(query, (0, 0, 0, G * k - n))
         return torch.bmm(padded.view(G, k, d), neg.transpose(1, 2)).view(G * k, R)[:n]
+    counts = layout.counts.to(query.device, non_blocking=True)
     order = torch.argsort(group_of, stable=True)
     g_sorted = group_of.index_select(0, order)
     starts = torch.cumsum(counts, 0) - counts
@@ -70,7 +94,8 @@ def grouped_logits(query: torch.Tensor, neg: torch.Tensor, group_of: torch.Tenso
 
 def sampled_softmax_sum(query: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor, targets: torch.Tensor,
                         neg_ids: torch.Tensor, temperature: float, group_of: torch.Tensor | None = None,
-                        share: list[torch.Tensor] | None = None) -> torch.Tensor:
+                        share: list[torch.Tensor] | None = None, layout: GroupLayout | None = None
+                        ) -> torch.Tensor:
     """Sum over tokens of InfoNCE (summed, not averaged: the engine divides by the global token count).
 
     neg: [R, d] shared by all tokens, or [G, R, d] with ``group_of`` [N] naming each token's set (one set per
@@ -79,7 +104,7 @@ def sampled_softmax_sum(query: torch.Tensor, pos: torch.Tensor, neg: torch.Tenso
     the negatives of set ``perm[group_of[i]]``. Over a whole rank batch they are permutations of the sets; a
     micro-batch lists its tokens' own sets first and the sets they score only through sharing after them,
     and its maps are the batch permutations restricted to its own sets. Negatives equal to the target are
-    masked.
+    masked. ``layout``: ``GroupLayout.of(group_of)`` from the host (see ``grouped_logits``).
     """
     pos_logit = (query * pos).sum(-1, keepdim=True)
     if neg.dim() == 2:
@@ -87,11 +112,12 @@ def sampled_softmax_sum(query: torch.Tensor, pos: torch.Tensor, neg: torch.Tenso
         blocks = [neg_logits.masked_fill(neg_ids[None, :] == targets[:, None], NEG_INF)]
     else:
         assert group_of is not None
+        layout = layout if layout is not None else GroupLayout.of(group_of)
         blocks = []
         for perm in [None, *(share or [])]:
             ids = neg_ids if perm is None else neg_ids[perm]
             vecs = neg if perm is None else neg[perm]
-            logits = grouped_logits(query, vecs, group_of)
+            logits = grouped_logits(query, vecs, group_of, layout)
             blocks.append(logits.masked_fill(ids[group_of] == targets[:, None], NEG_INF))
     logits = torch.cat([pos_logit, *blocks], dim=1) / temperature
     return (torch.logsumexp(logits, dim=1) - logits[:, 0]).sum()

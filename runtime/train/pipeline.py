@@ -35,7 +35,7 @@ from grstack.runtime.embedding import ActiveRows, RoutedBatch, ShardedEmbedding,
 from grstack.runtime.train.balance import imbalance, wait_ratio
 from grstack.runtime.train.batching import MicroBatch, PreparedBatch
 from grstack.runtime.train.context import DistContext
-from grstack.runtime.train.negatives import HostOffload, sampled_softmax_sum
+from grstack.runtime.train.negatives import GroupLayout, HostOffload, sampled_softmax_sum
 from grstack.runtime.training_config import Config
 
 
@@ -149,9 +149,12 @@ class Engine:
                 logits = self.model.rank_logits(cand_out, _dev(mb.cand_ids.reshape(-1), dev),
                                                 cand_rows=item_rows.index_select(0, cand_at))
         share = [_dev(p, dev) for p in mb.share]
-        group_of = _dev(mb.neg_group, dev) if mb.neg_group is not None else None
+        group_of = layout = None
+        if mb.neg_group is not None:
+            layout = GroupLayout.of(mb.neg_group)  # from the host copy: no device read-back
+            group_of = _dev(mb.neg_group, dev)
         ret = sampled_softmax_sum(q.float(), pos.float(), neg.float(), _dev(mb.targets, dev), neg_ids,
-                                  cfg.loss.temperature, group_of, share)
+                                  cfg.loss.temperature, group_of, share, layout)
         ret = ret / batch.global_tokens
         loss = ret
         rank_t = None
@@ -359,6 +362,7 @@ class Engine:
         """Finishes an in-flight prefetch (its result is dropped: the next step looks up afresh)."""
         if self.pending is not None:
             self.pending.future.result()
+            self.offload.discard(self.pending.parked)  # semi-async rows of the dropped batch
             self.pending = None
 
     def close(self) -> None:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from grstack.runtime.data import LeaveOneOut, load_source, read_dataset, write_dataset
-from grstack.runtime.device import HostSyncCounter, check_precision
+from grstack.runtime.device import HostSyncCounter, configure_precision
 from grstack.runtime.embedding import ShardedEmbedding, ShardingPlan, make_sparse_optimizer
 from grstack.runtime.errors import UserError
 from grstack.runtime.eval import eval_ranks, metrics_from_ranks
@@ -134,10 +134,7 @@ class Trainer:
         self.device = ctx.device
         if cfg.train.num_threads:
             torch.set_num_threads(cfg.train.num_threads)
-        check_precision(self.device, cfg.train.precision)
-        if self.device.type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = cfg.train.tf32
-            torch.backends.cudnn.allow_tf32 = cfg.train.tf32
+        configure_precision(self.device, cfg.train.precision, cfg.train.tf32)
         self.resume_path: Path | None = ctx.agree(self._decide)
         if self.resume_path is not None:
             self.ds = ctx.check_all(lambda: read_dataset(self.run_dir / DATASET_DIR))
@@ -214,6 +211,8 @@ class Trainer:
             self.table.weight.copy_(part["shard"])
             self.table.optimizer.load_state_dict(part["sparse_optimizer"])
             torch.set_rng_state(part["rng"])
+            if self.device.type == "cuda" and "device_rng" in part:
+                torch.cuda.set_rng_state(part["device_rng"], self.device)
             if ctx.rank == 0:
                 self._trim_metrics(self.state.global_step)
             if self.state.best_epoch >= 0:
@@ -271,6 +270,8 @@ class Trainer:
                  "state": self.state.__dict__, "best_state": self.best_state} if ctx.rank == 0 else {}
         part = {"shard": self.table.weight, "sparse_optimizer": self.table.optimizer.state_dict(),
                 "rng": torch.get_rng_state()}
+        if self.device.type == "cuda":  # dropout on the device draws from the device's generator
+            part["device_rng"] = torch.cuda.get_rng_state(self.device)
         path = ckpt.save(ctx, self.run_dir, self.state.global_step, manifest, dense, part,
                           cfg.train.keep_checkpoints)
         self._report({"last_checkpoint": str(path)})
