@@ -16,16 +16,19 @@ def lengths_to_offsets(lengths: torch.Tensor) -> torch.Tensor:
     return offsets
 
 
-def segment_ids(offsets: torch.Tensor) -> torch.Tensor:
-    """[sum_L] index of the sequence each token belongs to."""
+def segment_ids(offsets: torch.Tensor, total: int | None = None) -> torch.Tensor:
+    """[sum_L] index of the sequence each token belongs to. ``total`` (sum_L, when the caller knows it, e.g.
+    from the values' shape) spares an accelerator the read-back of the output size."""
     lengths = offsets[1:] - offsets[:-1]
-    return torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths)
+    return torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths,
+                                   output_size=total)
 
 
-def positions(offsets: torch.Tensor) -> torch.Tensor:
-    """[sum_L] position of each token inside its sequence."""
-    seg = segment_ids(offsets)
-    return torch.arange(int(offsets[-1]), device=offsets.device) - offsets[seg]
+def positions(offsets: torch.Tensor, total: int | None = None) -> torch.Tensor:
+    """[sum_L] position of each token inside its sequence (``total``: as in :func:`segment_ids`)."""
+    seg = segment_ids(offsets, total)
+    n = int(offsets[-1]) if total is None else total
+    return torch.arange(n, device=offsets.device) - offsets[seg]
 
 
 def jagged_to_padded(values: torch.Tensor, offsets: torch.Tensor, max_len: int | None = None,

@@ -118,9 +118,10 @@ class HSTU(nn.Module):
     def token_positions(self, batch: JaggedBatch) -> torch.Tensor:
         """Positions 0, 1, ... per sequence; its last ``num_targets`` tokens (candidates) all sit at the
         position after its history."""
-        pos = kernels.positions(batch.offsets)
+        n = batch.item_ids.numel()  # known on the host: no read-back of the offsets
+        pos = kernels.positions(batch.offsets, n)
         if batch.num_targets is not None:
-            hist = (batch.lengths - batch.num_targets)[kernels.segment_ids(batch.offsets)]
+            hist = (batch.lengths - batch.num_targets)[kernels.segment_ids(batch.offsets, n)]
             pos = torch.minimum(pos, hist)
         return pos.clamp(max=self.max_seq_len - 1)
 

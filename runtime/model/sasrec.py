@@ -62,7 +62,7 @@ class SASRec(nn.Module):
     def encode(self, batch: JaggedBatch, item_rows: torch.Tensor | None = None) -> torch.Tensor:
         """``item_rows``: the tokens' embedding rows when looked up elsewhere (the sharded embedding)."""
         plan = kernels.make_plan(batch.offsets)
-        pos = kernels.positions(batch.offsets).clamp(max=self.max_len)
+        pos = kernels.positions(batch.offsets, batch.item_ids.numel()).clamp(max=self.max_len)
         if item_rows is None:
             item_rows = kernels.embedding_gather(self.item_emb.weight, batch.item_ids)
         x = item_rows * math.sqrt(self.d_model)

@@ -28,7 +28,7 @@ import torch
 from grstack.runtime.data import JaggedBatch, LeaveOneOut, append_candidates, ranges_index
 from grstack.runtime.embedding import LookupUnit, make_unit
 from grstack.runtime.train import balance, microbatching
-from grstack.runtime.train.negatives import share_permutations, step_generator, uniform_items
+from grstack.runtime.train.negatives import GroupLayout, share_permutations, step_generator, uniform_items
 from grstack.runtime.training_config import Config
 
 
@@ -52,6 +52,11 @@ class MicroBatch:
     share: list[torch.Tensor] = field(default_factory=list)
     num_seqs: int = 0
     num_tokens: int = 0
+    # host facts the device would otherwise have to report (each a sync): how tokens fall into negative
+    # sets, and where the history and candidate tokens are
+    neg_layout: GroupLayout | None = None
+    hist_index: torch.Tensor | None = None  # [N] positions of history tokens in ``full``
+    cand_index: torch.Tensor | None = None  # [B * M] positions of candidate tokens
 
 
 @dataclass
@@ -251,7 +256,10 @@ class Preparer:
                 full=full, is_hist=is_hist, targets=sub.targets, cand_ids=mb_cands, labels=labels,
                 neg_ids=mb_negs, neg_group=neg_group, unit=len(units), inv_input=inv_f[:n_in],
                 inv_target=inv_f[n_in:], inv_neg=inv_neg.reshape(mb_negs.shape) if inv_neg is not None else None,
-                share=share, num_seqs=sub.batch_size, num_tokens=sub.num_tokens))
+                share=share, num_seqs=sub.batch_size, num_tokens=sub.num_tokens,
+                neg_layout=GroupLayout.of(neg_group) if neg_group is not None else None,
+                hist_index=torch.nonzero(is_hist).squeeze(1) if is_hist is not None else None,
+                cand_index=torch.nonzero(~is_hist).squeeze(1) if is_hist is not None else None))
             units.append(unit)
         tokens_g = int(s.lengths[rows_g].sum())
         return PreparedBatch(

@@ -128,9 +128,9 @@ class Engine:
         full = mb.full.to(dev, non_blocking=True)
         item_rows = _take(rows, _dev(mb.inv_input, dev))
         hist_at = cand_at = None
-        if mb.is_hist is not None:  # positions split on the host: a device mask would cost a sync
-            hist_at = _dev(torch.nonzero(mb.is_hist).squeeze(1), dev)
-            cand_at = _dev(torch.nonzero(~mb.is_hist).squeeze(1), dev)
+        if mb.is_hist is not None:  # positions split on the host (Preparer): a device mask would cost a sync
+            assert mb.hist_index is not None and mb.cand_index is not None
+            hist_at, cand_at = _dev(mb.hist_index, dev), _dev(mb.cand_index, dev)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.bf16):
             out = self.model.encode(full, item_rows=item_rows)
             hist_out = out.index_select(0, hist_at) if hist_at is not None else out
@@ -151,7 +151,7 @@ class Engine:
         share = [_dev(p, dev) for p in mb.share]
         group_of = layout = None
         if mb.neg_group is not None:
-            layout = GroupLayout.of(mb.neg_group)  # from the host copy: no device read-back
+            layout = mb.neg_layout if mb.neg_layout is not None else GroupLayout.of(mb.neg_group)
             group_of = _dev(mb.neg_group, dev)
         ret = sampled_softmax_sum(q.float(), pos.float(), neg.float(), _dev(mb.targets, dev), neg_ids,
                                   cfg.loss.temperature, group_of, share, layout)
