@@ -20,6 +20,14 @@ pytestmark = pytest.mark.unit
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "synthetic-tiny-hstu.yaml"
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def test_a_row_does_not_depend_on_the_other_ids_requested():
     full = initial_item_rows(7, torch.arange(500), 24)
     assert full.shape == (500, 24) and full.dtype == torch.float32
@@ -110,7 +118,8 @@ def test_the_trainers_shards_assemble_the_same_table_at_every_world_size(data_di
     for world in (1, 2, 3):
         table = None
         for rank in range(world):
-            env = DistEnv(rank=rank, world_size=world, local_rank=rank, master_addr="127.0.0.1", master_port=0)
+            env = DistEnv(rank=rank, world_size=world, local_rank=rank, master_addr="127.0.0.1",
+                          master_port=0)
             ctx = DistContext(env, torch.device("cpu"), 0, 60.0, launched=False)  # no process group
             plan = make_plan(cfg, ctx, ds.num_items)
             built = build_engine(cfg, ctx, plan, split, tasks)

@@ -2,6 +2,7 @@
 decay to ``min_lr_ratio * lr`` at the last update, and gradient-accumulation windows."""
 
 import math
+from itertools import pairwise
 
 import pytest
 
@@ -27,7 +28,7 @@ def test_warm_up_is_linear_from_lr_over_warmup_to_lr(schedule):
     assert rates[0] == pytest.approx(LR / warmup)
     assert rates[warmup - 1] == pytest.approx(LR)
     # strictly increasing during warm-up, by equal increments
-    steps = [b - a for a, b in zip(rates[: warmup - 1], rates[1:warmup], strict=True)]
+    steps = [b - a for a, b in pairwise(rates[:warmup])]
     assert all(s == pytest.approx(LR / warmup) for s in steps)
 
 
@@ -47,7 +48,7 @@ def test_decay_from_lr_to_the_floor_at_the_last_update(schedule, warmup, min_rat
     assert rates[total - 1] == pytest.approx(min_ratio * LR, abs=1e-15)  # exactly the floor at the end
     assert min(rates[warmup:]) == rates[total - 1]
     decay = rates[warmup:]
-    assert all(b <= a for a, b in zip(decay, decay[1:], strict=False)), decay  # non-increasing
+    assert all(b <= a for a, b in pairwise(decay)), decay  # non-increasing
     assert decay[0] > decay[-1]
     mid = warmup + 10
     assert rates[mid] == pytest.approx(LR * (min_ratio + (1 - min_ratio) / 2), rel=1e-12)
