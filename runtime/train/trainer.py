@@ -341,7 +341,7 @@ class Trainer:
                     raise RuntimeError(f"loss is {out['loss']} at step {st.global_step}; lower optim.lr")
                 bar.update(1)
                 epoch_done = st.step_in_epoch == self.schedule.steps_in_epoch(st.epoch)
-                if st.global_step % cfg.train.log_every == 0 or epoch_done:
+                if st.global_step % cfg.train.log_every == 0 or epoch_done or st.global_step == total:
                     rec = {"kind": "train", "step": st.global_step, "epoch": st.epoch, "loss": out["loss"],
                            "retrieval_loss": out["retrieval_loss"], "ranking_loss": out["ranking_loss"],
                            "lr": lr, "updated": boundary,
@@ -369,15 +369,19 @@ class Trainer:
                       and st.global_step // cfg.train.checkpoint_every
                       > (st.global_step - size) // cfg.train.checkpoint_every):
                     self._save()  # the first window end at or after each multiple of checkpoint_every
+                elif stopping:
+                    self._save()
                 if stopping:
-                    if not epoch_done:
-                        self._save()
                     bar.close()
                     return {"stopped_at_step": st.global_step}
         finally:
             stream.close()
             bar.close()
         self.engine.drain()
+        if st.step_in_epoch and self.totals["steps"] and not stopped_early:
+            # train.max_steps ended the run inside an epoch: evaluate and keep what its last steps trained
+            self._epoch_eval()
+            self._save()
         if st.best_epoch < 0:
             self._epoch_eval()
         return self._finish()
