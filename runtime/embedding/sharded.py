@@ -217,15 +217,17 @@ class ShardedEmbedding:
     # -- the update ------------------------------------------------------------------------------------------
     def reduce_replicas(self, keys: torch.Tensor, grad: torch.Tensor, replicas: Comm
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sums gradients of the same shard over sparse groups, in replica order (identical everywhere)."""
+        """Sums gradients of the same shard over sparse groups. Only the keys are gathered (host data, on the
+        gloo twin); each replica scatters its rows into the union of touched rows and one all-reduce sums them,
+        so a replica moves about 2·|union|·d values whatever the number of replicas (gathering every replica's
+        rows moved (R-1)·|keys|·d), and every replica receives the same sum, bit for bit."""
         if not replicas.live:
             return keys, grad
-        all_keys = replicas.meta.all_gather_v(keys)  # host keys on the gloo twin
-        all_grads = replicas.all_gather_v(grad)
+        all_keys = replicas.meta.all_gather_v(keys)
         union = torch.unique(torch.cat(all_keys))
-        total = all_grads[0].new_zeros((union.numel(), grad.shape[1]))
-        for k, g in zip(all_keys, all_grads, strict=True):
-            total.index_add_(0, _dev(torch.searchsorted(union, k), total.device), g)
+        total = grad.new_zeros((union.numel(), grad.shape[1]), device=replicas.device)
+        total.index_add_(0, _dev(torch.searchsorted(union, keys), total.device), grad.to(total.device))
+        replicas.all_reduce(total)
         return union, total
 
     def reduce(self, rb: RoutedBatch, replicas: Comm) -> tuple[torch.Tensor, torch.Tensor]:
