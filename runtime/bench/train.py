@@ -1,14 +1,30 @@
 """``grstack bench train``: the distributed training engine on 2 local gloo ranks (CPU), synthetic
 KuaiRand-like data. Prints one JSON object on stdout; progress and details on stderr.
 
-* ``imbalance_before`` / ``imbalance_after``: mean over an epoch of (max - mean) / mean of per-rank cost
-  a·L + b·L², with each rank taking an equal count of a global batch vs token-balanced reallocation, at
-  KuaiRand-like lengths (the 27k preset up to 4096 tokens; ``--quick``: the small preset up to 1024).
+* ``imbalance_measured``: the measured balance, before (``balance.mode=count``: each rank takes an equal
+  count of a global batch) and after (``balance.mode=tokens``: token-balanced reallocation). Two engines,
+  one per split, train on the same data from the same initial state on 2 ranks at KuaiRand-like lengths
+  (the 27k preset up to 4096 tokens; ``--quick``: the small preset up to 1024), their steps interleaved so
+  both see the same machine load: every step runs the same sequences, only the split differs. Each step
+  gathers every rank's busy time (its own work until it is ready for the dense all-reduce, waits for
+  communication left out: ``Engine.step``). ``before`` / ``after``: the median over the timed steps (after
+  ``warmup_steps``) of the measured wait ratio sum_r (max - busy_r) / (W · max); ``mean``, ``p10``, ``p90``
+  of the same; ``imbalance``: median (max - mean) / mean of the busy times; ``cpu``: the same wait ratio
+  from the main thread's CPU time (what the rank computed, without the time the OS gave to other
+  processes); ``cost_model``: the cost model's wait ratio of the same steps; ``noise_floor``: the median
+  wait ratio between two timings of the same work (a third engine repeats ``after`` step for step; per rank
+  and step, the pair's (max - min) / (2 max)), what timing noise alone makes of a perfect 2-rank split.
+* ``imbalance_before`` / ``imbalance_after`` (the cost model's, named in ``imbalance_cost_model``): mean
+  over an epoch of (max - mean) / mean of per-rank cost a·L + b·L² under the two splits, at the same
+  lengths. The balancer minimises this cost, so ``after`` is near zero by construction: it is not a
+  measurement.
 * ``step_ms``: median step time of the same training from the same state under four settings, cumulative
   like the nested pipeline: ``sync`` (no pipelining), ``dbp`` (dual-buffer), ``fwp`` (dual-buffer plus N
   frozen-window micro-batches), ``fwp_clustered`` (plus key-centric clustering). ``microbatches`` is N.
-* ``exposed_comm_ratio``: in ``fwp``, the time the compute thread waited for communication divided by the
-  time spent in collectives (1.0 means nothing overlapped).
+* ``exposed_comm_ratio``: in ``fwp``, the steps' communication events (lookups, row and gradient sends,
+  the dense all-reduce from launch to the end of its wait, the main thread's own collectives): the part of
+  their time during which the compute thread was blocked, over their whole time (1.0: nothing overlapped;
+  ``grstack.runtime.train.timing``).
 * ``unique_keys_per_microbatch``: deduplicated ids each micro-batch looks up, batch order vs clustered.
 * ``dbp_max_abs_diff``: largest parameter difference after training, ``dbp`` vs ``sync`` (0.0: bitwise);
   ``fwp_max_abs_diff``: ``fwp`` vs ``dbp`` (N micro-batch gradient sums vs one; dropout is off).
@@ -32,11 +48,13 @@ SETTINGS = ("sync", "dbp", "fwp", "fwp_clustered")
 
 
 def register(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="smaller data and fewer steps (under a minute)")
+    parser.add_argument("--quick", action="store_true", help="smaller data and fewer steps (a minute or two)")
     parser.add_argument("--json", action="store_true", help="accepted for symmetry: the output is always JSON")
     parser.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--steps", type=int, default=None, help="measured steps per setting")
+    parser.add_argument("--balance-steps", type=int, default=None,
+                        help="timed steps per split of the measured balance (default 20; 30 without --quick)")
     parser.add_argument("--no-embedding", action="store_true", help="skip the embedding-step comparison")
     parser.set_defaults(func=run)
 
@@ -76,6 +94,66 @@ def imbalance_stats(cfg: Any, world: int) -> tuple[float, float]:
         before.append(imbalance(s.costs(rows, s.parts(rows, "count"))))
         after.append(imbalance(s.costs(rows, s.parts(rows, "tokens"))))
     return float(np.mean(before)), float(np.mean(after))
+
+
+IMBALANCE_COST_MODEL = ("imbalance_before/after: mean over an epoch of (max - mean) / mean of the per-rank cost "
+                        "a*L + b*L^2 the balancer minimises (equal counts / token balanced): the cost model's "
+                        "figure, not a measurement; imbalance_measured holds the measured one")
+
+
+def _pct(values: list[float], q: float) -> float:
+    import numpy as np
+
+    return float(np.percentile(np.asarray(values, dtype=np.float64), 100 * q))
+
+
+def measured_balance_stats(long: Any, world: int, steps: int, warmup: int) -> dict[str, Any]:
+    """Measured wait ratio before (equal counts) and after (token balanced): see the module docstring."""
+    from grstack.runtime.train import call_ranks, measured_balance, with_overrides
+
+    # sync steps, batches prepared inline (outside the timed step): nothing else of the rank runs while it
+    # computes, so a rank's busy time is its own work
+    cfg = with_overrides(long, {"negatives.background": False, "train.num_threads": 1,
+                                "pipeline.microbatches": 1, "pipeline.dbp": False})
+    # "repeat" does exactly what "after" does: the two timings of one rank's same work give the noise floor
+    modes = {"before": {"balance.mode": "count"}, "after": {"balance.mode": "tokens"},
+             "repeat": {"balance.mode": "tokens"}}
+    res = call_ranks("grstack.runtime.train.harness:run_modes", world,
+                     {"config": cfg.model_dump(mode="json"), "modes": modes, "steps": steps + warmup,
+                      "params": False, "interleave": True})
+    timed = {m: [r[m]["records"][warmup:] for r in res] for m in modes}  # [rank][step]
+    # the same global batches (sequences, tokens) in both: only their split across ranks differs
+    same = all(a["samples"] == b["samples"] and a["tokens"] == b["tokens"]
+               for a, b in zip(res[0]["before"]["records"], res[0]["after"]["records"], strict=True))
+    out: dict[str, Any] = {
+        "what": "wait ratio sum_r (max - busy_r) / (W * max) of every rank's measured busy time per step "
+                "(before: balance.mode=count, after: balance.mode=tokens); median over the timed steps",
+        "ranks": world, "timed_steps": len(timed["after"][0]), "warmup_steps": warmup,
+        "data": f"{cfg.data.source} preset, max_len {cfg.data.max_len}", "global_batch": cfg.train.batch_size,
+        "same_global_batches": same}
+    wall, imb, cpu, model = {}, {}, {}, {}
+    noise = [measured_balance([1e-3 * a["busy_ms"], 1e-3 * b["busy_ms"]])["wait_ratio_measured"]
+             for rank in range(world) for a, b in zip(timed["after"][rank], timed["repeat"][rank], strict=True)]
+    del modes["repeat"]
+    for m in modes:
+        recs = timed[m]
+        # the all-reduced figures are the same on every rank: rank 0's records hold them
+        wall[m] = [r["wait_ratio_measured"] for r in recs[0]]
+        imb[m] = [r["imbalance_measured"] for r in recs[0]]
+        model[m] = [r["wait_ratio"] for r in recs[0]]
+        cpu[m] = [measured_balance([1e-3 * rank[i]["busy_cpu_ms"] for rank in recs])["wait_ratio_measured"]
+                  for i in range(len(recs[0]))]
+    for m in modes:
+        out[m] = statistics.median(wall[m])
+    out["mean"] = {m: statistics.mean(wall[m]) for m in modes}
+    out["p10"] = {m: _pct(wall[m], 0.1) for m in modes}
+    out["p90"] = {m: _pct(wall[m], 0.9) for m in modes}
+    out["imbalance"] = {m: statistics.median(imb[m]) for m in modes}
+    out["cpu"] = {m: statistics.median(cpu[m]) for m in modes}
+    out["cost_model"] = {m: statistics.median(model[m]) for m in modes}
+    out["busy_ms_max"] = {m: statistics.median(r["busy_ms_max"] for r in timed[m][0]) for m in modes}
+    out["noise_floor"] = statistics.median(noise)
+    return out
 
 
 def _median_after_warmup(values: list[float], warmup: int) -> float:
@@ -216,8 +294,15 @@ def run(args: argparse.Namespace) -> int:
     # balancing matters with long, heavy-tailed histories: measured at KuaiRand-like lengths
     long = with_overrides(cfg, {"data.source": "small" if quick else "27k", "data.max_len": 1024 if quick else 4096})
     before, after = imbalance_stats(long, world)
-    _log(f"imbalance ({long.data.source} preset, max_len {long.data.max_len}, a={cfg.balance.cost_a}, "
+    _log(f"cost-model imbalance ({long.data.source} preset, max_len {long.data.max_len}, a={cfg.balance.cost_a}, "
          f"b={cfg.balance.cost_b}): equal counts {before:.3f}, token balanced {after:.5f}")
+    bsteps = args.balance_steps or (20 if quick else 30)
+    measured = measured_balance_stats(long, world, bsteps, 3 if quick else 5)
+    _log(f"measured wait ratio over {measured['timed_steps']} steps (median): equal counts "
+         f"{measured['before']:.3f}, token balanced {measured['after']:.3f} (CPU time: {measured['cpu']['before']:.3f}"
+         f" -> {measured['cpu']['after']:.3f}; the cost model on the same steps: "
+         f"{measured['cost_model']['before']:.3f} -> {measured['cost_model']['after']:.5f}; timing noise alone: "
+         f"{measured['noise_floor']:.3f})")
     modes = {"sync": {}, "dbp": {"pipeline.dbp": True},
              "fwp": {"pipeline.dbp": True, "pipeline.microbatches": n},
              "fwp_clustered": {"pipeline.dbp": True, "pipeline.microbatches": n, "pipeline.cluster": True}}
@@ -234,6 +319,8 @@ def run(args: argparse.Namespace) -> int:
     out: dict[str, Any] = {
         "imbalance_before": before,
         "imbalance_after": after,
+        "imbalance_cost_model": IMBALANCE_COST_MODEL,
+        "imbalance_measured": measured,
         "step_ms": step_ms,
         "exposed_comm_ratio": exposed,
         "microbatches": n,

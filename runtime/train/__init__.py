@@ -3,9 +3,9 @@
 
 Other packages import from here, never a submodule: ``train`` and ``train_distributed`` (a run),
 ``format_summary`` (its one-paragraph report), ``call_ranks`` (a function on N local ranks), the batch
-``Schedule`` / ``Preparer``, ``DistContext``, ``imbalance`` and the benchmark harness's ``with_overrides`` /
-``max_abs_diff``, and ``build_engine`` (the engine of a rank, for benchmarks that time its steps). Exports
-load lazily, so importing this package (as ``grstack --help`` does, through
+``Schedule`` / ``Preparer``, ``DistContext``, ``imbalance`` / ``measured_balance`` and the benchmark
+harness's ``with_overrides`` / ``max_abs_diff``, and ``build_engine`` (the engine of a rank, for benchmarks
+that time its steps). Exports load lazily, so importing this package (as ``grstack --help`` does, through
 ``train.cli``) never imports torch.
 """
 
@@ -15,7 +15,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from grstack.runtime.train.balance import imbalance
+    from grstack.runtime.train.balance import imbalance, measured_balance
     from grstack.runtime.train.batching import Preparer, Schedule
     from grstack.runtime.train.cli import format_summary
     from grstack.runtime.train.context import DistContext
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 _EXPORTS = {
     "imbalance": "grstack.runtime.train.balance",
+    "measured_balance": "grstack.runtime.train.balance",
     "Preparer": "grstack.runtime.train.batching",
     "Schedule": "grstack.runtime.train.batching",
     "format_summary": "grstack.runtime.train.cli",
@@ -46,6 +47,7 @@ __all__ = [
     "format_summary",
     "imbalance",
     "max_abs_diff",
+    "measured_balance",
     "train",
     "train_distributed",
     "with_overrides",

@@ -10,6 +10,7 @@ from the sequence lengths alone, so no communication is needed.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -20,17 +21,30 @@ def sequence_cost(lengths: np.ndarray, a: float, b: float) -> np.ndarray:
 
 
 def imbalance(rank_costs: np.ndarray) -> float:
-    """(max - mean) / mean of per-rank cost: the fraction by which the slowest rank exceeds the average."""
+    """(max - mean) / mean of per-rank cost: the fraction by which the slowest rank exceeds the average.
+    Applied to ``rank_costs`` (a·L + b·L²) it is the cost model's figure; to measured busy times, the
+    measured one (``measured_balance``)."""
     c = np.asarray(rank_costs, dtype=np.float64)
     mean = c.mean()
     return float((c.max() - mean) / mean) if mean > 0 else 0.0
 
 
 def wait_ratio(rank_costs: np.ndarray) -> float:
-    """Mean fraction of a step a rank waits for the slowest one."""
+    """sum_r (max - c_r) / (W · max): the share of rank-time spent waiting for the slowest rank, had each
+    rank's step taken ``c_r`` (the cost model's cost, or a measured busy time: ``measured_balance``)."""
     c = np.asarray(rank_costs, dtype=np.float64)
     top = c.max()
     return float(((top - c) / top).mean()) if top > 0 else 0.0
+
+
+def measured_balance(busy_s: Sequence[float]) -> dict[str, float]:
+    """A step's balance from every rank's measured busy seconds (what busy counts: ``Engine.step``):
+    ``busy_ms_max`` (the slowest rank), ``wait_ratio_measured`` = sum_r (max - busy_r) / (W · max) (the
+    share of rank-time spent waiting for the slowest rank at the step's synchronisation) and
+    ``imbalance_measured`` = (max - mean) / mean."""
+    b = np.asarray(busy_s, dtype=np.float64)
+    return {"busy_ms_max": 1e3 * float(b.max()), "wait_ratio_measured": wait_ratio(b),
+            "imbalance_measured": imbalance(b)}
 
 
 def global_batches(token_lengths: np.ndarray, world_size: int, batch_size: int,

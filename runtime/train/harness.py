@@ -33,12 +33,14 @@ def with_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
 def run_modes(env: Any, payload: dict[str, Any]) -> dict[str, Any]:
     """payload: ``config`` (a Config dump), ``modes`` ({name: {dotted key: value}}), ``steps``, and
     ``params`` (return final parameters, on rank 0). Returns {mode: {"records": [...], "params": ...,
-    "shard": this rank's shard (``shards`` true)}}."""
+    "shard": this rank's shard (``shards`` true)}}. With ``interleave``, see ``_run_interleaved``."""
     base = Config.model_validate(payload["config"])
     ctx = DistContext(env, rank_device(base, env), base.distributed.sparse_group_size, base.distributed.timeout_s)
     ds = load_source(base.data)
     split = LeaveOneOut(ds, min_len=base.data.min_len)
     tasks = task_names(ds)
+    if payload.get("interleave", False):
+        return _run_interleaved(ctx, base, payload, split, tasks, ds.num_items)
     out: dict[str, Any] = {}
     for name, overrides in payload["modes"].items():
         cfg = with_overrides(base, overrides)
@@ -63,6 +65,36 @@ def run_modes(env: Any, payload: dict[str, Any]) -> dict[str, Any]:
         out[name] = result
     ctx.world.barrier()
     return out
+
+
+def _run_interleaved(ctx: DistContext, base: Config, payload: dict[str, Any], split: LeaveOneOut,
+                     tasks: list[str], num_items: int) -> dict[str, Any]:
+    """Every mode's engine built up front (each from the same initial state), then their steps in turn: step
+    0 of every mode, step 1 of every mode, ... so the modes are timed under the same machine load. Modes
+    must not prefetch across steps (``pipeline.dbp`` / ``semi_async`` off). Returns {mode: {"records"}}."""
+    runs = []
+    for name, overrides in payload["modes"].items():
+        cfg = with_overrides(base, overrides)
+        if cfg.pipeline.dbp or cfg.pipeline.semi_async:
+            raise ValueError(f"interleaved mode {name}: dual-buffer and semi-async prefetch across steps")
+        built = build_engine(cfg, ctx, make_plan(cfg, ctx, num_items), split, tasks)
+        positions = itertools.islice(built.schedule.positions(0, 0, 0), payload["steps"])
+        stream = BatchStream(positions, built.preparer, cfg.negatives.prefetch, cfg.negatives.background)
+        runs.append((name, cfg, built, stream, []))
+    ctx.world.barrier()
+    live = list(runs)
+    while live:
+        for run in list(live):
+            _, cfg, built, stream, records = run
+            if (batch := stream.next()) is None:
+                live.remove(run)
+                continue
+            records.append(built.engine.step(batch, None, cfg.optim.lr))
+    for _, _, built, stream, _ in runs:
+        built.engine.close()
+        stream.close()
+    ctx.world.barrier()
+    return {name: {"records": records} for name, _, _, _, records in runs}
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

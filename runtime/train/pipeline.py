@@ -32,10 +32,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from grstack.runtime.embedding import ActiveRows, RoutedBatch, ShardedEmbedding, merge_rows
-from grstack.runtime.train.balance import imbalance, wait_ratio
+from grstack.runtime.train.balance import imbalance, measured_balance, wait_ratio
 from grstack.runtime.train.batching import MicroBatch, PreparedBatch
 from grstack.runtime.train.context import DistContext
 from grstack.runtime.train.negatives import GroupLayout, HostOffload, sampled_softmax_sum
+from grstack.runtime.train.timing import CommClock
 from grstack.runtime.training_config import Config
 
 
@@ -98,6 +99,8 @@ class Engine:
         # gradient accumulation: this rank's (sorted local keys, summed gradient) of the window so far
         self.held: tuple[torch.Tensor, torch.Tensor] | None = None
         self._window_open = False
+        # communication events and the main thread's waits on them (exposed_comm_ms, comm_ms, busy_ms)
+        self.clock = CommClock()
 
     # -- stages 3-4 (and, semi-async, the rows) of a batch --------------------------------------------------
     def _lookup(self, batch: PreparedBatch, pending: _Pending | None) -> RoutedBatch:
@@ -115,7 +118,7 @@ class Engine:
 
     def _start_prefetch(self, batch: PreparedBatch) -> None:
         pending = _Pending(step=batch.global_step, future=Future(), retrieved=threading.Event())
-        pending.future = self.pre_pool.submit(self._lookup, batch, pending)
+        pending.future = self.pre_pool.submit(self.clock.task, self._lookup, batch, pending)
         self.pending = pending
 
     # -- stage 5 --------------------------------------------------------------------------------------------
@@ -173,27 +176,53 @@ class Engine:
         gradient-accumulation window, or every batch without accumulation) also the dense all-reduce, the
         replica sum and both optimizers; otherwise the gradients are kept and summed with the next batch's.
         ``grad_scale`` multiplies this batch's gradients (1 / the window's batches: the update is the mean).
+
+        Timing figures of the returned dict (communication events: ``grstack.runtime.train.timing``):
+
+        * ``busy_ms``: this rank's own work from the step's start until it is ready to enter the dense
+          all-reduce (the stats all-reduce on a step without an update): the step's time up to that point
+          minus the time the main thread was blocked on communication in it (waiting for the batch's lookup,
+          its rows, its gradient sends; at world size 1, running them inline). So it counts forward and
+          backward and the host work of the step (moving rows to the device, the dual-buffer refresh or the
+          semi-async staleness count, starting the next prefetch, merging the accumulation window's sparse
+          gradients). It does not count the waits: a
+          collective (an All2All of rows or gradients) returns only when every rank has entered it, so a
+          fast rank waits for a slow one inside those waits, and counting them would make every rank's busy
+          time equal to the slowest one's. The sparse replica sum and update run after the all-reduce's
+          launch (overlapping it) and are not counted.
+        * ``busy_ms_max``, ``wait_ratio_measured``, ``imbalance_measured``: from every rank's busy time of
+          this step (``balance.measured_balance``), gathered in the stats that ride along the all-reduce.
+          ``busy_cpu_ms``: the main thread's CPU time over the same span (this rank's only): its work without
+          the time the OS gave to other processes (with one intra-op thread, as in ``bench train``). On an
+          accelerator both are host times: kernels run asynchronously.
+        * ``sync_wait_ms``: the time the main thread was blocked at the synchronisation point (the dense
+          all-reduce's wait, or the stats all-reduce on a step without an update).
+        * ``comm_ms`` / ``exposed_comm_ms``: the step's communication events inside the step, and the part of
+          them during which the main thread was blocked (``timing``); ``collective_ms``: the time spent inside
+          collectives (``Comm`` counters, every thread), whatever the main thread did meanwhile.
+        * ``imbalance``, ``imbalance_count_split``, ``wait_ratio``: the cost model's figures (per-rank cost
+          a·L + b·L² of the split used, and of the equal-count split), not measurements.
         """
         cfg, ctx, table = self.cfg, self.ctx, self.table
+        clock = self.clock
+        clock.start()
         t_start = time.perf_counter()
+        cpu_start = time.thread_time()
         comm_before = sum(c.seconds for c in ctx.comms)
-        exposed = 0.0
         compute = 0.0
         fp16 = cfg.negatives.fp16
         semi = cfg.pipeline.semi_async
         pending = self.pending if self.pending is not None and self.pending.step == batch.global_step else None
         self.pending = None
-        t0 = time.perf_counter()
         stale = 0
         if pending is not None:
-            rb = pending.future.result()
+            rb = clock.wait(pending.future.result)
             if semi:
                 stale = 0 if self.active is None else table.overlap(rb, self.active)[0].numel()
             else:
                 table.refresh(rb, self.active)
         else:
-            rb = self.comm_pool.submit(self._lookup, batch, None).result()
-        exposed += time.perf_counter() - t0
+            rb = clock.wait(self.comm_pool.submit(clock.task, self._lookup, batch, None).result)
         semi_rows = pending is not None and semi
         if self.prefetching and upcoming is not None:
             self._start_prefetch(upcoming)
@@ -203,13 +232,13 @@ class Engine:
             self._window_open = True
 
         def fetch(u: int) -> Future:
-            return self.comm_pool.submit(table.send_rows, rb, batch.units[u], ctx.sparse_fwd, fp16)
+            return self.comm_pool.submit(clock.task, table.send_rows, rb, batch.units[u], ctx.sparse_fwd, fp16)
 
         def rows_of(u: int, fut: Future | None) -> torch.Tensor:
             if semi_rows:
                 return self.offload.take(pending.parked[u])
             assert fut is not None
-            return fut.result().to(self.device, non_blocking=True)
+            return clock.wait(fut.result).to(self.device, non_blocking=True)
 
         n = len(batch.micro)
         futures: dict[int, Future] = {}
@@ -222,11 +251,9 @@ class Engine:
         zero = torch.zeros((), device=self.device)
         ret_total, rank_total = zero, zero
         for m, mb in enumerate(batch.micro):
-            t0 = time.perf_counter()
             if batch.neg_unit is not None and neg_leaf is None:
                 neg_leaf = rows_of(batch.neg_unit, futures.get(batch.neg_unit)).requires_grad_(True)
             leaf = rows_of(mb.unit, futures.get(mb.unit)).requires_grad_(True)
-            exposed += time.perf_counter() - t0
             if m + 1 < n:
                 if semi_rows:
                     self.offload.prefetch(pending.parked[batch.micro[m + 1].unit])
@@ -240,37 +267,50 @@ class Engine:
             if rank_part is not None:
                 rank_total = rank_total + rank_part
             grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-            grad_futures.append(self.comm_pool.submit(table.send_grads, rb, batch.units[mb.unit],
+            grad_futures.append(self.comm_pool.submit(clock.task, table.send_grads, rb, batch.units[mb.unit],
                                                       grad.to(self.comm_device), ctx.sparse_fwd))
         if batch.neg_unit is not None:
             assert neg_leaf is not None
             grad = neg_leaf.grad if neg_leaf.grad is not None else torch.zeros_like(neg_leaf)
-            grad_futures.append(self.comm_pool.submit(table.send_grads, rb, batch.units[batch.neg_unit],
-                                                      grad.to(self.comm_device), ctx.sparse_fwd))
-        t0 = time.perf_counter()
+            grad_futures.append(self.comm_pool.submit(clock.task, table.send_grads, rb,
+                                                      batch.units[batch.neg_unit], grad.to(self.comm_device),
+                                                      ctx.sparse_fwd))
         for f in grad_futures:
-            f.result()
-        exposed += time.perf_counter() - t0
+            clock.wait(f.result)
         assert rb.grad is not None
         keys, local_grad = rb.keys, rb.grad
         if self.held is not None:  # earlier batches of this accumulation window
             keys, local_grad = merge_rows(self.held[0], self.held[1], keys, local_grad)
-        extra = torch.tensor([float(rb.refreshed), float(stale)], device=self.device)
+        # ready for the all-reduce: this rank's busy seconds go in its own slot of the stats (the sum over
+        # ranks then holds every rank's; no extra collective)
+        W = ctx.world_size
+        busy = time.perf_counter() - t_start - clock.blocked_s()
+        busy_cpu = time.thread_time() - cpu_start
+        slots = [0.0] * W
+        slots[ctx.rank] = busy
+        extra = torch.tensor([float(rb.refreshed), float(stale), *slots], device=self.device)
         stats = torch.cat([ret_total.reshape(1), rank_total.reshape(1), extra]).to(ctx.comm_device)
         update_s = 0.0
+        waited = clock.blocked_s()  # the waits before the synchronisation point
         if not update:
             self.held = (keys, local_grad)
             self.active = None  # nothing was written: the next prefetched rows need no refresh
-            ctx.world.all_reduce(stats)
+            if ctx.world.live:
+                clock.wait(ctx.world.all_reduce, stats, event=True)
             values = stats.tolist()  # the step's one host sync
+            sync_wait = clock.blocked_s() - waited
         else:
             self.held = None
             self._window_open = False
-            values, update_s, wait_s = self._update(keys, local_grad, stats, lr, semi)
-            exposed += wait_s
-        ret_g, rank_g, refreshed, stale_g = values
-        comm_total = sum(c.seconds for c in ctx.comms) - comm_before
-        step_s = time.perf_counter() - t_start
+            values, update_s, sync_wait = self._update(keys, local_grad, stats, lr, semi)
+        ret_g, rank_g, refreshed, stale_g = values[:4]
+        busy_all = values[4 : 4 + W]  # every rank's busy seconds (rounded to the stats' dtype)
+        busy = busy_all[ctx.rank]
+        balance = measured_balance(busy_all)
+        collective = sum(c.seconds for c in ctx.comms) - comm_before
+        t_end = time.perf_counter()
+        comm_total, exposed = clock.measure(t_start, t_end)
+        step_s = t_end - t_start
         return {
             "loss": ret_g + cfg.loss.ranking_weight * rank_g if self.ranking else ret_g,
             "retrieval_loss": ret_g,
@@ -283,11 +323,17 @@ class Engine:
             "sparse_update_ms": 1e3 * update_s,
             "exposed_comm_ms": 1e3 * exposed,
             "comm_ms": 1e3 * comm_total,
+            "collective_ms": 1e3 * collective,
+            "busy_ms": 1e3 * busy,
+            "busy_cpu_ms": 1e3 * busy_cpu,
+            **balance,
+            "sync_wait_ms": 1e3 * sync_wait,
             "microbatches": len(batch.micro),
             "unique_keys_per_microbatch": sum(batch.mb_unique_keys) / max(1, len(batch.mb_unique_keys)),
             "refreshed_rows": int(refreshed),
             "stale_rows": int(stale_g),
             "staleness": 1 if semi else 0,
+            # the cost model's (a·L + b·L² per rank), not measured: see the docstring
             "imbalance": imbalance(batch.rank_costs),
             "imbalance_count_split": imbalance(batch.count_costs),
             "wait_ratio": wait_ratio(batch.rank_costs),
@@ -297,32 +343,37 @@ class Engine:
                 ) -> tuple[list[float], float, float]:
         """The update at the end of a window: dense all-reduce (async, with the step's stats riding along)
         overlapping the sparse replica sum and update, then the dense step. Returns the all-reduced stats,
-        the sparse-update seconds and the exposed wait seconds."""
-        cfg, ctx, table = self.cfg, self.ctx, self.table
+        the sparse-update seconds (the replica sum's collectives excepted: they are communication) and the
+        seconds the main thread was blocked in the all-reduce's wait."""
+        cfg, ctx, table, clock = self.cfg, self.ctx, self.table, self.clock
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         table.optimizer.lr = self.sparse_base_lr * lr / cfg.optim.lr  # the same schedule as the dense part
-        exposed = 0.0
         if ctx.world.live:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.dense_params]
             flat = torch.cat([g.reshape(-1) for g in grads] + [stats.to(grads[0].device if grads else stats.device)])
+            launched = time.perf_counter()
             work = ctx.world.all_reduce(flat, async_op=True)
         else:
             grads, flat, work = [], stats, None
-        t0 = time.perf_counter()
         if semi and self.pending is not None:
-            self._wait_retrieved(self.pending)
-        exposed += time.perf_counter() - t0
+            clock.wait(self._wait_retrieved, self.pending)
         clip = cfg.optim.grad_clip
         t0 = time.perf_counter()
-        keys, sparse_grad = table.reduce_replicas(keys, local_grad, ctx.replica)
+        if ctx.replica.live:  # the replica sum is a collective the main thread runs itself
+            keys, sparse_grad = clock.wait(table.reduce_replicas, keys, local_grad, ctx.replica, event=True)
+        else:
+            keys, sparse_grad = table.reduce_replicas(keys, local_grad, ctx.replica)
+        reduce_s = time.perf_counter() - t0 if ctx.replica.live else 0.0
         if not clip:
             self.active = table.update(keys, sparse_grad)
-        update = time.perf_counter() - t0
-        t0 = time.perf_counter()
+        update = time.perf_counter() - t0 - reduce_s
+        wait_s = 0.0
         if work is not None:
-            work.wait()
-        exposed += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            clock.wait(work.wait)
+            wait_s = time.perf_counter() - t0
+            clock.event(launched, t0 + wait_s)  # the async all-reduce: from its launch until its wait returns
         at = 0
         for p, g in zip(self.dense_params if grads else [], grads, strict=True):
             k = g.numel()
@@ -334,7 +385,7 @@ class Engine:
             self.active = table.update(keys, self._clip(sparse_grad, clip))
             update += time.perf_counter() - t0
         self.optimizer.step()
-        return flat[at:].tolist(), update, exposed  # the step's one host sync
+        return flat[at:].tolist(), update, wait_s  # the step's one host sync
 
     def _clip(self, sparse_grad: torch.Tensor, max_norm: float) -> torch.Tensor:
         """Scales dense and sparse gradients together to a global norm of at most ``max_norm`` (what
@@ -343,7 +394,8 @@ class Engine:
         sq_dense = torch.stack([g.pow(2).sum() for g in dense]).sum() if dense else torch.zeros(())
         # every replica group holds the whole table's gradient: sum over one sparse group only
         sq_sparse = sparse_grad.pow(2).sum().reshape(1).to(self.comm_device)
-        self.ctx.sparse_fwd.all_reduce(sq_sparse)
+        if self.ctx.sparse_fwd.live:
+            self.clock.wait(self.ctx.sparse_fwd.all_reduce, sq_sparse, event=True)
         total = (sq_dense.to(self.comm_device) + sq_sparse[0]).sqrt()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in dense:

@@ -299,7 +299,8 @@ class Trainer:
         bar = tqdm(total=total, initial=st.global_step, disable=not self.progress, file=sys.stderr, unit="step",
                    dynamic_ncols=True, desc=cfg.name if ctx.world_size == 1 else f"{cfg.name} x{ctx.world_size}")
         window: dict[str, float] = {"t": 0.0, "samples": 0, "tokens": 0}
-        self.totals = {"imbalance": 0.0, "imbalance_count_split": 0.0, "exposed_comm_ms": 0.0, "comm_ms": 0.0,
+        self.totals = {"imbalance": 0.0, "imbalance_count_split": 0.0, "wait_ratio_measured": 0.0,
+                       "imbalance_measured": 0.0, "exposed_comm_ms": 0.0, "comm_ms": 0.0,
                        "stale_rows": 0, "steps": 0, "host_syncs": 0, "sync_steps": 0}
         stopped_early = False
         try:
@@ -334,7 +335,8 @@ class Trainer:
                 window["t"] += dt
                 window["samples"] += out["samples"]
                 window["tokens"] += out["tokens"]
-                for k in ("imbalance", "imbalance_count_split", "exposed_comm_ms", "comm_ms", "stale_rows"):
+                for k in ("imbalance", "imbalance_count_split", "wait_ratio_measured", "imbalance_measured",
+                          "exposed_comm_ms", "comm_ms", "stale_rows"):
                     self.totals[k] += out[k]
                 self.totals["steps"] += 1
                 if not np.isfinite(out["loss"]):
@@ -347,9 +349,12 @@ class Trainer:
                            "lr": lr, "updated": boundary,
                            "samples_per_second": window["samples"] / max(window["t"], 1e-9),
                            "tokens_per_second": window["tokens"] / max(window["t"], 1e-9),
+                           # timing fields: Engine.step's docstring; imbalance, imbalance_count_split and
+                           # wait_ratio are the cost model's, the *_measured ones come from busy times
                            **{k: out[k] for k in ("step_ms", "data_wait_ms", "compute_ms", "exposed_comm_ms",
-                                                  "comm_ms",
-                                                  "sparse_update_ms",
+                                                  "comm_ms", "collective_ms", "sparse_update_ms",
+                                                  "busy_ms", "busy_ms_max", "sync_wait_ms",
+                                                  "wait_ratio_measured", "imbalance_measured",
                                                   "microbatches", "unique_keys_per_microbatch",
                                                   "imbalance", "imbalance_count_split", "wait_ratio",
                                                   "refreshed_rows", "stale_rows", "staleness")}}
@@ -437,8 +442,13 @@ class Trainer:
                 "backend": ctx.backend,
                 "pipeline": cfg.pipeline.model_dump(),
                 "balance": cfg.balance.mode,
+                # the cost model's per-rank cost a·L + b·L² (split used, and equal counts), not measured
                 "mean_imbalance": self.totals["imbalance"] / n,
                 "mean_imbalance_count_split": self.totals["imbalance_count_split"] / n,
+                # from every rank's measured busy time per step (Engine.step)
+                "mean_wait_ratio_measured": self.totals["wait_ratio_measured"] / n,
+                "mean_imbalance_measured": self.totals["imbalance_measured"] / n,
+                # the same communication events in both (grstack.runtime.train.timing)
                 "exposed_comm_ratio": self.totals["exposed_comm_ms"] / max(self.totals["comm_ms"], 1e-9),
                 "stale_rows": self.totals["stale_rows"],
             },

@@ -8,15 +8,24 @@ from grstack.runtime.cli import main
 
 pytestmark = pytest.mark.integration
 
-TRAIN_KEYS = {"imbalance_before", "imbalance_after", "step_ms", "exposed_comm_ratio", "microbatches",
-              "unique_keys_per_microbatch", "dbp_max_abs_diff", "fwp_max_abs_diff", "tokens_per_second",
-              "embedding_step_ms", "embedding_step_ratio"}
+TRAIN_KEYS = {"imbalance_before", "imbalance_after", "imbalance_cost_model", "imbalance_measured", "step_ms",
+              "exposed_comm_ratio", "microbatches", "unique_keys_per_microbatch", "dbp_max_abs_diff",
+              "fwp_max_abs_diff", "tokens_per_second", "embedding_step_ms", "embedding_step_ratio"}
+SPLITS = {"before", "after"}
 
 
 def test_bench_train_prints_the_promised_json(capsys):
-    assert main(["bench", "train", "--quick", "--json", "--steps", "1", "--no-embedding"]) == 0
+    assert main(["bench", "train", "--quick", "--json", "--steps", "1", "--balance-steps", "2",
+                 "--no-embedding"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out) == TRAIN_KEYS
+    # the measured balance: wait ratios from every rank's busy times, beside the cost model's
+    m = out["imbalance_measured"]
+    assert m["ranks"] == 2 and m["timed_steps"] == 2 and m["same_global_batches"] is True
+    for figures in (m, m["mean"], m["p10"], m["p90"], m["imbalance"], m["cpu"], m["cost_model"]):
+        assert set(figures) >= SPLITS and all(0 <= figures[s] < 1 for s in SPLITS), figures
+    assert m["cost_model"]["after"] <= m["cost_model"]["before"] and 0 <= m["noise_floor"] < 0.5
+    assert "cost model" in out["imbalance_cost_model"] and 0 < out["exposed_comm_ratio"] <= 1
     assert set(out["step_ms"]) == {"sync", "dbp", "fwp", "fwp_clustered"}
     assert set(out["unique_keys_per_microbatch"]) == {"random", "clustered"}
     assert out["embedding_step_ms"] == {"grstack": None, "torchrec": None}

@@ -124,6 +124,30 @@ def test_resume_is_exact_with_micro_batches_clustering_and_token_budgets(tmp_pat
     assert last.name == f"step-{straight['steps']:09d}"
 
 
+MEASURED = ("busy_ms", "busy_ms_max", "sync_wait_ms", "wait_ratio_measured", "imbalance_measured",
+            "comm_ms", "exposed_comm_ms", "collective_ms")
+
+
+def test_two_ranks_log_measured_balance_and_exposed_communication(tmp_path, data_dir):
+    """Every train record of a 2-rank run carries the measured figures (every rank's busy time gathered in
+    the stats of the dense all-reduce, or of the stats all-reduce inside an accumulation window), with the
+    exposed part of the communication events at most their whole; the summary averages them."""
+    args = [*tiny_config_args(data_dir), "train.epochs=1", "train.max_steps=6", "train.num_threads=1",
+            "train.grad_accum_steps=2", "pipeline.microbatches=2", "pipeline.dbp=true", "eval.max_users=50"]
+    summary = train_distributed(load_config(CONFIG, args), tmp_path / "run", nproc=2, progress=False)
+    recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train_recs = [r for r in recs if r["kind"] == "train"]
+    assert [r["updated"] for r in train_recs] == [False, True] * 3  # both ways of gathering the stats ran
+    for r in train_recs:
+        assert all(k in r for k in MEASURED), r
+        assert 0 < r["busy_ms"] <= r["busy_ms_max"] and r["busy_ms"] <= r["step_ms"]
+        assert 0 <= r["wait_ratio_measured"] < 1 and 0 <= r["imbalance_measured"] < 1
+        assert 0 <= r["sync_wait_ms"] <= r["exposed_comm_ms"] <= r["comm_ms"] and r["collective_ms"] > 0
+    d = summary["distributed"]
+    assert 0 <= d["mean_wait_ratio_measured"] < 1 and 0 <= d["mean_imbalance_measured"] < 1
+    assert 0 < d["exposed_comm_ratio"] <= 1
+
+
 def test_unsatisfiable_sharding_plans_are_clear_and_write_nothing(tmp_path, data_dir, capsys):
     out = tmp_path / "run"
     base = ["train", "--config", str(CONFIG), "--out", str(out), "--nproc", "2", "--no-progress",

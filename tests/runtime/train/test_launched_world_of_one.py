@@ -62,7 +62,7 @@ def test_a_launched_world_of_one_is_the_plain_single_process_run(tmp_path, data_
     # dbp really ran: the prefetched rows of the next batch were refreshed from the update's output
     assert any(r["refreshed_rows"] > 0 for r in one_recs)
     # the launched world's collectives really ran (timed); the plain run's short-circuit (never timed)
-    assert all(r["comm_ms"] > 0 for r in one_recs) and all(r["comm_ms"] == 0 for r in plain_recs)
+    assert all(r["collective_ms"] > 0 for r in one_recs) and all(r["collective_ms"] == 0 for r in plain_recs)
     # bit for bit: the collectives of a world of one (all-reduce, All2All, gathers) change no number
     assert one["metrics"] == plain["metrics"]
     assert _numbers(tmp_path / "one") == _numbers(tmp_path / "plain")
