@@ -189,20 +189,9 @@ class Preparer:
         if cfg.pipeline.cluster and n_micro > 1:
             # a sequence's keys: its items, targets, candidates and the negative sets its tokens use (their
             # own sets and the sets they score through logit sharing)
-            off = batch.offsets.numpy()
-            ids, tg = batch.item_ids.numpy(), batch.targets.numpy()
-            negs_np = negs.numpy()
-            none = np.zeros(0, np.int64)
-
-            def neg_keys(i: int) -> np.ndarray:
-                if not per_token:
-                    return none
-                own = np.arange(off[i] // per_set, (off[i + 1] - 1) // per_set + 1)
-                return negs_np[np.concatenate([own, *(p[own] for p in perms)])].reshape(-1)
-
-            key_sets = [np.concatenate([
-                ids[off[i]:off[i + 1]], tg[off[i]:off[i + 1]], cands[i].numpy() if cands is not None else none,
-                neg_keys(i)]) for i in range(B)]
+            key_sets = microbatching.sequence_key_sets(
+                batch.offsets.numpy(), batch.item_ids.numpy(), batch.targets.numpy(),
+                cands.numpy() if cands is not None else None, negs.numpy() if per_token else None, per_set, perms)
             groups = microbatching.cluster_by_keys(key_sets, lengths, n_micro)
         else:
             groups = microbatching.split_contiguous(lengths, n_micro)
