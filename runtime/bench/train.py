@@ -303,6 +303,20 @@ def run(args: argparse.Namespace) -> int:
          f" -> {measured['cpu']['after']:.3f}; the cost model on the same steps: "
          f"{measured['cost_model']['before']:.3f} -> {measured['cost_model']['after']:.5f}; timing noise alone: "
          f"{measured['noise_floor']:.3f})")
+    # key-centric clustering's host cost per rank batch at these lengths, with group-shared negatives (the
+    # sets' keys are what makes it expensive), beside the step time
+    from grstack.runtime.data import LeaveOneOut, load_source
+    from grstack.runtime.train import Schedule, cluster_time_per_batch
+
+    ccfg = with_overrides(long, {"loss.sharing": "group", "loss.group_size": 16, "loss.negatives": 512,
+                                 "pipeline.microbatches": n})
+    csplit = LeaveOneOut(load_source(ccfg.data), min_len=ccfg.data.min_len)
+    clustering = cluster_time_per_batch(Schedule(csplit, ccfg, world, ccfg.loss.ranking_candidates), ccfg,
+                                        csplit.ds.num_items, steps=3 if quick else 5)
+    _log(f"clustering ({long.data.source}, max_len {long.data.max_len}, group-shared negatives): "
+         f"{clustering['cluster_ms_per_batch']:.1f} ms per rank batch, {clustering['keys_per_token']:.1f} keys "
+         f"per token, unique keys {clustering['unique_keys_total']['contiguous']:.0f} -> "
+         f"{clustering['unique_keys_total']['clustered']:.0f}")
     modes = {"sync": {}, "dbp": {"pipeline.dbp": True},
              "fwp": {"pipeline.dbp": True, "pipeline.microbatches": n},
              "fwp_clustered": {"pipeline.dbp": True, "pipeline.microbatches": n, "pipeline.cluster": True}}
@@ -325,6 +339,8 @@ def run(args: argparse.Namespace) -> int:
         "exposed_comm_ratio": exposed,
         "microbatches": n,
         "unique_keys_per_microbatch": keys,
+        "cluster_ms_per_batch": clustering["cluster_ms_per_batch"],
+        "clustering": clustering,
         "dbp_max_abs_diff": max_abs_diff(runs["sync"]["params"], runs["dbp"]["params"]),
         "fwp_max_abs_diff": max_abs_diff(runs["dbp"]["params"], runs["fwp"]["params"]),
         "tokens_per_second": tokens / (step_ms[fastest] / 1e3),

@@ -4,7 +4,7 @@
 Other packages import from here, never a submodule: ``train`` and ``train_distributed`` (a run),
 ``format_summary`` (its one-paragraph report), ``call_ranks`` (a function on N local ranks), the batch
 ``Schedule`` / ``Preparer``, ``DistContext``, ``imbalance`` / ``measured_balance`` and the benchmark
-harness's ``with_overrides`` / ``max_abs_diff``, and ``build_engine`` (the engine of a rank, for benchmarks
+harness's ``with_overrides`` / ``max_abs_diff``, ``cluster_time_per_batch`` (the clustering's host cost), and ``build_engine`` (the engine of a rank, for benchmarks
 that time its steps). Exports load lazily, so importing this package (as ``grstack --help`` does, through
 ``train.cli``) never imports torch.
 """
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from grstack.runtime.train.context import DistContext
     from grstack.runtime.train.harness import max_abs_diff, with_overrides
     from grstack.runtime.train.launch import call_ranks, train_distributed
+    from grstack.runtime.train.microbatching import cluster_time_per_batch
     from grstack.runtime.train.trainer import build_engine, train
 
 _EXPORTS = {
@@ -34,6 +35,7 @@ _EXPORTS = {
     "with_overrides": "grstack.runtime.train.harness",
     "call_ranks": "grstack.runtime.train.launch",
     "train_distributed": "grstack.runtime.train.launch",
+    "cluster_time_per_batch": "grstack.runtime.train.microbatching",
     "train": "grstack.runtime.train.trainer",
     "build_engine": "grstack.runtime.train.trainer",
 }
@@ -44,6 +46,7 @@ __all__ = [
     "Schedule",
     "build_engine",
     "call_ranks",
+    "cluster_time_per_batch",
     "format_summary",
     "imbalance",
     "max_abs_diff",

@@ -10,7 +10,8 @@ pytestmark = pytest.mark.integration
 
 TRAIN_KEYS = {"imbalance_before", "imbalance_after", "imbalance_cost_model", "imbalance_measured", "step_ms",
               "exposed_comm_ratio", "microbatches", "unique_keys_per_microbatch", "dbp_max_abs_diff",
-              "fwp_max_abs_diff", "tokens_per_second", "embedding_step_ms", "embedding_step_ratio"}
+              "fwp_max_abs_diff", "tokens_per_second", "embedding_step_ms", "embedding_step_ratio",
+              "cluster_ms_per_batch", "clustering"}
 SPLITS = {"before", "after"}
 
 
@@ -33,6 +34,10 @@ def test_bench_train_prints_the_promised_json(capsys):
     assert out["imbalance_after"] <= 0.03 < out["imbalance_before"]
     assert out["unique_keys_per_microbatch"]["clustered"] < out["unique_keys_per_microbatch"]["random"]
     assert out["microbatches"] == 4 and out["tokens_per_second"] > 0
+    # the clustering's host cost at KuaiRand-like lengths with group-shared negatives, and what it saves
+    c = out["clustering"]
+    assert out["cluster_ms_per_batch"] == c["cluster_ms_per_batch"] > 0 and c["keys_per_token"] > 10
+    assert c["unique_keys_total"]["clustered"] <= c["unique_keys_total"]["contiguous"]
 
 
 def test_bench_simulate_is_labelled_a_model(capsys):
