@@ -30,14 +30,25 @@ KuaiRand-like data. Prints one JSON object on stdout; progress and details on st
   ``fwp_max_abs_diff``: ``fwp`` vs ``dbp`` (N micro-batch gradient sums vs one; dropout is off).
 * ``tokens_per_second``: global training tokens per second of the fastest setting.
 * ``embedding_step_ms``: the TorchRec comparison case — one 1,000,000 x 64 table row-sharded over the 2
-  ranks, 32 sequences of 100-300 uniformly random ids per rank, row-wise Adagrad; median of a lookup
-  (All2All), a trivial forward/backward and the update. ``torchrec`` is null when torchrec is not installed
-  (``pip install --no-deps torchrec==1.8.0 fbgemm-gpu-cpu==1.8.0 ...``, see pyproject's torchrec extra).
+  ranks, 32 sequences of 100-300 ids per rank and step, Zipf-skewed (``embedding_ids``: exponent 1.05 over
+  the rows, a fixed seed per rank and step, the same ids on both sides; ``duplicate_share`` = 1 -
+  unique/total per rank and step, mean and range), row-wise Adagrad, dedup on both sides (grstack: always;
+  TorchRec: ``EmbeddingCollectionSharder(use_index_dedup=True)``, whose fbgemm op has no CPU kernel in
+  fbgemm-gpu-cpu 1.8.0: the bench registers one); median over the timed steps (after 10 warm-up steps; 100
+  with ``--quick``, else 300; a step's time is its slowest rank's) of a lookup (All2All), a trivial
+  forward/backward and the update, the two sides alternating step by step. ``embedding_step_ratio``:
+  grstack / TorchRec. ``embedding_step_ms_pipelined`` / ``embedding_step_ratio_pipelined``: the same with
+  the next batch's lookup overlapped — grstack's routing and retrieval prefetched in a thread (dual
+  buffer), TorchRec's ``TrainPipelineSparseDist`` (the next input dist started before the current
+  forward). ``embedding_step_spread_ms``: median, p10, p90 of each. TorchRec's figures are null when
+  torchrec is not installed (``pip install --no-deps torchrec==1.8.0 fbgemm-gpu-cpu==1.8.0 ...``, see
+  pyproject's torchrec extra).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -162,20 +173,68 @@ def _median_after_warmup(values: list[float], warmup: int) -> float:
 
 
 # -- the embedding step: grstack and TorchRec on the same case -------------------------------------------------
-def _embedding_batches(rank: int, steps: int, seqs: int, rows: int) -> list[tuple[Any, Any]]:
+ZIPF_EXPONENT = 1.05
+TORCHREC_DEDUP = ("EmbeddingCollectionSharder(use_index_dedup=True): fbgemm::jagged_unique_indices over each "
+                  "rank's batch before the input dist; fbgemm-gpu-cpu 1.8.0 has no CPU kernel for that op, so "
+                  "the bench registers one (torch.unique, as grstack's make_unit)")
+GRSTACK_DEDUP = "make_unit: torch.unique over each rank's batch before routing (always on)"
+
+
+def _zipf_batches(rank: int, steps: int, seqs: int, rows: int, exponent: float, seed: int = 0
+                  ) -> list[tuple[Any, Any]]:
+    """``steps`` batches of ``seqs`` sequences of 100-300 ids, the ids Zipf-distributed over the table: the
+    k-th most popular of ``rows`` ids has probability ∝ k^-exponent. Popularity ranks map to rows through a
+    fixed random permutation (the same on every rank), so the hot rows are spread over the shards under both
+    row shardings (grstack's strided one, TorchRec's contiguous blocks). Seeded per rank and step."""
     import torch
 
-    g = torch.Generator().manual_seed(1000 + rank)
+    cdf = torch.cumsum(torch.arange(1, rows + 1, dtype=torch.float64).pow(-exponent), 0)
+    cdf /= cdf[-1].clone()
+    perm = torch.randperm(rows, generator=torch.Generator().manual_seed(seed))
     out = []
-    for _ in range(steps):
+    for step in range(steps):
+        g = torch.Generator().manual_seed(seed + 1_000_003 * (rank + 1) + step)
         lengths = torch.randint(100, 301, (seqs,), generator=g)
-        out.append((torch.randint(0, rows, (int(lengths.sum()),), generator=g), lengths))
+        ranks = torch.searchsorted(cdf, torch.rand(int(lengths.sum()), generator=g, dtype=torch.float64))
+        out.append((perm[ranks.clamp_(max=rows - 1)], lengths))
     return out
 
 
-def _torchrec_model(env: Any, rows: int, dim: int) -> Any:
+def _jagged_unique_indices_cpu(hash_size_cumsum: Any, hash_size_offsets: Any, offsets: Any, indices: Any
+                               ) -> tuple[Any, Any, Any, Any]:
+    """A CPU kernel for ``fbgemm::jagged_unique_indices`` (TorchRec's EC index dedup), which fbgemm-gpu-cpu
+    1.8.0 ships for CUDA only; the same contract as the CUDA one: the sorted unique ids of each feature over
+    the whole batch, their count per group spread evenly over the group's lengths, and every input id's
+    index into them."""
+    import torch
+
+    T = hash_size_cumsum.numel() - 1
+    total_b = offsets.numel() - 1
+    B = total_b // T
+    base = hash_size_cumsum[:-1].repeat_interleave(B).repeat_interleave(offsets[1:] - offsets[:-1])
+    uniq, reverse = torch.unique(indices.to(torch.int64) + base, sorted=True, return_inverse=True)
+    feature = torch.searchsorted(hash_size_cumsum, uniq, right=True) - 1
+    unique_indices = (uniq - hash_size_cumsum[feature]).to(indices.dtype)
+    lengths = torch.zeros(total_b, dtype=offsets.dtype)
+    groups = hash_size_offsets.tolist()
+    for lo_f, hi_f in itertools.pairwise(groups):
+        n = (hi_f - lo_f) * B
+        bounds = torch.searchsorted(uniq, hash_size_cumsum[[lo_f, hi_f]])
+        total = int(bounds[1] - bounds[0])
+        if n and total:
+            seg = torch.full((n,), total // n, dtype=offsets.dtype)
+            seg[: total % n] += 1
+            lengths[lo_f * B : hi_f * B] = seg
+    out_offsets = torch.zeros(total_b + 1, dtype=offsets.dtype)
+    out_offsets[1:] = torch.cumsum(lengths, 0)
+    return lengths, out_offsets, unique_indices, reverse
+
+
+def _torchrec_model(env: Any, rows: int, dim: int, w: Any, dedup: bool = True) -> Any:
     """TorchRec's answer to the same case: an EmbeddingCollection sharded by rows with FBGEMM's fused
-    row-wise Adagrad, on the default (gloo) process group."""
+    row-wise Adagrad and TorchRec's index dedup (``dedup``), on the default (gloo) process group; the trivial
+    forward inside the model (``w`` a buffer: no dense parameter, no DDP), so TrainPipelineSparseDist can run
+    it."""
     import torch
     import torch.distributed as dist
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -185,22 +244,41 @@ def _torchrec_model(env: Any, rows: int, dim: int) -> Any:
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
     from torchrec.distributed.types import ShardingType
 
-    ec = EmbeddingCollection(tables=[EmbeddingConfig(name="item_table", embedding_dim=dim, num_embeddings=rows,
-                                                     feature_names=["item"])], device=torch.device("meta"))
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("fbgemm::jagged_unique_indices", "CPU"):
+        torch.library.impl("fbgemm::jagged_unique_indices", "CPU")(_jagged_unique_indices_cpu)
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ec = EmbeddingCollection(tables=[EmbeddingConfig(
+                name="item_table", embedding_dim=dim, num_embeddings=rows, feature_names=["item"])],
+                device=torch.device("meta"))
+            self.register_buffer("w", w.clone())
+
+        def forward(self, batch: Any) -> tuple[Any, Any]:
+            loss = (self.ec(batch.sparse_features)["item"].values() * self.w).sum().reshape(1)
+            return loss, loss.detach()
+
+    model = Model()
     sharder = EmbeddingCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-                                                       "learning_rate": 0.01})
+                                                       "learning_rate": 0.01}, use_index_dedup=dedup)
     constraints = {"item_table": ParameterConstraints(sharding_types=[ShardingType.ROW_WISE.value])}
     planner = EmbeddingShardingPlanner(topology=Topology(world_size=env.world_size, compute_device="cpu"),
                                        constraints=constraints)
-    plan = planner.collective_plan(ec, [sharder], dist.GroupMember.WORLD)
-    return DistributedModelParallel(ec, device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    plan = planner.collective_plan(model, [sharder], dist.GroupMember.WORLD)
+    return DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
 
 
 def embedding_rank(env: Any, payload: dict[str, Any]) -> dict[str, Any]:
-    """One rank of the embedding-step comparison. grstack's step: dedupe, route (All2All of keys), retrieve,
-    rows All2All, a trivial forward/backward, gradient All2All, row-wise Adagrad. With ``torchrec``, the
-    TorchRec step runs right after each grstack step on the same ids, so both see the same machine load.
-    Then grstack again with the next batch's routing and retrieval prefetched in a thread (dual buffer)."""
+    """One rank of the embedding-step comparison, on Zipf-skewed ids (the same on both sides), dedup on both.
+
+    grstack's step: dedupe, route (All2All of keys), retrieve, rows All2All, a trivial forward/backward,
+    gradient All2All, row-wise Adagrad. TorchRec's: its model on a KJT of the same ids (index dedup, input
+    dist, lookup, output dist, backward with the fused update). The two alternate step by step (which one
+    goes first alternates too), each after a barrier, so both see the same machine load. Then the pipelined
+    pair, alternating the same way: grstack with the next batch's routing and retrieval prefetched in a
+    thread (dual buffer), TorchRec's TrainPipelineSparseDist (the next batch's input dist started before the
+    current forward). Returns per-step times (ms) and each step's duplicate share."""
     import threading
 
     import torch
@@ -214,9 +292,18 @@ def embedding_rank(env: Any, payload: dict[str, Any]) -> dict[str, Any]:
     plan = ShardingPlan.make(rows, dim, ctx.world_size)
     shard = torch.randn(plan.shard_rows(plan.shard_of(ctx.rank)), dim, generator=torch.Generator().manual_seed(0))
     table = ShardedEmbedding(plan, ctx.rank, shard, RowWiseAdagrad(shard, lr=0.01))
-    trec = _torchrec_model(env, rows, dim) if payload["torchrec"] else None
-    batches = _embedding_batches(ctx.rank, steps, payload["seqs"], rows)
-    w = torch.randn(dim)
+    w = torch.randn(dim, generator=torch.Generator().manual_seed(1))
+    trec = _torchrec_model(env, rows, dim, w) if payload["torchrec"] else None
+    batches = _zipf_batches(ctx.rank, steps, payload["seqs"], rows, payload["exponent"])
+    duplicate_share = [1.0 - torch.unique(ids).numel() / ids.numel() for ids, _ in batches]
+    trec_batches = []
+    if trec is not None:
+        from torchrec import KeyedJaggedTensor
+        from torchrec.datasets.utils import Batch
+
+        trec_batches = [Batch(dense_features=torch.zeros(len(lengths), 1), labels=torch.zeros(len(lengths)),
+                              sparse_features=KeyedJaggedTensor(keys=["item"], values=ids, lengths=lengths))
+                        for ids, lengths in batches]
 
     def lookup(ids, comm):
         unit, inv, _ = make_unit(ids)
@@ -230,44 +317,62 @@ def embedding_rank(env: Any, payload: dict[str, Any]) -> dict[str, Any]:
         table.send_grads(rb, unit, leaf.grad, ctx.sparse_fwd)
         return table.apply(rb, ctx.replica)
 
-    ours, theirs = [], []
-    for ids, lengths in batches:
-        ctx.world.barrier()
-        t0 = time.perf_counter()
-        finish(*lookup(ids, ctx.sparse_fwd))
-        ours.append(1e3 * (time.perf_counter() - t0))
-        if trec is not None:
-            from torchrec import KeyedJaggedTensor
-
-            kjt = KeyedJaggedTensor(keys=["item"], values=ids, lengths=lengths)
+    def alternate(i: int, *sides: tuple[Any, list[float]] | None) -> None:
+        """Times each side's step ``i`` after a barrier (the default group: it also drains TorchRec's
+        collectives in flight), in turn; which side goes first alternates with ``i``."""
+        todo = [s for s in sides if s is not None]
+        for fn, out in todo if i % 2 == 0 else todo[::-1]:
             ctx.world.barrier()
             t0 = time.perf_counter()
-            (trec(kjt)["item"].values() * w).sum().backward()
-            theirs.append(1e3 * (time.perf_counter() - t0))
-    piped = []
-    box: dict[str, Any] = {}
+            fn(i)
+            out.append(1e3 * (time.perf_counter() - t0))
+
+    def grstack_step(i):
+        finish(*lookup(batches[i][0], ctx.sparse_fwd))
+
+    def torchrec_step(i):
+        loss, _ = trec(trec_batches[i])
+        loss.sum().backward()
+
+    ours, theirs = [], []
+    for i in range(steps):
+        alternate(i, (grstack_step, ours), None if trec is None else (torchrec_step, theirs))
+
+    # pipelined: grstack prefetches the next lookup in a thread; TorchRec's TrainPipelineSparseDist starts
+    # the next batch's input dist before the current forward (on CPU its collectives run on gloo's threads)
+    box: dict[str, Any] = {"active": None}
 
     def prefetch(ids):
         box["next"] = lookup(ids, ctx.sparse_pre)
 
-    ctx.world.barrier()
-    nxt = lookup(batches[0][0], ctx.sparse_fwd)
-    active = None
-    for i in range(len(batches)):
-        t0 = time.perf_counter()
-        rb, unit, inv = nxt
-        table.refresh(rb, active)
+    def grstack_piped_step(i):
+        rb, unit, inv = box["next"]
+        table.refresh(rb, box["active"])
         th = None
-        if i + 1 < len(batches):
+        if i + 1 < steps:
             th = threading.Thread(target=prefetch, args=(batches[i + 1][0],))
             th.start()
-        active = finish(rb, unit, inv)
+        box["active"] = finish(rb, unit, inv)
         if th is not None:
             th.join()
-            nxt = box["next"]
-        piped.append(1e3 * (time.perf_counter() - t0))
-    return {"grstack": ours, "torchrec": theirs, "grstack_pipelined": piped,
-            "ids_per_step": statistics.mean(int(b[0].numel()) for b in batches)}
+
+    pipe = None
+    if trec is not None and payload["pipeline"]:
+        from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+        pipe = TrainPipelineSparseDist(trec, trec.fused_optimizer, torch.device("cpu"))
+        feed = iter(trec_batches)
+
+    def torchrec_piped_step(i):
+        pipe.progress(feed)
+
+    piped, theirs_piped = [], []
+    ctx.world.barrier()
+    box["next"] = lookup(batches[0][0], ctx.sparse_fwd)
+    for i in range(steps):
+        alternate(i, (grstack_piped_step, piped), None if pipe is None else (torchrec_piped_step, theirs_piped))
+    return {"grstack": ours, "torchrec": theirs, "grstack_pipelined": piped, "torchrec_pipelined": theirs_piped,
+            "ids_per_step": [int(b[0].numel()) for b in batches], "duplicate_share": duplicate_share}
 
 
 def torchrec_available() -> bool:
@@ -279,8 +384,84 @@ def torchrec_available() -> bool:
     return True
 
 
-def run(args: argparse.Namespace) -> int:
+EMBEDDING_WARMUP = 10
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": float(statistics.median(values)), "p10": _pct(values, 0.1), "p90": _pct(values, 0.9)}
+
+
+def embedding_comparison(quick: bool) -> dict[str, Any]:
+    """The embedding-step comparison on 2 gloo ranks: the ``embedding_*`` keys of ``grstack bench train``.
+
+    Each step's time is its slowest rank's (they start together after a barrier); median, p10 and p90 over
+    the timed steps (after ``EMBEDDING_WARMUP``). The TorchRec figures are null without torchrec; if its
+    pipelined run fails, the plain comparison is kept (and the failure logged)."""
     from grstack.runtime.errors import UserError
+    from grstack.runtime.train import call_ranks
+
+    with_torchrec = torchrec_available()
+    if not with_torchrec:
+        _log("torchrec is not installed: the torchrec figures are null")
+    timed = 100 if quick else 300
+    payload = {"rows": 1_000_000, "dim": 64, "seqs": 32, "steps": EMBEDDING_WARMUP + timed, "threads": 1,
+               "exponent": ZIPF_EXPONENT, "torchrec": with_torchrec, "pipeline": with_torchrec}
+    target = "grstack.runtime.bench.train:embedding_rank"
+    try:
+        res = call_ranks(target, 2, payload)
+    except UserError as exc:  # an optional comparison must not sink the benchmark
+        if not with_torchrec:
+            raise
+        _log(f"torchrec comparison with TrainPipelineSparseDist failed ({exc}); retrying without it")
+        try:
+            res = call_ranks(target, 2, {**payload, "pipeline": False})
+        except UserError as exc2:
+            _log(f"torchrec comparison failed ({exc2}); measuring grstack alone")
+            res = call_ranks(target, 2, {**payload, "torchrec": False, "pipeline": False})
+
+    def side(key: str) -> dict[str, float] | None:
+        if not res[0][key]:
+            return None
+        return _spread([max(r[key][i] for r in res) for i in range(EMBEDDING_WARMUP, payload["steps"])])
+
+    stats = {k: side(k) for k in ("grstack", "torchrec", "grstack_pipelined", "torchrec_pipelined")}
+
+    def medians(a: str, b: str) -> tuple[dict[str, float | None], float | None]:
+        ms = {"grstack": stats[a] and stats[a]["median"], "torchrec": stats[b] and stats[b]["median"]}
+        return ms, (ms["grstack"] / ms["torchrec"] if ms["torchrec"] else None)
+
+    plain, ratio = medians("grstack", "torchrec")
+    piped, ratio_piped = medians("grstack_pipelined", "torchrec_pipelined")
+    shares = [s for r in res for s in r["duplicate_share"]]
+    ids = [n for r in res for n in r["ids_per_step"]]
+    out = {
+        "embedding_step_ms": plain,
+        "embedding_step_ratio": ratio,
+        "embedding_step_ms_pipelined": piped,
+        "embedding_step_ratio_pipelined": ratio_piped,
+        "embedding_step_spread_ms": {"grstack": stats["grstack"], "torchrec": stats["torchrec"],
+                                     "grstack_pipelined": stats["grstack_pipelined"],
+                                     "torchrec_pipelined": stats["torchrec_pipelined"]},
+        "embedding_ids": {
+            "distribution": "zipf", "exponent": ZIPF_EXPONENT, "rows": payload["rows"], "dim": payload["dim"],
+            "ids_per_rank_per_step": statistics.mean(ids), "duplicate_share": statistics.mean(shares),
+            "duplicate_share_range": [min(shares), max(shares)], "timed_steps": timed,
+            "warmup_steps": EMBEDDING_WARMUP,
+            "dedup": {"grstack": GRSTACK_DEDUP, "torchrec": TORCHREC_DEDUP if stats["torchrec"] else None},
+        },
+    }
+
+    def fmt(s: dict[str, float] | None) -> str:
+        return "n/a" if s is None else f"{s['median']:.1f} ms (p10 {s['p10']:.1f}, p90 {s['p90']:.1f})"
+
+    _log(f"embedding step on Zipf(s={ZIPF_EXPONENT}) ids, {out['embedding_ids']['ids_per_rank_per_step']:.0f} "
+         f"per rank per step, duplicate share {out['embedding_ids']['duplicate_share']:.2f}, {timed} timed steps: "
+         f"grstack {fmt(stats['grstack'])}, torchrec {fmt(stats['torchrec'])}; pipelined: grstack "
+         f"{fmt(stats['grstack_pipelined'])}, torchrec {fmt(stats['torchrec_pipelined'])}")
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
     from grstack.runtime.train import call_ranks, max_abs_diff
 
     t_start = time.perf_counter()
@@ -346,31 +527,13 @@ def run(args: argparse.Namespace) -> int:
         "tokens_per_second": tokens / (step_ms[fastest] / 1e3),
         "embedding_step_ms": {"grstack": None, "torchrec": None},
         "embedding_step_ratio": None,
+        "embedding_step_ms_pipelined": {"grstack": None, "torchrec": None},
+        "embedding_step_ratio_pipelined": None,
+        "embedding_step_spread_ms": None,
+        "embedding_ids": None,
     }
     if not args.no_embedding:
-        with_torchrec = torchrec_available()
-        if not with_torchrec:
-            _log("torchrec is not installed: embedding_step_ms.torchrec is null")
-        payload = {"rows": 1_000_000, "dim": 64, "seqs": 32, "steps": 8 if quick else 20, "threads": 1,
-                   "torchrec": with_torchrec}
-        ew = 2 if quick else 3
-        try:
-            res = call_ranks("grstack.runtime.bench.train:embedding_rank", 2, payload)
-        except UserError as exc:  # an optional comparison must not sink the benchmark
-            if not with_torchrec:
-                raise
-            _log(f"torchrec comparison failed ({exc}); measuring grstack alone")
-            res = call_ranks("grstack.runtime.bench.train:embedding_rank", 2, {**payload, "torchrec": False})
-        ours = max(_median_after_warmup(r["grstack"], ew) for r in res)
-        piped = max(_median_after_warmup(r["grstack_pipelined"], ew) for r in res)
-        _log(f"embedding step: grstack {ours:.1f} ms ({res[0]['ids_per_step']:.0f} ids per rank), with the "
-             f"next lookup prefetched {piped:.1f} ms")
-        out["embedding_step_ms"]["grstack"] = ours
-        if res[0]["torchrec"]:
-            theirs = max(_median_after_warmup(r["torchrec"], ew) for r in res)
-            out["embedding_step_ms"]["torchrec"] = theirs
-            out["embedding_step_ratio"] = ours / theirs
-            _log(f"embedding step: torchrec {theirs:.1f} ms")
+        out.update(embedding_comparison(quick))
     _log(f"done in {time.perf_counter() - t_start:.0f} s")
     print(json.dumps(out, indent=2))
     return 0

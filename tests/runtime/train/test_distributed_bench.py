@@ -11,7 +11,8 @@ pytestmark = pytest.mark.integration
 TRAIN_KEYS = {"imbalance_before", "imbalance_after", "imbalance_cost_model", "imbalance_measured", "step_ms",
               "exposed_comm_ratio", "microbatches", "unique_keys_per_microbatch", "dbp_max_abs_diff",
               "fwp_max_abs_diff", "tokens_per_second", "embedding_step_ms", "embedding_step_ratio",
-              "cluster_ms_per_batch", "clustering"}
+              "embedding_step_ms_pipelined", "embedding_step_ratio_pipelined", "embedding_step_spread_ms",
+              "embedding_ids", "cluster_ms_per_batch", "clustering"}
 SPLITS = {"before", "after"}
 
 
@@ -29,7 +30,8 @@ def test_bench_train_prints_the_promised_json(capsys):
     assert "cost model" in out["imbalance_cost_model"] and 0 < out["exposed_comm_ratio"] <= 1
     assert set(out["step_ms"]) == {"sync", "dbp", "fwp", "fwp_clustered"}
     assert set(out["unique_keys_per_microbatch"]) == {"random", "clustered"}
-    assert out["embedding_step_ms"] == {"grstack": None, "torchrec": None}
+    assert out["embedding_step_ms"] == out["embedding_step_ms_pipelined"] == {"grstack": None, "torchrec": None}
+    assert out["embedding_step_ratio"] is out["embedding_step_ratio_pipelined"] is out["embedding_ids"] is None
     assert out["dbp_max_abs_diff"] == 0.0 and out["fwp_max_abs_diff"] < 1e-4
     assert out["imbalance_after"] <= 0.03 < out["imbalance_before"]
     assert out["unique_keys_per_microbatch"]["clustered"] < out["unique_keys_per_microbatch"]["random"]
