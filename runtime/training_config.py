@@ -138,7 +138,11 @@ class PipelineConfig(_Strict):
 
 
 class BalanceConfig(_Strict):
-    """Token-aware batches: a global batch is reallocated across ranks by the cost a·L + b·L²."""
+    """Token-aware batches: a global batch is reallocated across ranks by the cost a·L + b·L².
+
+    The weights a run splits by: a resumed run's are its checkpoint's; otherwise ``profile``'s when set; else,
+    with ``calibrate`` on more than one rank under ``mode=tokens``, fitted at start-up
+    (``grstack.runtime.train.calibrate``); else ``cost_a`` / ``cost_b``."""
 
     mode: Literal["tokens", "count"] = Field(
         "tokens", description="tokens: balance cost across ranks; count: equal numbers of sequences")
@@ -147,6 +151,14 @@ class BalanceConfig(_Strict):
         "sequences per step")
     cost_a: float = Field(1.0, ge=0.0, description="per-token cost (linear layers)")
     cost_b: float = Field(0.01, ge=0.0, description="per-token-pair cost (attention)")
+    calibrate: bool = Field(
+        False, description="fit cost_a, cost_b at start-up from the model's measured forward+backward time at "
+        "lengths spanning the data's (only with more than one rank and mode=tokens: one rank has nothing to "
+        "split); the fit goes to the summary and the run directory's balance_profile.json. Off by default: "
+        "timings are noisy, so two calibrated runs of one config may split (and train) differently")
+    profile: str | None = Field(
+        None, description="a JSON file with fitted a and b (a run's balance_profile.json) to split by instead "
+        "of cost_a, cost_b and calibrating; a relative path is read from the working directory")
 
 
 class NegativesConfig(_Strict):

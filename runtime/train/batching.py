@@ -87,6 +87,9 @@ class Schedule:
         end = split.ends[u] - 3
         start = np.maximum(split.starts[u], end - cfg.data.max_len)
         self.lengths = (end - start).astype(np.int64)  # history tokens per training row
+        # the split's cost weights: the config's until the trainer sets calibrated / profiled / checkpointed
+        # ones (set_weights, before any batch is prepared)
+        self.cost_a, self.cost_b = cfg.balance.cost_a, cfg.balance.cost_b
         self._cache: dict[int, tuple[np.ndarray, list[np.ndarray]]] = {}
         self._steps: dict[int, int] = {}
         self._lock = threading.Lock()
@@ -120,14 +123,16 @@ class Schedule:
         order, batches = self.epoch(epoch)
         return order[batches[step]]
 
+    def set_weights(self, a: float, b: float) -> None:
+        """The cost weights of every later split (cost a·L + b·L² per sequence of L tokens)."""
+        self.cost_a, self.cost_b = float(a), float(b)
+
     def parts(self, rows: np.ndarray, mode: str | None = None) -> list[np.ndarray]:
-        b = self.cfg.balance
-        return balance.assign(self.lengths[rows] + self.extra_tokens, self.world_size, mode or b.mode,
-                              b.cost_a, b.cost_b)
+        return balance.assign(self.lengths[rows] + self.extra_tokens, self.world_size,
+                              mode or self.cfg.balance.mode, self.cost_a, self.cost_b)
 
     def costs(self, rows: np.ndarray, parts: list[np.ndarray]) -> np.ndarray:
-        b = self.cfg.balance
-        return balance.rank_costs(self.lengths[rows] + self.extra_tokens, parts, b.cost_a, b.cost_b)
+        return balance.rank_costs(self.lengths[rows] + self.extra_tokens, parts, self.cost_a, self.cost_b)
 
     def positions(self, start_epoch: int, start_step: int, global_step: int) -> Iterator[tuple[int, int, int]]:
         """(epoch, step_in_epoch, global_step) from a resume point to the end of training."""

@@ -39,6 +39,7 @@ from grstack.runtime.model import (
     initial_item_rows,
     task_names,
 )
+from grstack.runtime.train import calibrate
 from grstack.runtime.train import checkpoint as ckpt
 from grstack.runtime.train.batching import BatchStream, Preparer, Schedule
 from grstack.runtime.train.context import DistContext
@@ -50,6 +51,9 @@ from grstack.runtime.training_config import Config, dump_config
 # Config sections (or fields) that must match for a checkpoint to be resumed.
 RESUME_FIELDS = ("data", "model", "loss", "optim", "embedding", "balance", "train.batch_size", "train.seed",
                  "train.grad_accum_steps")
+# Fields of those sections that may differ: they choose the split's cost weights when a run starts, and a
+# resumed run splits by the weights its checkpoint holds (Trainer._balance_weights).
+RESUME_FREE = ("balance.calibrate", "balance.profile")
 
 
 @dataclass
@@ -80,7 +84,8 @@ def config_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> list[str]
     for path in RESUME_FIELDS:
         a, b = _get(saved, path), _get(current, path)
         if isinstance(a, dict) and isinstance(b, dict):
-            diffs += [f"{path}.{k}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+            diffs += [f"{path}.{k}" for k in sorted(set(a) | set(b))
+                      if a.get(k) != b.get(k) and f"{path}.{k}" not in RESUME_FREE]
         elif a != b:
             diffs.append(path)
     return diffs
@@ -144,6 +149,12 @@ class Trainer:
         self.tasks = task_names(self.ds)
         self.plan = make_plan(cfg, ctx, self.ds.num_items)
         self._check_sizes()
+        # balance.profile's fit, read on rank 0 for every rank before anything is written (a resumed run
+        # takes its weights from its checkpoint instead)
+        self.profile: dict[str, Any] | None = None
+        if cfg.balance.profile is not None and self.resume_path is None:
+            profile = cfg.balance.profile
+            self.profile = ctx.agree(lambda: calibrate.read_profile(profile))
 
     # -- decisions made on rank 0 -------------------------------------------------------------------------
     def _decide(self) -> Path | None:
@@ -194,6 +205,8 @@ class Trainer:
         b = build_engine(cfg, ctx, self.plan, self.split, self.tasks)
         self.model, self.table, self.engine = b.model, b.table, b.engine
         self.schedule, self.preparer = b.schedule, b.preparer
+        self.balance = self._balance_weights()
+        self.schedule.set_weights(self.balance["cost_a"], self.balance["cost_b"])
         t = cfg.train
         self.total_updates = count_updates([self.schedule.steps_in_epoch(e) for e in range(t.epochs)],
                                            t.grad_accum_steps, t.max_steps)
@@ -217,6 +230,31 @@ class Trainer:
                 self._trim_metrics(self.state.global_step)
             if self.state.best_epoch >= 0:
                 self.best_state = dense.get("best_state")
+
+    def _balance_weights(self) -> dict[str, Any]:
+        """The cost weights this run splits by, the same on every rank: ``cost_a``, ``cost_b``, ``source``
+        (``config``, ``profile``, ``calibrated``) and ``fitted`` (the fit they come from, or None). A resumed
+        run takes its checkpoint's (a checkpoint from before calibration existed: the config's, which that
+        run split by), so it repeats the interrupted run's splits whatever the timings would say now."""
+        ctx, bal = self.ctx, self.cfg.balance
+        config: dict[str, Any] = {"cost_a": bal.cost_a, "cost_b": bal.cost_b, "source": "config", "fitted": None}
+        if self.resume_path is not None:
+            return ckpt.read_manifest(self.resume_path).get("balance", config)
+        if self.profile is not None:
+            fitted, source = self.profile, "profile"
+        elif bal.calibrate and ctx.world_size > 1 and bal.mode == "tokens":
+            # one rank has nothing to split, and equal counts do not use the weights: no timing there
+            fitted, source = calibrate.calibrate(self.engine, self.schedule, self.preparer, ctx), "calibrated"
+        else:
+            return config
+        w = calibrate.weights(fitted["a"], fitted["b"])
+        if w is None:  # no cost grew with length (or too few distinct lengths to fit): the config's weights
+            return {**config, "fitted": fitted}
+        if self.progress:
+            r2 = fitted.get("r2", float("nan"))
+            print(f"balance: {source} fit a={fitted['a']:.4g}, b={fitted['b']:.4g} (R2 {r2:.3f}); splitting by "
+                  f"cost_a={w[0]:.4g}, cost_b={w[1]:.4g} (config: {bal.cost_a:g}, {bal.cost_b:g})", file=sys.stderr)
+        return {"cost_a": w[0], "cost_b": w[1], "source": source, "fitted": fitted}
 
     def _trim_metrics(self, step: int) -> None:
         path = self.run_dir / "metrics.jsonl"
@@ -265,7 +303,7 @@ class Trainer:
 
     def _save(self) -> Path:
         cfg, ctx = self.cfg, self.ctx
-        manifest = {**self.plan.describe(), "config": cfg.model_dump(mode="json")}
+        manifest = {**self.plan.describe(), "config": cfg.model_dump(mode="json"), "balance": self.balance}
         dense = {"model": self.model.state_dict(), "optimizer": self.engine.optimizer.state_dict(),
                  "state": self.state.__dict__, "best_state": self.best_state} if ctx.rank == 0 else {}
         part = {"shard": self.table.weight, "sparse_optimizer": self.table.optimizer.state_dict(),
@@ -274,6 +312,10 @@ class Trainer:
             part["device_rng"] = torch.cuda.get_rng_state(self.device)
         path = ckpt.save(ctx, self.run_dir, self.state.global_step, manifest, dense, part,
                           cfg.train.keep_checkpoints)
+        profile = self.run_dir / calibrate.PROFILE
+        if ctx.rank == 0 and self.balance["source"] == "calibrated" and not profile.exists():
+            # after the first checkpoint: until then the run directory holds only what a restart may clear
+            calibrate.write_profile(profile, self.balance["fitted"])
         self._report({"last_checkpoint": str(path)})
         self.beat()
         return path
@@ -452,6 +494,8 @@ class Trainer:
                 "exposed_comm_ratio": self.totals["exposed_comm_ms"] / max(self.totals["comm_ms"], 1e-9),
                 "stale_rows": self.totals["stale_rows"],
             },
+            # the cost weights the split used and where they came from (calibrate.py: the fit)
+            "balance": {"mode": cfg.balance.mode, **self.balance},
             "precision": cfg.train.precision,
             "grad_accum_steps": cfg.train.grad_accum_steps,
             "optimizer_updates": st.updates,
