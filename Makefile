@@ -5,6 +5,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.grstack-installed
 # The CPU build of torch; a bare "torch" requirement would pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
+# TorchRec for the embedding comparison in `grstack bench train` and its tests (fbgemm's CPU build; --no-deps
+# because TorchRec names the CUDA fbgemm package, which the CPU build replaces).
+TORCHREC_SPEC ?= torchrec==1.8.0 fbgemm-gpu-cpu==1.8.0 tensordict==0.15.3 torchmetrics==1.0.3 \
+	pyre-extensions==0.0.32 typing-inspect==0.9.0 mypy-extensions==1.1.0
 # -P: never put the working directory on sys.path, where the repo's operator/ would shadow the stdlib module.
 PYP := $(PY) -P
 
@@ -15,6 +19,8 @@ $(STAMP): pyproject.toml setup.py
 	$(PYP) -m pip install --quiet --upgrade pip
 	$(PYP) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PYP) -m pip install --quiet -e ".[test,serve,operator]"
+	$(PYP) -m pip install --quiet --no-deps $(TORCHREC_SPEC)
+	$(PYP) -m pip install --quiet cloudpickle pyvers==0.2.3
 	touch $(STAMP)
 
 setup: $(STAMP)
