@@ -29,6 +29,11 @@ class DataConfig(_Strict):
     seed: int = Field(0, description="seed of the synthetic generator")
     min_len: int = Field(3, ge=3, description="users with fewer events are dropped (leave-one-out needs 3)")
     max_len: int = Field(50, ge=2, description="most recent history tokens the model reads")
+    read: Literal["all", "shard"] = Field(
+        "all", description="all: every rank reads the whole dataset; shard: each rank reads only its share of "
+        "a Parquet dataset's row groups, streamed (format parquet only)")
+    shuffle_window: int = Field(8, ge=1, description="read=shard: pieces (row groups) whose rows are shuffled "
+                                "together each epoch; a rank holds about twice this many decoded")
 
 
 class ModelConfig(_Strict):
@@ -202,6 +207,10 @@ class Config(_Strict):
         if self.train.select_metric not in metric_names(self.eval.ks):
             raise ValueError(f"train.select_metric {self.train.select_metric!r} is not one of "
                              f"{', '.join(metric_names(self.eval.ks))}")
+        if self.data.read == "shard" and self.data.format != "parquet":
+            raise ValueError(f"data.read=shard reads a Parquet dataset's row groups, not data.format="
+                             f"{self.data.format}; write it first (grstack data import/synth --out DIR) and "
+                             f"set data.format=parquet, data.source=DIR")
         return self
 
 

@@ -29,6 +29,11 @@ KuaiRand-like data. Prints one JSON object on stdout; progress and details on st
 * ``dbp_max_abs_diff``: largest parameter difference after training, ``dbp`` vs ``sync`` (0.0: bitwise);
   ``fwp_max_abs_diff``: ``fwp`` vs ``dbp`` (N micro-batch gradient sums vs one; dropout is off).
 * ``tokens_per_second``: global training tokens per second of the fastest setting.
+* ``events_read_fraction_max``: a short run (with evaluation) of the ranks reading only their shares of
+  the synthetic data written as Parquet (``data.read: shard``): the largest share of all events one rank
+  decoded (a row group cut for several ranks counts whole for each). ``table_rows_fraction_max``: the
+  largest item-table tensor any rank of that run held (its shard, or anything gathered), over the table's
+  rows (the trainer's own accounting). Details in ``sharded_data``.
 * ``embedding_step_ms``: the TorchRec comparison case — one 1,000,000 x 64 table row-sharded over the 2
   ranks, 32 sequences of 100-300 ids per rank and step, Zipf-skewed (``embedding_ids``: exponent 1.05 over
   the rows, a fixed seed per rank and step, the same ids on both sides; ``duplicate_share`` = 1 -
@@ -461,6 +466,35 @@ def embedding_comparison(quick: bool) -> dict[str, Any]:
     return out
 
 
+def sharded_data_run(cfg: Any, world: int, quick: bool) -> dict[str, Any]:
+    """A short training run of ``world`` ranks that each read only their share of a Parquet dataset
+    (``data.read: shard``; the synthetic preset written with small row groups), evaluation included: what
+    share of all events the busiest reader decoded, and the largest item-table tensor any rank held, as a
+    share of the table's rows (the trainer's own accounting, in its summary)."""
+    import tempfile
+    from pathlib import Path
+
+    from grstack.runtime.data import load_source, write_dataset
+    from grstack.runtime.train import train_distributed, with_overrides
+
+    with tempfile.TemporaryDirectory(prefix="grstack-bench-shard-") as tmp:
+        data = write_dataset(load_source(cfg.data), Path(tmp) / "data", row_group_size=64 if quick else 256)
+        run_cfg = with_overrides(cfg, {"data.format": "parquet", "data.source": str(data), "data.read": "shard",
+                                       "data.shuffle_window": 2, "train.epochs": 1, "train.max_steps": 4 if quick else 8,
+                                       "train.num_threads": 1, "eval.max_users": 256 if quick else 1024,
+                                       "train.checkpoint_every": 0})
+        summary = train_distributed(run_cfg, Path(tmp) / "run", nproc=world, progress=False)
+    d, dist = summary["data"], summary["distributed"]
+    return {"events_read_fraction_max": d["events_read_fraction_max"],
+            "table_rows_fraction_max": dist.get("table_rows_fraction_max"),
+            "sharded_data": {"preset": cfg.data.source, "ranks": world, "pieces": d["pieces"],
+                             "events_total": d["events_total"], "events_read_fraction": d["events_read_fraction"],
+                             "cache_peak_pieces": d["cache_peak_pieces"], "steps": summary["steps"],
+                             "table_rows_max": dist.get("table_rows_max"),
+                             "mean_wait_ratio_measured": dist["mean_wait_ratio_measured"],
+                             "mean_imbalance_cost_model": dist["mean_imbalance"]}}
+
+
 def run(args: argparse.Namespace) -> int:
     from grstack.runtime.train import call_ranks, max_abs_diff
 
@@ -498,6 +532,9 @@ def run(args: argparse.Namespace) -> int:
          f"{clustering['cluster_ms_per_batch']:.1f} ms per rank batch, {clustering['keys_per_token']:.1f} keys "
          f"per token, unique keys {clustering['unique_keys_total']['contiguous']:.0f} -> "
          f"{clustering['unique_keys_total']['clustered']:.0f}")
+    sharded = sharded_data_run(cfg, world, quick)
+    _log(f"sharded data ({world} ranks): the busiest reader decoded {sharded['events_read_fraction_max']:.3f} of the "
+         f"events; the largest item-table tensor on a rank: {sharded['table_rows_fraction_max']} of the rows")
     modes = {"sync": {}, "dbp": {"pipeline.dbp": True},
              "fwp": {"pipeline.dbp": True, "pipeline.microbatches": n},
              "fwp_clustered": {"pipeline.dbp": True, "pipeline.microbatches": n, "pipeline.cluster": True}}
@@ -521,6 +558,7 @@ def run(args: argparse.Namespace) -> int:
         "microbatches": n,
         "unique_keys_per_microbatch": keys,
         "cluster_ms_per_batch": clustering["cluster_ms_per_batch"],
+        **sharded,
         "clustering": clustering,
         "dbp_max_abs_diff": max_abs_diff(runs["sync"]["params"], runs["dbp"]["params"]),
         "fwp_max_abs_diff": max_abs_diff(runs["dbp"]["params"], runs["fwp"]["params"]),

@@ -3,7 +3,8 @@ the jagged batch (docs/architecture.md §2).
 
 Other packages import from here, never a submodule: ``SequenceDataset`` and ``read_dataset`` /
 ``write_dataset`` / ``from_sequences``; ``load_source`` (the dataset a config names) and
-``known_item_count``; ``LeaveOneOut`` and
+``known_item_count``; ``list_pieces`` / ``deal`` / ``RankShare`` / ``epoch_order`` (one rank's share of a
+Parquet dataset, ``data.read: shard``), ``fingerprint`` and ``metadata_only``; ``LeaveOneOut`` and
 ``ranges_index``; ``JaggedBatch`` and ``append_candidates``. Exports load lazily, so importing this package
 (as ``grstack --help`` does, through ``data.cli``) stays cheap.
 """
@@ -15,8 +16,22 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from grstack.runtime.data.candidates import append_candidates
-    from grstack.runtime.data.dataset import SequenceDataset, from_sequences, read_dataset, write_dataset
+    from grstack.runtime.data.dataset import (
+        SequenceDataset,
+        from_sequences,
+        read_dataset,
+        read_meta,
+        write_dataset,
+    )
     from grstack.runtime.data.jagged import JaggedBatch
+    from grstack.runtime.data.shards import (
+        RankShare,
+        deal,
+        epoch_order,
+        fingerprint,
+        list_pieces,
+        metadata_only,
+    )
     from grstack.runtime.data.source import known_item_count, load_source
     from grstack.runtime.data.splits import LeaveOneOut, ranges_index
 
@@ -24,6 +39,7 @@ _EXPORTS = {
     "SequenceDataset": "grstack.runtime.data.dataset",
     "from_sequences": "grstack.runtime.data.dataset",
     "read_dataset": "grstack.runtime.data.dataset",
+    "read_meta": "grstack.runtime.data.dataset",
     "write_dataset": "grstack.runtime.data.dataset",
     "load_source": "grstack.runtime.data.source",
     "known_item_count": "grstack.runtime.data.source",
@@ -31,18 +47,31 @@ _EXPORTS = {
     "ranges_index": "grstack.runtime.data.splits",
     "JaggedBatch": "grstack.runtime.data.jagged",
     "append_candidates": "grstack.runtime.data.candidates",
+    "RankShare": "grstack.runtime.data.shards",
+    "deal": "grstack.runtime.data.shards",
+    "epoch_order": "grstack.runtime.data.shards",
+    "fingerprint": "grstack.runtime.data.shards",
+    "list_pieces": "grstack.runtime.data.shards",
+    "metadata_only": "grstack.runtime.data.shards",
 }
 
 __all__ = [
     "JaggedBatch",
     "LeaveOneOut",
+    "RankShare",
     "SequenceDataset",
     "append_candidates",
+    "deal",
+    "epoch_order",
+    "fingerprint",
     "from_sequences",
     "known_item_count",
+    "list_pieces",
     "load_source",
+    "metadata_only",
     "ranges_index",
     "read_dataset",
+    "read_meta",
     "write_dataset",
 ]
 

@@ -48,7 +48,7 @@ def _import(args: argparse.Namespace) -> int:
             raise UserError("--clicks-only applies to --format kuairand only")
         opts["clicks_only"] = True
     ds = import_dataset(args.format, args.src, **opts)
-    write_dataset(ds, out)
+    write_dataset(ds, out, row_group_size=args.row_group_size)
     print(_summary("imported", ds, out, time.perf_counter() - t0))
     return 0
 
@@ -63,7 +63,7 @@ def _synth(args: argparse.Namespace) -> int:
     _check_out(out)
     t0 = time.perf_counter()
     ds = synthesize(args.preset, seed=args.seed)
-    write_dataset(ds, out)
+    write_dataset(ds, out, row_group_size=args.row_group_size)
     print(_summary("generated", ds, out, time.perf_counter() - t0))
     return 0
 
@@ -75,6 +75,20 @@ def _stats(args: argparse.Namespace) -> int:
     stats = dataset_stats(read_dataset(args.dir))
     print(json.dumps(stats, indent=2) if args.json else format_stats(stats))
     return 0
+
+
+ROW_GROUP_HELP = ("users per Parquet row group (default 4096): the unit ranks split the data by with "
+                  "data.read=shard, so a set read by many ranks wants many row groups")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -96,6 +110,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     imp.add_argument("--clicks-only", action="store_true",
                      help="kuairand: keep only clicked exposures "
                           "(default: every exposure, with clicks as actions)")
+    imp.add_argument("--row-group-size", type=_positive, default=4096, help=ROW_GROUP_HELP)
     imp.set_defaults(func=_import)
 
     syn = sub.add_parser("synth", help="generate KuaiRand-27K-like synthetic data",
@@ -106,6 +121,7 @@ def register(parser: argparse.ArgumentParser) -> None:
                      help="tiny: CI (~400 users); small: ~3k users; 27k: 27,285 users, lengths up to 10k")
     syn.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     syn.add_argument("--out", required=True, help="output dataset directory (must not exist or be empty)")
+    syn.add_argument("--row-group-size", type=_positive, default=4096, help=ROW_GROUP_HELP)
     syn.set_defaults(func=_synth)
 
     st = sub.add_parser("stats", help="print dataset statistics",

@@ -40,6 +40,14 @@ class LeaveOneOut:
         # Training uses s[:-2]; a user needs >= 2 training items to give one (input, target) pair.
         self.train_users = np.flatnonzero(self.ends - 2 - self.starts >= 2)
 
+    @staticmethod
+    def train_lengths_of(lengths: np.ndarray, min_len: int, max_len: int) -> np.ndarray:
+        """History tokens of each training row, for users of these sequence lengths (train_users' order)."""
+        n = np.asarray(lengths, dtype=np.int64)
+        n = n[n >= min_len]
+        n = n[n - 2 >= 2]
+        return np.minimum(n - 3, max_len)
+
     @property
     def num_users(self) -> int:
         return len(self.users)

@@ -123,6 +123,10 @@ class Schedule:
         order, batches = self.epoch(epoch)
         return order[batches[step]]
 
+    def own_rows(self) -> np.ndarray:
+        """The rows this rank can build batches of (every row: each rank holds the whole dataset)."""
+        return np.arange(len(self.lengths))
+
     def set_weights(self, a: float, b: float) -> None:
         """The cost weights of every later split (cost a·L + b·L² per sequence of L tokens)."""
         self.cost_a, self.cost_b = float(a), float(b)

@@ -190,12 +190,16 @@ def calibrate(engine: Engine, schedule: Schedule, preparer: Preparer, ctx: DistC
     returns rank 0's fit on every rank: ``a``, ``b`` (ms per token, per token²), ``c`` (ms), ``r2``,
     ``lengths`` (the balancer's L: history + candidate tokens), ``ms`` (median per length over every rank's
     timings), ``ranks``, ``repeats``, ``device``, ``clock``. Call it on every rank (collective)."""
-    rows = pick_rows(schedule.lengths, calibration_lengths(schedule.lengths))
+    # the lengths come from every rank's data; each rank times rows it holds (all of them, unless the data
+    # is read sharded), the nearest to each
+    own = schedule.own_rows()
+    rows = own[pick_rows(schedule.lengths[own], calibration_lengths(schedule.lengths))] if len(own) else own
     times = time_rows(engine, schedule, preparer, rows, repeats) if len(rows) >= 2 else []
-    gathered = ctx.world.all_gather_object(times)
+    lengths = (schedule.lengths[rows] + schedule.extra_tokens).tolist() if times else []
+    gathered = cast(list[tuple[list[int], list[list[float]]]], ctx.world.all_gather_object((lengths, times)))
     result: dict[str, Any] | None = None
     if ctx.rank == 0:
-        result = fit_timings(schedule.lengths[rows] + schedule.extra_tokens, gathered)
+        result = fit_pooled(gathered)
         result.update(ranks=ctx.world_size, repeats=repeats, device=str(engine.device),
                       clock=timing_clock(engine.device)[0])
     return cast(dict[str, Any], ctx.world.broadcast_object(result))
@@ -209,6 +213,18 @@ def fit_timings(lengths: np.ndarray, per_rank: list[Any]) -> dict[str, Any]:
         return {"a": 0.0, "b": 0.0, "c": 0.0, "r2": 0.0, "lengths": L, "ms": []}
     ms = [statistics.median(v for rank in per_rank for v in rank[i]) for i in range(len(L))]
     return {**fit_cost(L, ms), "lengths": L, "ms": ms}
+
+
+def fit_pooled(per_rank: list[tuple[list[int], list[list[float]]]]) -> dict[str, Any]:
+    """``fit_timings`` over every rank's own rows: ``per_rank`` holds each rank's (lengths, ``[row][repeat]``
+    ms); timings of one length are pooled whichever rank took them (ranks holding the same data time the same
+    rows, so this is ``fit_timings`` of those rows)."""
+    pooled: dict[int, list[float]] = {}
+    for lengths, times in per_rank:
+        for L, ms in zip(lengths, times, strict=True):
+            pooled.setdefault(int(L), []).extend(ms)
+    L = sorted(pooled)
+    return fit_timings(np.asarray(L, dtype=np.int64), [[pooled[x] for x in L]])
 
 
 # -- profiles -------------------------------------------------------------------------------------------------

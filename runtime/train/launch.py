@@ -234,6 +234,10 @@ def preflight(cfg: Any, nproc: int) -> None:
     items = known_item_count(cfg.data)
     if items is not None:
         ShardingPlan.make(items + 1, cfg.model.d_model, nproc, group, cfg.distributed.max_shard_rows)
+    if cfg.data.read == "shard":  # every rank needs a piece of the data (from the files' metadata alone)
+        from grstack.runtime.data import deal, list_pieces
+
+        deal(list_pieces(cfg.data.source, nproc), nproc)
 
 
 def train_distributed(cfg: Any, run_dir: str | Path, nproc: int = 2, progress: bool = True,

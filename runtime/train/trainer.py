@@ -16,7 +16,7 @@ import json
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,19 @@ import numpy as np
 import torch
 from torch import nn
 
-from grstack.runtime.data import LeaveOneOut, load_source, read_dataset, write_dataset
+from grstack.runtime.data import (
+    LeaveOneOut,
+    RankShare,
+    SequenceDataset,
+    deal,
+    fingerprint,
+    list_pieces,
+    load_source,
+    metadata_only,
+    read_dataset,
+    read_meta,
+    write_dataset,
+)
 from grstack.runtime.device import HostSyncCounter, configure_precision
 from grstack.runtime.embedding import ShardedEmbedding, ShardingPlan, make_sparse_optimizer
 from grstack.runtime.errors import UserError
@@ -46,6 +58,7 @@ from grstack.runtime.train.context import DistContext
 from grstack.runtime.train.lr_schedule import count_updates, learning_rate, window_bounds
 from grstack.runtime.train.pipeline import Engine
 from grstack.runtime.train.rundir import reclaim_unstarted
+from grstack.runtime.train.shard_schedule import ShardSchedule
 from grstack.runtime.training_config import Config, dump_config
 
 # Config sections (or fields) that must match for a checkpoint to be resumed.
@@ -54,6 +67,10 @@ RESUME_FIELDS = ("data", "model", "loss", "optim", "embedding", "balance", "trai
 # Fields of those sections that may differ: they choose the split's cost weights when a run starts, and a
 # resumed run splits by the weights its checkpoint holds (Trainer._balance_weights).
 RESUME_FREE = ("balance.calibrate", "balance.profile")
+_EMPTY_SPLIT = LeaveOneOut(SequenceDataset(  # a rank with no chunk left
+    user_ids=np.zeros(0, np.int64), offsets=np.zeros(1, np.int64), item_ids=np.zeros(0, np.int64),
+    timestamps=np.zeros(0, np.int64), num_items=0))
+SHARD_DATASET = "dataset.json"  # data.read=shard: the dataset's fingerprint instead of a copy of it
 
 
 @dataclass
@@ -100,14 +117,19 @@ class Built:
     preparer: Preparer
 
 
-def build_engine(cfg: Config, ctx: DistContext, plan: ShardingPlan, split: LeaveOneOut, tasks: list[str]) -> Built:
+def build_engine(cfg: Config, ctx: DistContext, plan: ShardingPlan, split: LeaveOneOut | None, tasks: list[str],
+                 *, num_items: int | None = None,
+                 share: tuple[RankShare, list[list[np.ndarray]]] | None = None) -> Built:
     """The dense model (its item rows live in this rank's shard), shard and dense optimizers, the engine and
-    the batch schedule. Every rank builds the dense part from the same seed and initialises only its own
+    the batch schedule (over this rank's ``share`` and every rank's gathered lengths when the data is read
+    sharded). Every rank builds the dense part from the same seed and initialises only its own
     rows of the item table, on its device; each row's initial value is a function of (seed, row id) alone,
     so a job's initial state does not depend on the number of ranks."""
-    ds = split.ds
+    if num_items is None:
+        assert split is not None
+        num_items = split.ds.num_items
     torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model, ds.num_items, cfg.data.max_len, num_tasks=len(tasks), item_table=False)
+    model = build_model(cfg.model, num_items, cfg.data.max_len, num_tasks=len(tasks), item_table=False)
     mine = plan.shard_of(ctx.rank)
     shard = initial_item_rows(cfg.train.seed, plan.global_ids(mine, torch.arange(plan.shard_rows(mine))),
                               plan.dim, ITEM_INIT_STD, ctx.device)
@@ -119,8 +141,13 @@ def build_engine(cfg: Config, ctx: DistContext, plan: ShardingPlan, split: Leave
     table = ShardedEmbedding(plan, ctx.rank, shard, opt)
     engine = Engine(cfg, ctx, model, table, ctx.device)
     extra = cfg.loss.ranking_candidates if engine.ranking else 0
-    schedule = Schedule(split, cfg, ctx.world_size, extra)
-    preparer = Preparer(schedule, cfg, ctx.rank, ds.num_items, len(tasks), engine.ranking)
+    schedule: Schedule
+    if share is not None:  # data.read=shard: this rank's share, every rank's lengths
+        schedule = ShardSchedule(share[0], share[1], cfg, ctx.world_size, ctx.rank, extra)
+    else:
+        assert split is not None
+        schedule = Schedule(split, cfg, ctx.world_size, extra)
+    preparer = Preparer(schedule, cfg, ctx.rank, num_items, len(tasks), engine.ranking)
     return Built(model, table, engine, schedule, preparer)
 
 
@@ -141,11 +168,20 @@ class Trainer:
             torch.set_num_threads(cfg.train.num_threads)
         configure_precision(self.device, cfg.train.precision, cfg.train.tf32)
         self.resume_path: Path | None = ctx.agree(self._decide)
-        if self.resume_path is not None:
-            self.ds = ctx.check_all(lambda: read_dataset(self.run_dir / DATASET_DIR))
+        self.share: RankShare | None = None
+        self.piece_lengths: list[list[np.ndarray]] = []
+        if cfg.data.read == "shard":
+            # only this rank's pieces are read; the other ranks' training lengths are gathered (not rows)
+            self.ds = ctx.check_all(lambda: metadata_only(cfg.data.source))
+            self.share = ctx.check_all(self._open_share)
+            self.piece_lengths = list(ctx.world.all_gather_object(self.share.lengths))
+            self.split = None
         else:
-            self.ds = ctx.check_all(lambda: load_source(cfg.data))
-        self.split = LeaveOneOut(self.ds, min_len=cfg.data.min_len)
+            if self.resume_path is not None:
+                self.ds = ctx.check_all(lambda: read_dataset(self.run_dir / DATASET_DIR))
+            else:
+                self.ds = ctx.check_all(lambda: load_source(cfg.data))
+            self.split = LeaveOneOut(self.ds, min_len=cfg.data.min_len)
         self.tasks = task_names(self.ds)
         self.plan = make_plan(cfg, ctx, self.ds.num_items)
         self._check_sizes()
@@ -177,8 +213,27 @@ class Trainer:
         ckpt.remove_partial(d)
         return path
 
+    def _open_share(self) -> RankShare:
+        """This rank's pieces (dealt from the files' metadata); a resumed run first checks that the data is
+        the data it started on."""
+        d = self.cfg.data
+        if self.resume_path is not None:
+            recorded = json.loads((self.run_dir / SHARD_DATASET).read_text())
+            if recorded != fingerprint(d.source):
+                raise UserError(f"data.source {d.source} changed since this run started (its files or meta.json "
+                                f"differ from {self.run_dir / SHARD_DATASET}); use a new --out directory")
+        pieces = list_pieces(d.source, self.ctx.world_size)
+        mine = deal(pieces, self.ctx.world_size)[self.ctx.rank]
+        return RankShare(d.source, pieces, mine, min_len=d.min_len, max_len=d.max_len,
+                         has_actions=self.ds.actions is not None, cache_pieces=2 * d.shuffle_window + 2)
+
+    def _train_rows(self) -> int:
+        if self.split is not None:
+            return len(self.split.train_users)
+        return int(sum(len(x) for rank in self.piece_lengths for x in rank))
+
     def _check_sizes(self) -> None:
-        n = len(self.split.train_users)
+        n = self._train_rows()
         W = self.ctx.world_size
         if n == 0:
             raise UserError(f"data.source {self.cfg.data.source}: no user has the >= 4 events training needs")
@@ -193,7 +248,10 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         try:
             (self.run_dir / "config.yaml").write_text(dump_config(self.cfg))
-            write_dataset(self.ds, self.run_dir / DATASET_DIR)
+            if self.cfg.data.read == "shard":  # no rank holds the data to copy: record what it was
+                (self.run_dir / SHARD_DATASET).write_text(json.dumps(fingerprint(self.cfg.data.source), indent=2))
+            else:
+                write_dataset(self.ds, self.run_dir / DATASET_DIR)
         except OSError as exc:
             if created:
                 shutil.rmtree(self.run_dir, ignore_errors=True)
@@ -202,7 +260,8 @@ class Trainer:
     # -- set-up ---------------------------------------------------------------------------------------------
     def _build(self) -> None:
         cfg, ctx = self.cfg, self.ctx
-        b = build_engine(cfg, ctx, self.plan, self.split, self.tasks)
+        b = build_engine(cfg, ctx, self.plan, self.split, self.tasks, num_items=self.ds.num_items,
+                         share=(self.share, self.piece_lengths) if self.share is not None else None)
         self.model, self.table, self.engine = b.model, b.table, b.engine
         self.schedule, self.preparer = b.schedule, b.preparer
         self.balance = self._balance_weights()
@@ -271,15 +330,65 @@ class Trainer:
         self.eval_model.load_state_dict(state)
         return self.eval_model
 
+    def _eval_parts(self) -> Iterator[tuple[LeaveOneOut, np.ndarray]]:
+        """(split, rows) pairs this rank evaluates, as many on every rank. All data on every rank: one pair,
+        the users dealt round-robin. Sharded data: this rank's users, a chunk of pieces at a time (read when
+        its turn comes), padded with empty pairs to the largest rank's chunk count; ``eval.max_users`` keeps
+        the same share of every chunk's users."""
+        e, ctx = self.cfg.eval, self.ctx
+        if self.split is not None:
+            rows = np.arange(self.split.num_users)
+            if e.max_users is not None and e.max_users < len(rows):
+                rows = np.sort(np.random.default_rng(0).choice(rows, size=e.max_users, replace=False))
+            yield self.split, rows[ctx.rank :: ctx.world_size]
+            return
+        assert self.share is not None
+        chunks = self.share.eval_splits(self.cfg.data.shuffle_window)
+        n = max(int(c) for c in ctx.world.meta.all_gather_sizes(len(chunks)))
+        total = self._num_users()
+        keep = 1.0 if e.max_users is None or e.max_users >= total else e.max_users / total
+        for i in range(n):
+            if i >= len(chunks):
+                yield _EMPTY_SPLIT, np.zeros(0, dtype=np.int64)
+                continue
+            split = self.share.chunk_split(chunks[i])
+            rows = np.arange(split.num_users)
+            if keep < 1.0:
+                rng = np.random.default_rng([0, ctx.rank, i])
+                rows = np.flatnonzero(rng.random(len(rows)) < keep)
+            yield split, rows
+
+    def _num_users(self) -> int:
+        if self.split is not None:
+            return self.split.num_users
+        assert self.share is not None
+        return int(sum(self.ctx.world.meta.all_gather_sizes(self.share.num_users)))
+
+    def _data_report(self) -> dict[str, Any]:
+        """How the data was read: ``events_read_fraction`` per rank is the share of all events in the distinct
+        pieces that rank decoded (every rank reads everything with ``data.read: all``)."""
+        if self.share is None:
+            return {"read": "all", "events_read_fraction_max": 1.0}
+        sh = self.share
+        mine = {"events_read": sh.events_read, "events_decoded": sh.events_decoded, "pieces": len(sh.mine),
+                "cache_peak_pieces": sh.cache_peak}
+        ranks = self.ctx.world.all_gather_object(mine)
+        total = max(1, int(read_meta(self.cfg.data.source).get("num_events") or sum(p.events for p in sh.pieces)))
+        fractions = [r["events_read"] / total for r in ranks]
+        assert isinstance(self.schedule, ShardSchedule)
+        return {"read": "shard", "pieces": len(sh.pieces), "events_total": total,
+                "events_read_fraction": fractions, "events_read_fraction_max": max(fractions),
+                "events_decoded": [r["events_decoded"] for r in ranks],
+                "cache_peak_pieces": max(r["cache_peak_pieces"] for r in ranks),
+                "rows_dropped_per_epoch": dict(sorted(self.schedule.dropped.items()))}
+
     def _evaluate(self, which: str, model: nn.Module) -> dict[str, float]:
         e, ctx = self.cfg.eval, self.ctx
-        rows = np.arange(self.split.num_users)
-        if e.max_users is not None and e.max_users < len(rows):
-            rows = np.sort(np.random.default_rng(0).choice(rows, size=e.max_users, replace=False))
-        mine = eval_ranks(model, self.split, which, rows[ctx.rank :: ctx.world_size],
-                          max_len=self.cfg.data.max_len, batch_size=e.batch_size, device=self.device,
-                          tick=self.beat)
-        ranks = np.concatenate([np.asarray(r) for r in ctx.world.all_gather_object(mine)])
+        mine = [eval_ranks(model, split, which, rows, max_len=self.cfg.data.max_len, batch_size=e.batch_size,
+                           device=self.device, tick=self.beat)
+                for split, rows in self._eval_parts()]
+        ranks = np.concatenate([np.asarray(r) for part in ctx.world.all_gather_object(mine) for r in part]
+                               + [np.zeros(0, dtype=np.int64)])
         return metrics_from_ranks(ranks, e.ks)
 
     # -- bookkeeping ----------------------------------------------------------------------------------------------
@@ -474,7 +583,7 @@ class Trainer:
             "tokens_per_second": st.tokens / max(st.train_seconds, 1e-9),
             "device": str(self.device),
             "threads": torch.get_num_threads(),
-            "num_users": self.split.num_users,
+            "num_users": self._num_users(),
             "num_items": self.ds.num_items,
             "metrics": results,
             "model_path": str(self.run_dir / BEST_MODEL),
@@ -502,6 +611,7 @@ class Trainer:
             # measured by CUDA's sync debug mode over every step (None where there is no such mode: CPU)
             "host_syncs_per_step": (self.totals["host_syncs"] / self.totals["sync_steps"]
                                     if self.totals["sync_steps"] else None),
+            "data": self._data_report(),
         }
         if ctx.rank == 0:
             tmp = self.run_dir / ".summary.json.tmp"
