@@ -182,3 +182,12 @@ def test_one_rank_never_calibrates_and_trains_exactly_as_without_it(tmp_path, mo
     b = torch.load(tmp_path / "off" / "model.pt", weights_only=False)["state_dict"]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert on["metrics"] == off["metrics"]
+
+
+def test_ranks_timing_their_own_rows_are_pooled_by_length():
+    # rank 0 timed lengths 10 and 20, rank 1 (other data) 10 and 30: each length's median over all its timings
+    got = calibrate.fit_pooled([([10, 20], [[1.0, 3.0], [5.0, 5.0]]), ([10, 30], [[2.0, 2.0], [9.0, 7.0]])])
+    assert got["lengths"] == [10, 20, 30] and got["ms"] == [2.0, 5.0, 8.0]
+    # ranks holding the same data: the same fit as fit_timings of those rows
+    same = [([10, 20], [[1.0, 2.0, 9.0], [4.0, 5.0, 6.0]]), ([10, 20], [[2.0, 2.0, 2.0], [5.0, 5.0, 50.0]])]
+    assert calibrate.fit_pooled(same) == calibrate.fit_timings(np.array([10, 20]), [t for _, t in same])
