@@ -7,7 +7,7 @@ Other packages import from here, never a submodule. Only ``train`` and ``bench``
 
 from __future__ import annotations
 
-from grstack.runtime.embedding.comm import Comm
+from grstack.runtime.embedding.comm import Comm, CommEvent, CommLog, attach_log
 from grstack.runtime.embedding.optim import RowWiseAdagrad, make_sparse_optimizer
 from grstack.runtime.embedding.plan import ShardingPlan
 from grstack.runtime.embedding.sharded import (
@@ -22,11 +22,14 @@ from grstack.runtime.embedding.sharded import (
 __all__ = [
     "ActiveRows",
     "Comm",
+    "CommEvent",
+    "CommLog",
     "LookupUnit",
     "RoutedBatch",
     "RowWiseAdagrad",
     "ShardedEmbedding",
     "ShardingPlan",
+    "attach_log",
     "make_sparse_optimizer",
     "make_unit",
     "merge_rows",

@@ -11,14 +11,98 @@ and returns its result there, and an in-place one (``all_reduce``) refuses a ten
 Routing metadata (key counts, keys, sizes) is host data that the host needs anyway (split sizes are Python
 ints), so it travels on ``meta``: a gloo group over the same ranks (the group itself when it is gloo). Moving
 it through an accelerator would cost a device-to-host sync per collective.
+
+Communication log. ``attach_log(comms, log)`` makes each Comm (and its ``meta`` twin) append one
+``CommEvent`` per collective it issues to a shared ``CommLog``: the op, the group's name and size, the bytes
+this rank puts on the wire and receives, the dtype, the seconds the call took in the issuing thread, that
+thread's name (the compute thread, ``grstack-comm``, ``grstack-prefetch``), whether it was launched
+asynchronously, and the step marker the caller last set (``CommLog.mark``). Off by default: a Comm without a
+log pays one ``is None`` test per collective. A collective that short-circuits (a group that is not
+``live``) moves nothing and is not logged. Bytes: ``sent`` is what leaves this rank for other members
+(All2All: every destination but itself; all-gather: its padded piece once per other member; all-reduce: the
+tensor, whatever algorithm the backend runs; barrier and object collectives: 0, their size is not known here),
+``recv`` what arrives from other members; ``nbytes`` is the input tensor's size. ``bench simulate``
+(docs/simulate.md) extrapolates these events to many workers.
 """
 
 from __future__ import annotations
 
+import math
+import threading
 import time
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class CommEvent:
+    """One collective as issued by this rank (see the module docstring for what the byte counts mean)."""
+
+    op: str  # all_to_all | exchange | all_gather_v | all_gather_sizes | all_reduce | barrier | *_object
+    group: str  # the Comm's name: world, sparse-fwd, sparse-pre, replica (or a *-meta gloo twin)
+    group_size: int
+    nbytes: int  # the input tensor (this rank's piece)
+    sent: int  # bytes leaving this rank for other members
+    recv: int  # bytes arriving from other members
+    dtype: str
+    seconds: float  # wall time of the call in the issuing thread (async: the launch only)
+    thread: str  # the issuing thread's name
+    async_op: bool
+    step: int | None  # the caller's step marker when the collective was issued
+    start: float  # time.perf_counter() at issue (ordering and overlap within a step)
+    split: tuple[int, ...] = ()  # All2All: rows sent to each member; all-gather: each member's rows
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class CommLog:
+    """Events of every Comm attached to it (thread safe: the pipeline's threads issue collectives)."""
+
+    def __init__(self) -> None:
+        self.events: list[CommEvent] = []
+        self.step: int | None = None
+        self._lock = threading.Lock()
+
+    def mark(self, step: int | None) -> None:
+        """Collectives issued from now on belong to ``step`` (whichever thread issues them)."""
+        self.step = step
+
+    def add(self, event: CommEvent) -> None:
+        with self._lock:
+            self.events.append(event)
+
+    def to_dicts(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [e.to_dict() for e in self.events]
+
+
+def attach_log(comms: list[Comm], log: CommLog | None) -> None:
+    """Every Comm of ``comms`` and its ``meta`` twin logs into ``log`` (None: stops logging)."""
+    for c in comms:
+        c.log = log
+        c.meta.log = log
+
+
+class _LoggedWork:
+    """An async collective's handle while logging: ``wait`` also records a ``wait`` event (0 bytes; its
+    seconds are the time the waiting thread was blocked), so the log shows where the issuer waited for it."""
+
+    def __init__(self, work: dist.Work, comm: Comm, t: torch.Tensor) -> None:
+        self._work, self._comm, self._t = work, comm, t
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        out = self._work.wait(*args, **kwargs)
+        if self._comm.log is not None:
+            self._comm._record("wait", t0, self._t, 0, 0)
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
 
 
 class Comm:
@@ -34,11 +118,25 @@ class Comm:
             raise ValueError(f"{name}: the metadata group must be a CPU (gloo) group, not {self.meta.device}")
         self.seconds = 0.0
         self.bytes = 0
+        self.log: CommLog | None = None
 
-    def _timed(self, fn, *args, **kwargs) -> None:
+    def _timed(self, fn, *args, **kwargs) -> float:
         t0 = time.perf_counter()
         fn(*args, group=self.group, **kwargs)
-        self.seconds += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.seconds += t1 - t0
+        return t0
+
+    def _record(self, op: str, t0: float, t: torch.Tensor | None, sent: int, recv: int, *,
+                async_op: bool = False, split: tuple[int, ...] = ()) -> None:
+        assert self.log is not None
+        now = time.perf_counter()
+        self.log.add(CommEvent(
+            op=op, group=self.name, group_size=self.size,
+            nbytes=0 if t is None else t.element_size() * t.numel(), sent=sent, recv=recv,
+            dtype="" if t is None else str(t.dtype).removeprefix("torch."), seconds=0.0 if async_op else now - t0,
+            thread=threading.current_thread().name, async_op=async_op, step=self.log.step, start=t0,
+            split=split))
 
     def _wire(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` on the backend's device, contiguous (the one place tensors enter a collective)."""
@@ -53,7 +151,12 @@ class Comm:
         send = self._wire(send)
         out = send.new_empty((sum(recv_counts), *send.shape[1:]))
         self.bytes += send.element_size() * send.numel()
-        self._timed(dist.all_to_all_single, out, send, recv_counts, send_counts)
+        t0 = self._timed(dist.all_to_all_single, out, send, recv_counts, send_counts)
+        if self.log is not None:
+            row = send.element_size() * math.prod(send.shape[1:])
+            me = self.index
+            self._record("all_to_all", t0, send, row * (sum(send_counts) - send_counts[me]),
+                         row * (sum(recv_counts) - recv_counts[me]), split=tuple(int(c) for c in send_counts))
         return out
 
     def exchange(self, send: torch.Tensor) -> torch.Tensor:
@@ -62,7 +165,10 @@ class Comm:
             return send
         send = self._wire(send)
         out = torch.empty_like(send)
-        self._timed(dist.all_to_all_single, out, send)
+        t0 = self._timed(dist.all_to_all_single, out, send)
+        if self.log is not None:
+            other = send.element_size() * send.numel() * (self.size - 1) // self.size
+            self._record("exchange", t0, send, other, other)
         return out
 
     def all_gather_v(self, t: torch.Tensor) -> list[torch.Tensor]:
@@ -76,7 +182,11 @@ class Comm:
         padded[: t.shape[0]] = t
         outs = [torch.empty_like(padded) for _ in range(self.size)]
         self.bytes += padded.element_size() * padded.numel()
-        self._timed(dist.all_gather, outs, padded)
+        t0 = self._timed(dist.all_gather, outs, padded)
+        if self.log is not None:
+            piece = padded.element_size() * padded.numel()
+            self._record("all_gather_v", t0, padded, piece * (self.size - 1), piece * (self.size - 1),
+                         split=tuple(sizes))
         return [o[:s] for o, s in zip(outs, sizes, strict=True)]
 
     def all_gather_sizes(self, n: int) -> list[int]:
@@ -85,7 +195,9 @@ class Comm:
             return [n]
         mine = torch.tensor([n], dtype=torch.int64, device=self.device)
         counts = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.size)]
-        self._timed(dist.all_gather, counts, mine)
+        t0 = self._timed(dist.all_gather, counts, mine)
+        if self.log is not None:
+            self._record("all_gather_sizes", t0, mine, 8 * (self.size - 1), 8 * (self.size - 1))
         return [int(c) for c in counts]
 
     def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
@@ -97,9 +209,17 @@ class Comm:
             raise ValueError(f"{self.name}: all_reduce of a tensor on {t.device}; this group's backend needs "
                              f"{self.device}")
         self.bytes += t.element_size() * t.numel()
+        n = t.element_size() * t.numel()
         if async_op:
-            return dist.all_reduce(t, op=op, group=self.group, async_op=True)
-        self._timed(dist.all_reduce, t, op=op)
+            t0 = time.perf_counter()
+            work = dist.all_reduce(t, op=op, group=self.group, async_op=True)
+            if self.log is not None:
+                self._record("all_reduce", t0, t, n, n, async_op=True)
+                return _LoggedWork(work, self, t)  # type: ignore[return-value]
+            return work
+        t0 = self._timed(dist.all_reduce, t, op=op)
+        if self.log is not None:
+            self._record("all_reduce", t0, t, n, n)
         return None
 
     def barrier(self) -> None:
@@ -107,17 +227,25 @@ class Comm:
             t0 = time.perf_counter()
             dist.barrier(group=self.meta.group)
             self.seconds += time.perf_counter() - t0
+            if self.log is not None:
+                self._record("barrier", t0, None, 0, 0)
 
     def broadcast_object(self, obj: object, src_index: int = 0) -> object:
         if not self.live:
             return obj
         box = [obj]
+        t0 = time.perf_counter()
         dist.broadcast_object_list(box, src=self.ranks[src_index], group=self.meta.group)
+        if self.log is not None:
+            self._record("broadcast_object", t0, None, 0, 0)
         return box[0]
 
     def all_gather_object(self, obj: object) -> list[object]:
         if not self.live:
             return [obj]
         out: list[object] = [None] * self.size
+        t0 = time.perf_counter()
         dist.all_gather_object(out, obj, group=self.meta.group)
+        if self.log is not None:
+            self._record("all_gather_object", t0, None, 0, 0)
         return out

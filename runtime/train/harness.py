@@ -5,12 +5,14 @@ same data, without a run directory: the equivalence checks (DBP on/off, FWP N vs
 
 from __future__ import annotations
 
+import importlib
 import itertools
 from typing import Any
 
 import torch
 
 from grstack.runtime.data import LeaveOneOut, load_source
+from grstack.runtime.embedding import CommLog, attach_log
 from grstack.runtime.model import task_names
 from grstack.runtime.train.batching import BatchStream
 from grstack.runtime.train.context import DistContext
@@ -30,10 +32,18 @@ def with_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
     return Config.model_validate(tree)
 
 
+def _target(spec: str) -> Any:
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def run_modes(env: Any, payload: dict[str, Any]) -> dict[str, Any]:
     """payload: ``config`` (a Config dump), ``modes`` ({name: {dotted key: value}}), ``steps``, and
     ``params`` (return final parameters, on rank 0). Returns {mode: {"records": [...], "params": ...,
-    "shard": this rank's shard (``shards`` true)}}. With ``interleave``, see ``_run_interleaved``."""
+    "shard": this rank's shard (``shards`` true), "comm_log": every collective of the steps (``comm_log``
+    true; ``embedding.CommLog`` events as dicts, step markers 0..steps-1), "batch_stats": ``on_batch``
+    ("module:function", called as ``f(batch, cfg, payload)`` on each step's batch; a read-only observer)
+    results}}. With ``interleave``, see ``_run_interleaved``."""
     base = Config.model_validate(payload["config"])
     ctx = DistContext(env, rank_device(base, env), base.distributed.sparse_group_size, base.distributed.timeout_s)
     ds = load_source(base.data)
@@ -49,12 +59,27 @@ def run_modes(env: Any, payload: dict[str, Any]) -> dict[str, Any]:
         stream = BatchStream(positions, built.preparer, cfg.negatives.prefetch, cfg.negatives.background)
         records = []
         ctx.world.barrier()
+        log = CommLog() if payload.get("comm_log", False) else None
+        attach_log(ctx.comms, log)
+        observe = _target(payload["on_batch"]) if payload.get("on_batch") else None
+        stats: list[Any] = []
         while (batch := stream.next()) is not None:
+            if log is not None:
+                log.mark(len(records))
+            if observe is not None:
+                stats.append(observe(batch, cfg, payload))
             records.append(built.engine.step(batch, stream.peek(), cfg.optim.lr))
+        if log is not None:
+            log.mark(None)
         built.engine.drain()
+        attach_log(ctx.comms, None)
         built.engine.close()
         stream.close()
         result: dict[str, Any] = {"records": records}
+        if log is not None:
+            result["comm_log"] = log.to_dicts()
+        if observe is not None:
+            result["batch_stats"] = stats
         if payload.get("params", True):
             table = built.table.full_table(ctx.world)
             if ctx.rank == 0:
