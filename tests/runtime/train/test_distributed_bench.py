@@ -13,7 +13,8 @@ TRAIN_KEYS = {"imbalance_before", "imbalance_after", "imbalance_cost_model", "im
               "exposed_comm_ratio", "microbatches", "unique_keys_per_microbatch", "dbp_max_abs_diff",
               "fwp_max_abs_diff", "tokens_per_second", "embedding_step_ms", "embedding_step_ratio",
               "embedding_step_ms_pipelined", "embedding_step_ratio_pipelined", "embedding_step_spread_ms",
-              "embedding_ids", "cluster_ms_per_batch", "clustering"}
+              "embedding_ids", "cluster_ms_per_batch", "clustering", "events_read_fraction_max",
+              "table_rows_fraction_max", "sharded_data"}
 SPLITS = {"before", "after"}
 
 
@@ -37,6 +38,10 @@ def test_bench_train_prints_the_promised_json(capsys):
     assert out["imbalance_after"] <= 0.03 < out["imbalance_before"]
     assert out["unique_keys_per_microbatch"]["clustered"] < out["unique_keys_per_microbatch"]["random"]
     assert out["microbatches"] == 4 and out["tokens_per_second"] > 0
+    # ranks that read only their shares: the busiest reader decoded about half of the events
+    sd = out["sharded_data"]
+    assert sd["ranks"] == 2 and len(sd["events_read_fraction"]) == 2 and sd["steps"] > 0
+    assert 0.4 <= out["events_read_fraction_max"] <= 0.6 and sum(sd["events_read_fraction"]) == pytest.approx(1.0)
     # the clustering's host cost at KuaiRand-like lengths with group-shared negatives, and what it saves
     c = out["clustering"]
     assert out["cluster_ms_per_batch"] == c["cluster_ms_per_batch"] > 0 and c["keys_per_token"] > 10
