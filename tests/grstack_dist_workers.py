@@ -73,3 +73,77 @@ def run_modes_per_group_size(env: Any, payload: dict[str, Any]) -> dict[int, Any
         out[group] = run_modes(env, {**payload, "config": cfg.model_dump(mode="json"),
                                      "modes": payload["modes"][str(group)]})
     return out
+
+
+def eval_dataset(num_users: int, num_items: int, seed: int = 0):
+    """ML-100K-like sequences (lengths 3..300, Zipf-popular items, repeats included)."""
+    import numpy as np
+
+    from grstack.runtime.data import from_sequences
+
+    rng = np.random.default_rng(seed)
+    weights = 1.0 / np.arange(1, num_items + 1) ** 0.8
+    weights /= weights.sum()
+    users, items, ts = [], [], []
+    for u in range(num_users):
+        n = int(rng.integers(3, 301)) if u % 7 else int(rng.integers(3, 6))
+        users.append(u)
+        items.append(rng.choice(num_items, size=n, p=weights) + 1)
+        ts.append(1_600_000_000 + np.cumsum(rng.integers(1, 3600, size=n)))
+    return from_sequences(users, items, ts, num_items=num_items, name="ml100k-like")
+
+
+def sharded_vs_full_ranks(ctx: Any, payload: dict[str, Any]) -> dict[str, Any]:
+    """On every rank of ``ctx``: ``sharded_eval_ranks`` over this rank's users (uneven counts: rank r takes
+    every W-th user from r, the last rank only the first third of its users) and ``eval_ranks`` on the whole
+    model for the same users. Some item rows are copies of others (exact ties across shards)."""
+    import numpy as np
+    import torch
+
+    from grstack.runtime.data import LeaveOneOut
+    from grstack.runtime.embedding import ShardedEmbedding, ShardingPlan, make_sparse_optimizer
+    from grstack.runtime.eval import eval_ranks
+    from grstack.runtime.model import build_model
+    from grstack.runtime.train.sharded_eval import sharded_eval_ranks
+    from grstack.runtime.training_config import ModelConfig
+
+    ds = eval_dataset(payload["num_users"], payload["num_items"])
+    split = LeaveOneOut(ds)
+    mcfg = ModelConfig.model_validate(payload["model"])
+    max_len, bs = payload["max_len"], payload["batch_size"]
+    torch.manual_seed(0)
+    full = build_model(mcfg, ds.num_items, max_len)
+    with torch.no_grad():
+        w = full.item_emb.weight
+        w.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(1))
+        w[5:12] = w[3]  # ties: rows on every shard equal to row 3
+        w[20] = -w[3]
+        w[42:242:2] = w[41:241:2]  # popular items with a twin on the next shard: a tie with the target
+    dense = build_model(mcfg, ds.num_items, max_len, item_table=False)
+    dense.load_state_dict({k: v for k, v in full.state_dict().items() if k != "item_emb.weight"})
+    W = ctx.world_size
+    plan = ShardingPlan.make(ds.num_items + 1, mcfg.d_model, W, ctx.group_size)
+    shard = full.item_emb.weight.detach()[plan.shard_of(ctx.rank) :: plan.group_size].clone()
+    table = ShardedEmbedding(plan, ctx.rank, shard, make_sparse_optimizer("sgd", shard, 0.1))
+    rows = np.arange(split.num_users)[ctx.rank :: W]
+    if W > 1 and ctx.rank == W - 1:
+        rows = rows[: len(rows) // 3]
+    out: dict[str, Any] = {"rows_held_max": table.rows_held_max, "shard_rows": shard.shape[0]}
+    for which in ("valid", "test"):
+        out[which] = {
+            "sharded": sharded_eval_ranks(dense, table, ctx, split, which, rows, max_len=max_len, batch_size=bs,
+                                          device=torch.device("cpu")),
+            "full": eval_ranks(full, split, which, rows, max_len=max_len, batch_size=bs,
+                               device=torch.device("cpu"))}
+    return out
+
+
+def sharded_eval_on_ranks(env: Any, payload: dict[str, Any]) -> dict[int, Any]:
+    """``sharded_vs_full_ranks`` once per sparse group size in ``payload["group_sizes"]`` (one gang)."""
+    import torch
+
+    from grstack.runtime.train.context import DistContext
+
+    torch.set_num_threads(1)
+    return {g: sharded_vs_full_ranks(DistContext(env, torch.device("cpu"), g, 120.0), payload)
+            for g in payload["group_sizes"]}

@@ -105,6 +105,13 @@ class ShardedEmbedding:
         self.optimizer = optimizer
         self.half_dtype = half_dtype
         self._all_rows: torch.Tensor | None = None
+        # the most item-table rows this rank has held in one tensor: its shard, or a gathered table
+        # (``full_table``, an old checkpoint's whole best table); lookups' per-batch rows are not counted
+        self.rows_held_max = int(shard.shape[0])
+
+    def note_rows(self, rows: int) -> None:
+        """Records that this rank held ``rows`` rows of the item table in one tensor."""
+        self.rows_held_max = max(self.rows_held_max, int(rows))
 
     # -- routing (stage 3) ------------------------------------------------------------------------------
     def route(self, units: list[LookupUnit], comm: Comm) -> RoutedBatch:
@@ -248,10 +255,24 @@ class ShardedEmbedding:
     def apply(self, rb: RoutedBatch, replicas: Comm) -> ActiveRows:
         return self.update(*self.reduce(rb, replicas))
 
-    # -- whole-table helpers (evaluation, export, checkpoints) ---------------------------------------------------
+    # -- read-only lookup (sharded evaluation) --------------------------------------------------------------
+    def lookup(self, ids: torch.Tensor, comm: Comm, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """[len(ids), d] rows of global ids ``ids`` (host int64) through the lookup protocol (dedupe, route,
+        retrieve, All2All back): a collective of the sparse group ``comm`` (every member calls it, with ids of
+        its own, possibly none). ``weight``: the rows to serve instead of the shard (a kept copy of it, laid
+        out alike). Reads only; rows on ``comm``'s device."""
+        unit, inv, _ = make_unit(ids)
+        rb = self.route([unit], comm)
+        w = self.weight if weight is None else weight
+        rb.rows = w.index_select(0, _dev(rb.keys, w.device))
+        rows = self.send_rows(rb, unit, comm, fp16=False)
+        return rows.index_select(0, _dev(inv, rows.device))
+
+    # -- whole-table helpers (tests and benchmarks: training never gathers the table) ----------------------
     def full_table(self, group: Comm) -> torch.Tensor:
         """Every row of the table. ``group`` lists the ranks of one sparse group first (the world, or this
-        rank's sparse group): member i of it holds shard i."""
+        rank's sparse group): member i of it holds shard i. Counted in ``rows_held_max``."""
+        self.note_rows(self.plan.num_rows)
         shards = group.all_gather_v(self.weight)
         G = self.plan.group_size
         table = self.weight.new_empty((self.plan.num_rows, self.plan.dim))

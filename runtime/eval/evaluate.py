@@ -16,6 +16,25 @@ def last_token_outputs(outputs: torch.Tensor, offsets: torch.Tensor) -> torch.Te
     return outputs[offsets[1:] - 1]
 
 
+# Below this many rows on either side a BLAS may take another path (a matrix-vector product, a transposed
+# kernel) whose sums round differently; score_items pads up to it so every score is the same dot product
+# whatever the shapes around it (sharded evaluation scores a shard's rows for many ranks' users at once).
+MIN_GEMM_ROWS = 16
+
+
+def score_items(queries: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
+    """``queries @ items.t()`` ([M, N]), each score computed the same way whatever M, N and the row's place:
+    both sides are zero-padded to at least :data:`MIN_GEMM_ROWS` rows (checked on CPU BLAS, where smaller
+    shapes take other kernels; an accelerator's BLAS may still pick kernels by shape)."""
+    m, n = queries.shape[0], items.shape[0]
+    if m < MIN_GEMM_ROWS:
+        queries = torch.cat([queries, queries.new_zeros((MIN_GEMM_ROWS - m, queries.shape[1]))])
+    if n < MIN_GEMM_ROWS:
+        items = torch.cat([items, items.new_zeros((MIN_GEMM_ROWS - n, items.shape[1]))])
+    scores = queries @ items.t()
+    return scores if scores.shape == (m, n) else scores[:m, :n]
+
+
 def exclude_history(scores: torch.Tensor, targets: torch.Tensor, hist: np.ndarray, hoff: np.ndarray) -> None:
     """In place: item 0 and every earlier item of each row's user score -inf; the target keeps its score
     even when the user saw it before (a repeat is still a hit)."""
@@ -39,7 +58,7 @@ def eval_ranks(model: nn.Module, split: LeaveOneOut, which: str, rows: np.ndarra
         chunk = rows[lo : lo + batch_size]
         batch, targets = split.eval_batch(which, chunk, max_len)
         batch, targets = batch.to(device), targets.to(device)
-        scores = model.query_vectors(last_token_outputs(model.encode(batch), batch.offsets)) @ items.t()
+        scores = score_items(model.query_vectors(last_token_outputs(model.encode(batch), batch.offsets)), items)
         exclude_history(scores, targets, *split.full_history(which, chunk))
         out.append(target_ranks(scores, targets).cpu().numpy())
         if tick is not None:

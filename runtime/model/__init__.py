@@ -11,10 +11,15 @@ from grstack.runtime.model.artifact import (
     DATASET_DIR,
     atomic_torch_save,
     export_model,
+    export_parts,
+    export_state,
+    exported_state,
+    item_parts_dir,
     load_checkpoint,
     load_exported,
     resolve_model_file,
     task_names,
+    write_item_part,
 )
 from grstack.runtime.model.build import build_model
 from grstack.runtime.model.hstu import HSTU
@@ -31,9 +36,14 @@ __all__ = [
     "atomic_torch_save",
     "build_model",
     "export_model",
+    "export_parts",
+    "export_state",
+    "exported_state",
     "initial_item_rows",
+    "item_parts_dir",
     "load_checkpoint",
     "load_exported",
     "resolve_model_file",
     "task_names",
+    "write_item_part",
 ]

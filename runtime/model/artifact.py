@@ -3,11 +3,18 @@
 The artefact's format belongs to the model, not to whoever writes it: training exports it, evaluation and
 serving load it, and none of them needs the others. An artefact is the weights plus what rebuilds the
 model (the config, the item count, the task names of the ranking head).
+
+Two forms, both read by :func:`load_exported`: one file holding every weight (version 1), or one file
+holding the dense weights and naming the item table's row parts (version 2), written by a sharded run
+without any rank holding the whole table: ``model.items/<tag>/part-<k>-of-<G>.pt`` next to ``model.pt``
+holds rows ``k, k + G, ...`` (shard ``k`` of ``G``). Parts are written first, then ``model.pt``
+(atomically), then older part folders are removed, so ``model.pt`` always names parts that exist.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -21,7 +28,10 @@ from grstack.runtime.model.build import build_model
 from grstack.runtime.training_config import Config
 
 FORMAT = "grstack-model"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # one file
+PARTS_VERSION = 2  # dense weights in the file, item rows in parts
+PART_FORMAT = "grstack-model-item-rows"
+ITEM_KEY = "item_emb.weight"
 BEST_MODEL = "model.pt"  # the run directory's exported best model
 DATASET_DIR = "dataset"  # the run directory's copy of the training data (Parquet)
 
@@ -56,20 +66,85 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
 
 def export_model(model: nn.Module, cfg: Config, ds: SequenceDataset, path: Path) -> None:
     """Writes the serving artefact: weights plus what is needed to rebuild the model."""
-    atomic_torch_save({"format": FORMAT, "version": FORMAT_VERSION, "config": cfg.model_dump(mode="json"),
-                       "num_items": ds.num_items, "tasks": task_names(ds), "state_dict": model.state_dict()},
-                      path)
+    export_state(model.state_dict(), cfg, ds, path)
+
+
+def export_state(state_dict: dict[str, torch.Tensor], cfg: Config, ds: SequenceDataset, path: Path,
+                 item_parts: dict[str, Any] | None = None) -> None:
+    """The artefact from a state dict: every weight (one file), or the dense ones with ``item_parts``
+    naming the item table's parts (:func:`export_parts`)."""
+    blob = {"format": FORMAT, "version": FORMAT_VERSION if item_parts is None else PARTS_VERSION,
+            "config": cfg.model_dump(mode="json"), "num_items": ds.num_items, "tasks": task_names(ds),
+            "state_dict": state_dict}
+    if item_parts is not None:
+        blob["item_parts"] = item_parts
+    atomic_torch_save(blob, path)
+
+
+def item_parts_dir(path: Path) -> Path:
+    """The folder of ``path``'s item-row parts (``RUN/model.pt``: ``RUN/model.items``)."""
+    return path.with_name(f"{path.stem}.items")
+
+
+def item_part_file(path: Path, tag: str, shard: int, group_size: int) -> Path:
+    return item_parts_dir(path) / tag / f"part-{shard:05d}-of-{group_size:05d}.pt"
+
+
+def write_item_part(path: Path, tag: str, shard: int, group_size: int, rows: torch.Tensor) -> None:
+    """Shard ``shard`` of ``group_size`` of the item table (its rows ``shard, shard + G, ...``) for the
+    artefact ``path`` that :func:`export_parts` will write under ``tag``."""
+    atomic_torch_save({"format": PART_FORMAT, "shard": shard, "group_size": group_size,
+                       "rows": rows.detach().cpu()}, item_part_file(path, tag, shard, group_size))
+
+
+def export_parts(dense_state: dict[str, torch.Tensor], cfg: Config, ds: SequenceDataset, path: Path, tag: str,
+                 group_size: int, num_rows: int) -> None:
+    """Writes ``path`` naming the parts already written under ``tag`` (every shard of ``group_size``), then
+    removes the folders of older parts."""
+    files = [item_part_file(path, tag, k, group_size).relative_to(path.parent).as_posix()
+             for k in range(group_size)]
+    export_state(dense_state, cfg, ds, path,
+                 item_parts={"group_size": group_size, "num_rows": num_rows, "files": files})
+    for old in item_parts_dir(path).iterdir():
+        if old.name != tag and not old.name.startswith("."):
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def exported_state(path: Path, blob: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+    """Every weight of the artefact ``path`` (its parts reassembled: this holds the whole item table)."""
+    blob = load_checkpoint(path) if blob is None else blob
+    state = dict(blob["state_dict"])
+    parts = blob.get("item_parts")
+    if parts is None:
+        return state
+    G, files = int(parts["group_size"]), parts["files"]
+    table: torch.Tensor | None = None
+    for k, name in enumerate(files):
+        f = path.parent / name
+        if not f.is_file():
+            raise UserError(f"{path} names the item-row part {f}, which does not exist (copy the model's "
+                            f"{item_parts_dir(path).name}/ folder with it)")
+        part = load_checkpoint(f)
+        if part.get("format") != PART_FORMAT or (part.get("shard"), part.get("group_size")) != (k, G):
+            raise UserError(f"{f} is not part {k} of {G} of {path}'s item table")
+        rows = part["rows"]
+        if table is None:
+            table = rows.new_empty((int(parts["num_rows"]), rows.shape[1]))
+        table[k::G] = rows
+    assert table is not None
+    state[ITEM_KEY] = table
+    return state
 
 
 def load_exported(path: Path) -> tuple[nn.Module, Config, list[str]]:
-    """The exported model in eval mode, its config and its task names."""
+    """The exported model in eval mode, its config and its task names (either form)."""
     blob = load_checkpoint(path)
     if blob.get("format") != FORMAT:
         raise UserError(f"{path} is not an exported grstack model")
     cfg = Config.model_validate(blob["config"])
     tasks = blob["tasks"]
     model = build_model(cfg.model, blob["num_items"], cfg.data.max_len, num_tasks=len(tasks))
-    model.load_state_dict(blob["state_dict"])
+    model.load_state_dict(exported_state(path, blob))
     model.eval()
     return model, cfg, tasks
 

@@ -6,7 +6,7 @@ import shutil
 from pathlib import Path
 
 # What a run writes before its first checkpoint (plus the checkpoint folders themselves, still empty).
-PREPARED = {"config.yaml", "dataset", "metrics.jsonl", "model.pt", "training_curve.png", "checkpoints"}
+PREPARED = {"config.yaml", "dataset", "metrics.jsonl", "model.pt", "model.items", "training_curve.png", "checkpoints"}
 
 
 def reclaim_unstarted(run_dir: Path, config_text: str) -> bool:

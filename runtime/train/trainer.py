@@ -12,6 +12,7 @@ before anything is written. See docs/training.md.
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import sys
@@ -41,13 +42,12 @@ from grstack.runtime.data import (
 from grstack.runtime.device import HostSyncCounter, configure_precision
 from grstack.runtime.embedding import ShardedEmbedding, ShardingPlan, make_sparse_optimizer
 from grstack.runtime.errors import UserError
-from grstack.runtime.eval import eval_ranks, metrics_from_ranks
+from grstack.runtime.eval import metrics_from_ranks
 from grstack.runtime.model import (
     BEST_MODEL,
     DATASET_DIR,
     ITEM_INIT_STD,
     build_model,
-    export_model,
     initial_item_rows,
     task_names,
 )
@@ -59,6 +59,7 @@ from grstack.runtime.train.lr_schedule import count_updates, learning_rate, wind
 from grstack.runtime.train.pipeline import Engine
 from grstack.runtime.train.rundir import reclaim_unstarted
 from grstack.runtime.train.shard_schedule import ShardSchedule
+from grstack.runtime.train.sharded_eval import export_sharded, sharded_eval_ranks
 from grstack.runtime.training_config import Config, dump_config
 
 # Config sections (or fields) that must match for a checkpoint to be resumed.
@@ -270,10 +271,9 @@ class Trainer:
         self.total_updates = count_updates([self.schedule.steps_in_epoch(e) for e in range(t.epochs)],
                                            t.grad_accum_steps, t.max_steps)
         self.state = TrainState()
+        # the best evaluation's dense weights (every rank) and this rank's shard of its item table
         self.best_state: dict[str, torch.Tensor] | None = None
-        with torch.random.fork_rng(devices=[]):
-            self.eval_model = build_model(cfg.model, self.ds.num_items, cfg.data.max_len,
-                                          num_tasks=len(self.tasks)).to(self.device)
+        self.best_shard: torch.Tensor | None = None
         if self.resume_path is not None:
             dense = ckpt.load_dense(self.resume_path)
             part = ckpt.load_part(self.resume_path, ctx.rank)
@@ -288,7 +288,20 @@ class Trainer:
             if ctx.rank == 0:
                 self._trim_metrics(self.state.global_step)
             if self.state.best_epoch >= 0:
-                self.best_state = dense.get("best_state")
+                self._restore_best(dense.get("best_state"), part.get("best_shard"))
+
+    def _restore_best(self, best: dict[str, torch.Tensor] | None, shard: torch.Tensor | None) -> None:
+        """The checkpoint's best state: dense weights, and this rank's shard (from its part; a checkpoint
+        written before export was sharded holds the whole best table in ``best_state``: its rows of it)."""
+        if best is None:
+            return
+        best = dict(best)
+        table = best.pop("item_emb.weight", None)
+        if table is not None:
+            self.table.note_rows(table.shape[0])
+            shard = table[self.table.shard_index :: self.plan.group_size].clone()
+        self.best_state = best
+        self.best_shard = None if shard is None else shard.to(self.table.weight.device)
 
     def _balance_weights(self) -> dict[str, Any]:
         """The cost weights this run splits by, the same on every rank: ``cost_a``, ``cost_b``, ``source``
@@ -321,15 +334,7 @@ class Trainer:
             keep = [x for x in path.read_text().splitlines() if x and json.loads(x)["step"] <= step]
             path.write_text("".join(k + "\n" for k in keep))
 
-    # -- whole model, evaluation --------------------------------------------------------------------------------
-    def full_model(self) -> nn.Module:
-        """The dense model with the gathered item table (evaluation, export); every rank gets it."""
-        table = self.table.full_table(self.ctx.world)
-        state = {k: v for k, v in self.model.state_dict().items()}
-        state["item_emb.weight"] = table.to(self.device)
-        self.eval_model.load_state_dict(state)
-        return self.eval_model
-
+    # -- evaluation (sharded: no rank holds more of the item table than its shard) ----------------------------
     def _eval_parts(self) -> Iterator[tuple[LeaveOneOut, np.ndarray]]:
         """(split, rows) pairs this rank evaluates, as many on every rank. All data on every rank: one pair,
         the users dealt round-robin. Sharded data: this rank's users, a chunk of pieces at a time (read when
@@ -382,13 +387,22 @@ class Trainer:
                 "cache_peak_pieces": max(r["cache_peak_pieces"] for r in ranks),
                 "rows_dropped_per_epoch": dict(sorted(self.schedule.dropped.items()))}
 
-    def _evaluate(self, which: str, model: nn.Module) -> dict[str, float]:
+    def _evaluate(self, which: str, model: nn.Module, shard: torch.Tensor | None = None) -> dict[str, float]:
+        """Metrics of the dense ``model`` with the item table's shards (``shard``: this rank's rows to use
+        instead of the table's), over the users of ``_eval_parts`` (sharded_eval_ranks). With the whole data on
+        every rank the ranks are put back in row order, so the metrics equal ``evaluate``'s on the same users."""
         e, ctx = self.cfg.eval, self.ctx
-        mine = [eval_ranks(model, split, which, rows, max_len=self.cfg.data.max_len, batch_size=e.batch_size,
-                           device=self.device, tick=self.beat)
+        mine = [sharded_eval_ranks(model, self.table, ctx, split, which, rows, max_len=self.cfg.data.max_len,
+                                   batch_size=e.batch_size, device=self.device, tick=self.beat, weight=shard)
                 for split, rows in self._eval_parts()]
-        ranks = np.concatenate([np.asarray(r) for part in ctx.world.all_gather_object(mine) for r in part]
-                               + [np.zeros(0, dtype=np.int64)])
+        gathered = ctx.world.all_gather_object(mine)
+        if self.split is not None:  # one part per rank: rank r ranked rows r::W
+            W = ctx.world_size
+            ranks = np.zeros(sum(len(part[0]) for part in gathered), dtype=np.int64)
+            for r, part in enumerate(gathered):
+                ranks[r::W] = np.asarray(part[0])
+        else:
+            ranks = np.concatenate([np.asarray(x) for part in gathered for x in part] + [np.zeros(0, np.int64)])
         return metrics_from_ranks(ranks, e.ks)
 
     # -- bookkeeping ----------------------------------------------------------------------------------------------
@@ -416,7 +430,7 @@ class Trainer:
         dense = {"model": self.model.state_dict(), "optimizer": self.engine.optimizer.state_dict(),
                  "state": self.state.__dict__, "best_state": self.best_state} if ctx.rank == 0 else {}
         part = {"shard": self.table.weight, "sparse_optimizer": self.table.optimizer.state_dict(),
-                "rng": torch.get_rng_state()}
+                "rng": torch.get_rng_state(), "best_shard": self.best_shard}
         if self.device.type == "cuda":  # dropout on the device draws from the device's generator
             part["device_rng"] = torch.cuda.get_rng_state(self.device)
         path = ckpt.save(ctx, self.run_dir, self.state.global_step, manifest, dense, part,
@@ -544,7 +558,7 @@ class Trainer:
 
     def _epoch_eval(self) -> bool:
         st, cfg = self.state, self.cfg
-        model = self.full_model()
+        model = self.model
         metrics = self._evaluate("valid", model)
         value = metrics[cfg.train.select_metric]
         rec = {"kind": "eval", "split": "valid", "step": st.global_step, "epoch": st.epoch, **metrics}
@@ -556,21 +570,23 @@ class Trainer:
         if value > st.best_metric:
             st.best_metric, st.best_epoch, st.evals_since_best = value, st.epoch, 0
             self.best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            if self.ctx.rank == 0:
-                export_model(model, cfg, self.ds, self.run_dir / BEST_MODEL)
+            self.best_shard = self.table.weight.detach().clone()
+            export_sharded(model, self.best_shard, self.table, self.ctx, cfg, self.ds, self.run_dir / BEST_MODEL,
+                           st.global_step)
             return False
         st.evals_since_best += 1
         return cfg.train.patience is not None and st.evals_since_best >= cfg.train.patience
 
     def _finish(self) -> dict[str, Any]:
         st, cfg, ctx = self.state, self.cfg, self.ctx
-        model = self.eval_model
-        if self.best_state is not None:
+        model, shard = self.model, None
+        if self.best_state is not None and self.best_shard is not None:
+            model, shard = copy.deepcopy(self.model), self.best_shard
             model.load_state_dict(self.best_state)
-        else:
-            model = self.full_model()
-        results = {which: self._evaluate(which, model) for which in ("valid", "test")}
+        results = {which: self._evaluate(which, model, shard) for which in ("valid", "test")}
         n = max(1, self.totals["steps"])
+        # the largest item-table tensor any rank held (its shard, any gathered table), in rows
+        rows_held = max(int(x) for x in ctx.world.all_gather_object(self.table.rows_held_max))
         summary = {
             "model": cfg.model.type,
             "dataset": self.ds.name,
@@ -602,6 +618,8 @@ class Trainer:
                 # the same communication events in both (grstack.runtime.train.timing)
                 "exposed_comm_ratio": self.totals["exposed_comm_ms"] / max(self.totals["comm_ms"], 1e-9),
                 "stale_rows": self.totals["stale_rows"],
+                "table_rows_max": rows_held,
+                "table_rows_fraction_max": rows_held / self.plan.num_rows,
             },
             # the cost weights the split used and where they came from (calibrate.py: the fit)
             "balance": {"mode": cfg.balance.mode, **self.balance},

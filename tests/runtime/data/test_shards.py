@@ -1,6 +1,8 @@
 """One rank's share of a Parquet dataset: dealt from metadata, read piece by piece, the same batches as the
 whole dataset gives, a bounded cache, and a clear error for data that cannot feed the ranks."""
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -49,8 +51,9 @@ def test_fewer_row_groups_than_ranks_are_cut_into_row_slices(tmp_path):
     d = write_dataset(cyclic_dataset(num_users=30, max_len=12), tmp_path / "one")  # one row group
     pieces = list_pieces(d, 4)
     assert len(pieces) == 4 and {p.group for p in pieces} == {0}
-    assert [(p.row_lo, p.row_hi) for p in pieces][0][0] == 0 and pieces[-1].row_hi == 30
-    with pytest.raises(UserError, match="2 pieces .* for 3 ranks"):
+    assert pieces[0].row_lo == 0 and pieces[-1].row_hi == 30
+    assert all(a.row_hi == b.row_lo for a, b in itertools.pairwise(pieces))
+    with pytest.raises(UserError, match=r"2 pieces .* for 3 ranks"):
         deal(pieces[:2], 3)
 
 
@@ -78,17 +81,24 @@ def test_evaluation_chunks_hold_exactly_the_shares_users(data_dir):
     pieces = list_pieces(data_dir, 2)
     full = LeaveOneOut(read_dataset(data_dir), min_len=3)
     total = 0
-    for rank, mine in enumerate(deal(pieces, 2)):
+    for _rank, mine in enumerate(deal(pieces, 2)):
         share = RankShare(data_dir, pieces, mine, min_len=3, max_len=20, has_actions=True)
         chunks = share.eval_splits(2)
         assert [i for c in chunks for i in c] == mine
         splits = [share.chunk_split(c) for c in chunks]
         assert sum(s.num_users for s in splits) == share.num_users
         total += share.num_users
-        # the valid target of each user is the one the whole dataset has for that user
-        for s in splits[:1]:
-            batch, target = s.eval_batch("valid", np.arange(s.num_users), 20)
-            assert len(target) == s.num_users and rank in (0, 1)
+        # each user's valid and test targets and histories are the ones the whole dataset has for that user
+        starts = np.cumsum([0] + [p.row_hi - p.row_lo for p in pieces])
+        users = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in mine])
+        rows = np.flatnonzero(np.isin(full.users, users))
+        for which in ("valid", "test"):
+            got = [s.eval_batch(which, np.arange(s.num_users), 20) for s in splits]
+            want_batch, want = full.eval_batch(which, rows, 20)
+            assert torch.equal(torch.cat([t for _, t in got]), want)
+            assert torch.equal(torch.cat([b.item_ids for b, _ in got]), want_batch.item_ids)
+            hist = np.concatenate([s.full_history(which, np.arange(s.num_users))[0] for s in splits])
+            assert np.array_equal(hist, full.full_history(which, rows)[0])
     assert total == full.num_users
 
 
@@ -123,5 +133,5 @@ def test_an_unreadable_piece_is_a_user_error(tmp_path):
     d = write_dataset(cyclic_dataset(num_users=40, max_len=12), tmp_path / "d", row_group_size=10)
     pieces = list_pieces(d, 2)
     (d / pieces[0].file).write_bytes(b"not parquet")
-    with pytest.raises(UserError, match="cannot be read|not a readable"):
+    with pytest.raises(UserError, match=r"cannot be read|not a readable"):
         RankShare(d, pieces, deal(pieces, 2)[0] + deal(pieces, 2)[1], min_len=3, max_len=10, has_actions=False)

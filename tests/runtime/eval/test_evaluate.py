@@ -7,7 +7,7 @@ from torch import nn
 
 from grstack.runtime.data.dataset import from_sequences
 from grstack.runtime.data.splits import LeaveOneOut
-from grstack.runtime.eval.evaluate import evaluate
+from grstack.runtime.eval.evaluate import evaluate, score_items
 
 pytestmark = pytest.mark.unit
 
@@ -45,3 +45,21 @@ def test_repeated_target_is_still_ranked():
     model = FixedScores([0.0, 1.0, 2.0, 9.0, 4.0, 5.0])
     # test target 3 also appears in the history: it keeps its (top) score
     assert evaluate(model, LeaveOneOut(ds), "test", max_len=10, ks=[1])["hr@1"] == 1.0
+
+
+def test_score_items_is_the_same_dot_product_whatever_the_shapes():
+    """Sharded evaluation scores a shard's rows for several ranks' users at once and compares with the
+    target's score from another rank's matmul: every score must not depend on M, N or its place (CPU BLAS
+    takes other kernels for a few rows on either side; score_items pads them)."""
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    for d in (16, 50, 64):
+        items = torch.nn.functional.normalize(torch.randn(700, d, generator=g), dim=-1)
+        q = torch.nn.functional.normalize(torch.randn(300, d, generator=g), dim=-1)
+        ref = score_items(q, items)
+        for m, n, qo, io in [(1, 700, 5, 0), (2, 3, 0, 17), (3, 11, 100, 600), (1, 1, 299, 699), (37, 12, 3, 4),
+                             (300, 5, 0, 1), (250, 690, 50, 10)]:
+            assert torch.equal(score_items(q[qo : qo + m], items[io : io + n]), ref[qo : qo + m, io : io + n])
+        for G in (2, 3, 7):
+            for s in range(G):
+                assert torch.equal(score_items(q[:2], items[s::G].contiguous()), ref[:2, s::G])

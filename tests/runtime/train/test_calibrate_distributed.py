@@ -9,6 +9,7 @@ import torch
 from grstack_dist_workers import DIST_ENV
 from grstack_testing import tiny_config_args, write_cyclic
 
+from grstack.runtime.model import exported_state
 from grstack.runtime.train.calibrate import PROFILE
 from grstack.runtime.train.launch import call_ranks, train_distributed
 from grstack.runtime.training_config import load_config
@@ -73,7 +74,7 @@ def test_a_calibrated_run_resumes_exactly(tmp_path, data_dir):
     assert (straight["balance"]["cost_a"], straight["balance"]["cost_b"]) == (
         resumed["balance"]["cost_a"], resumed["balance"]["cost_b"])
     assert _records(tmp_path / "straight") == _records(run)
-    a = torch.load(tmp_path / "straight" / "model.pt", weights_only=False)["state_dict"]
-    b = torch.load(run / "model.pt", weights_only=False)["state_dict"]
+    a = exported_state(tmp_path / "straight" / "model.pt")
+    b = exported_state(run / "model.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert straight["metrics"] == resumed["metrics"] and straight["steps"] == resumed["steps"]

@@ -13,6 +13,7 @@ from grstack_testing import set_args, tiny_config_args, write_cyclic
 
 from grstack.runtime.cli import main
 from grstack.runtime.errors import UserError
+from grstack.runtime.model import exported_state
 from grstack.runtime.train.launch import ENV_FAULT, free_port, rank_env, train_distributed
 from grstack.runtime.train.trainer import train
 from grstack.runtime.training_config import load_config
@@ -81,8 +82,8 @@ def test_resume_is_exact_and_foreign_checkpoints_are_refused(tmp_path, data_dir)
     assert _snapshot(tmp_path / "resumed") == before
     train_distributed(cfg, tmp_path / "resumed", nproc=2, progress=False)
     assert _losses(tmp_path / "straight") == _losses(tmp_path / "resumed")
-    a = torch.load(tmp_path / "straight" / "model.pt", weights_only=False)["state_dict"]
-    b = torch.load(tmp_path / "resumed" / "model.pt", weights_only=False)["state_dict"]
+    a = exported_state(tmp_path / "straight" / "model.pt")
+    b = exported_state(tmp_path / "resumed" / "model.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -116,8 +117,8 @@ def test_resume_is_exact_with_micro_batches_clustering_and_token_budgets(tmp_pat
     assert len(train_recs) == straight["steps"] > 10 and all(r["microbatches"] == 3 for r in train_recs)
     assert len({r["unique_keys_per_microbatch"] for r in train_recs}) > 1
     assert recs == _records(tmp_path / "resumed")
-    a = torch.load(tmp_path / "straight" / "model.pt", weights_only=False)["state_dict"]
-    b = torch.load(tmp_path / "resumed" / "model.pt", weights_only=False)["state_dict"]
+    a = exported_state(tmp_path / "straight" / "model.pt")
+    b = exported_state(tmp_path / "resumed" / "model.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert straight["metrics"] == resumed["metrics"] and straight["steps"] == resumed["steps"]
     last = sorted((tmp_path / "resumed" / "checkpoints").iterdir())[-1]

@@ -67,5 +67,5 @@ def test_a_resumed_run_refuses_data_that_changed(tmp_path):
 
 
 def test_sharded_reading_needs_a_parquet_dataset():
-    with pytest.raises(UserError, match="data.read=shard reads a Parquet dataset"):
+    with pytest.raises(UserError, match=r"data\.read=shard reads a Parquet dataset"):
         load_config(CONFIG, ["data.read=shard"])

@@ -23,7 +23,7 @@ def test_fill_by_cost_uses_each_position_once_and_balances_ranks_under_heavy_tai
     target = 40 * np.mean(np.concatenate(costs))
     steps = fill_by_cost(costs, target)
     assert len({len(s) for s in steps}) == 1 and len(steps[0]) > 10
-    for c, s in zip(costs, steps, strict=True):
+    for s in steps:
         used = np.concatenate(s)
         assert len(np.unique(used)) == len(used)
     per_step = np.array([[c[s[k]].sum() for c, s in zip(costs, steps, strict=True)] for k in range(len(steps[0]))])
