@@ -147,3 +147,36 @@ def sharded_eval_on_ranks(env: Any, payload: dict[str, Any]) -> dict[int, Any]:
     torch.set_num_threads(1)
     return {g: sharded_vs_full_ranks(DistContext(env, torch.device("cpu"), g, 120.0), payload)
             for g in payload["group_sizes"]}
+
+
+def replica_union_both_ways(env: Any, payload: dict[str, Any]) -> dict[str, Any]:
+    """The replica sum of one shard's touched rows, with the union agreed by gathered keys and by the presence
+    mask (``sharded.union_by_mask`` forced each way), for each case of payload ``cases`` (keys per rank)."""
+    import torch
+
+    from grstack.runtime.embedding import sharded
+    from grstack.runtime.embedding.optim import make_sparse_optimizer
+    from grstack.runtime.embedding.plan import ShardingPlan
+    from grstack.runtime.train.context import DistContext
+
+    rows, dim = payload["rows"], payload["dim"]
+    ctx = DistContext(env, torch.device("cpu"), 1, 30.0)  # sparse groups of one: every rank a replica
+    plan = ShardingPlan.make(rows, dim, ctx.world_size, 1)
+    shard = torch.zeros(rows, dim)
+    table = sharded.ShardedEmbedding(plan, ctx.rank, shard, make_sparse_optimizer("sgd", shard, 0.1))
+    out: dict[str, Any] = {}
+    real = sharded.union_by_mask
+    try:
+        for name, per_rank in payload["cases"].items():
+            keys = torch.tensor(sorted(per_rank[ctx.rank]), dtype=torch.int64)
+            grad = rank_grads(ctx.rank, 0, len(keys), (len(keys), dim))
+            got = {}
+            for way, forced in (("by_keys", False), ("by_mask", True)):
+                sharded.union_by_mask = lambda *a, f=forced: f  # type: ignore[assignment]
+                got[way] = table.reduce_replicas(keys, grad, ctx.replica)
+            sharded.union_by_mask = real
+            got["auto"] = table.reduce_replicas(keys, grad, ctx.replica)
+            out[name] = {"keys": keys, "grad": grad, **got}
+    finally:
+        sharded.union_by_mask = real
+    return out

@@ -221,6 +221,38 @@ class Logged:
     ranks: int
     sparse_group: int
     d_model: int
+    table_rows: int = 0  # rows of the item table (items + the padding row): a shard's presence mask
+
+
+def union_events_at(main: list[dict[str, Any]], t: Target, lg: Logged, union: Callable[[float], float],
+                    union_scale: float = 1.0) -> list[dict[str, Any]]:
+    """The main thread's events with the replica union agreed the way the engine would at the target
+    (``ShardedEmbedding.reduce_replicas``): one all-reduce of the largest key count, then either the keys
+    all-gathered (padded to that count) or a presence mask of the shard's rows max-reduced, by the engine's
+    own rule (``embedding.union_by_mask``) on the target's replica count, keys and shard rows. The keys per
+    replica scale like the logged gathered keys (U(G)/G); the mask is ceil(table_rows / G) bytes. Returned
+    events carry their target bytes (``target_bytes``)."""
+    from grstack.runtime.embedding import union_by_mask
+
+    idx = [i for i, e in enumerate(main) if e["group"].startswith("replica")
+           and not e["dtype"].startswith(("float", "bfloat")) and e["op"] != "wait"]
+    if not idx or not lg.table_rows:
+        return main
+    gathered = [main[i]["nbytes"] for i in idx if main[i]["op"] in ("all_gather", "all_gather_v")]
+    # keys per replica as logged, or (a logged run that agreed by the mask) from the union model
+    logged_keys = max(gathered) / 8 if gathered else union(lg.sparse_group) / lg.sparse_group
+    keys = logged_keys * union(t.sparse_group) / t.sparse_group / (union(lg.sparse_group) / lg.sparse_group)
+    keys *= union_scale
+    replicas, shard_rows = t.workers // t.sparse_group, -(-lg.table_rows // t.sparse_group)
+    first = main[idx[0]]
+    count = {**first, "op": "all_reduce", "dtype": "int64", "nbytes": 8, "async_op": False, "target_bytes": 8.0}
+    if union_by_mask(replicas, math.ceil(keys), shard_rows):
+        agree = {**first, "op": "all_reduce", "dtype": "uint8", "nbytes": shard_rows, "async_op": False,
+                 "target_bytes": float(shard_rows)}
+    else:
+        agree = {**first, "op": "all_gather", "dtype": "int64", "nbytes": int(8 * keys), "async_op": False,
+                 "target_bytes": 8.0 * keys}
+    return main[: idx[0]] + [count, agree] + [e for i, e in enumerate(main) if i > idx[0] and i not in idx]
 
 
 def members(group: str, W: int, G: int, per_node: int) -> tuple[int, int]:
@@ -243,6 +275,8 @@ def scale_bytes(e: dict[str, Any], t: Target, lg: Logged, union: Callable[[float
       U(W)/G and d (x ``union_scale``, the sensitivity knob);
     * world: the dense all-reduce is the target's dense gradient plus the stats (4 + W floats), fp32.
     """
+    if "target_bytes" in e:  # already at the target (union_events_at)
+        return float(e["target_bytes"])
     op, group, n = e["op"], e["group"], float(e["nbytes"])
     floating = e["dtype"].startswith(("float", "bfloat"))
     W, G = t.workers, t.sparse_group
@@ -274,7 +308,7 @@ def event_seconds(e: dict[str, Any], nbytes: float, t: Target, net: NetworkModel
         return net.all_to_all(N, p, nbytes)
     if op == "all_reduce":
         return net.all_reduce(N, p, nbytes)
-    if op in ("all_gather_v", "all_gather_sizes"):
+    if op in ("all_gather", "all_gather_v", "all_gather_sizes"):
         return net.all_gather(N, p, nbytes)
     if op == "wait":
         return 0.0
@@ -443,6 +477,7 @@ def simulate(ranks: list[dict[str, Any]], steps: list[int], target: Target, logg
         replays = []
         for r in ranks:
             main, comm, pre = split_step(r["events"], s)
+            main = union_events_at(main, target, logged, union, a.union_scale)
             scaled = {id(e): scale_bytes(e, target, logged, union, a.union_scale) for e in main + comm + pre}
 
             def duration(e: dict[str, Any], scaled: dict[int, float] = scaled) -> float:
@@ -586,7 +621,7 @@ def run(args: argparse.Namespace) -> int:
     a = Assumptions(NetworkModel(args.devices_per_node, args.intra_gbps, args.inter_gbps, args.intra_latency_us,
                                  args.inter_latency_us, args.host_gbps, args.host_latency_us),
                     args.peak_tflops, args.mfu)
-    logged = Logged(nproc, group, cfg.model.d_model)
+    logged = Logged(nproc, group, cfg.model.d_model, ds.num_items + 1)
     d_t = target_cfg.model.d_model
 
     def eff(assume: Assumptions) -> list[dict[str, Any]]:

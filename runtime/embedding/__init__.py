@@ -17,6 +17,7 @@ from grstack.runtime.embedding.sharded import (
     ShardedEmbedding,
     make_unit,
     merge_rows,
+    union_by_mask,
 )
 
 __all__ = [
@@ -33,4 +34,5 @@ __all__ = [
     "make_sparse_optimizer",
     "make_unit",
     "merge_rows",
+    "union_by_mask",
 ]

@@ -41,7 +41,7 @@ import torch.distributed as dist
 class CommEvent:
     """One collective as issued by this rank (see the module docstring for what the byte counts mean)."""
 
-    op: str  # all_to_all | exchange | all_gather_v | all_gather_sizes | all_reduce | barrier | *_object
+    op: str  # all_to_all | exchange | all_gather(_v|_sizes) | all_reduce | barrier | *_object
     group: str  # the Comm's name: world, sparse-fwd, sparse-pre, replica (or a *-meta gloo twin)
     group_size: int
     nbytes: int  # the input tensor (this rank's piece)
@@ -188,6 +188,19 @@ class Comm:
             self._record("all_gather_v", t0, padded, piece * (self.size - 1), piece * (self.size - 1),
                          split=tuple(sizes))
         return [o[:s] for o, s in zip(outs, sizes, strict=True)]
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Gathers tensors of one shape from every member (no sizes round: the caller agreed the shape)."""
+        if not self.live:
+            return [t]
+        t = self._wire(t)
+        outs = [torch.empty_like(t) for _ in range(self.size)]
+        self.bytes += t.element_size() * t.numel()
+        t0 = self._timed(dist.all_gather, outs, t)
+        if self.log is not None:
+            piece = t.element_size() * t.numel()
+            self._record("all_gather", t0, t, piece * (self.size - 1), piece * (self.size - 1))
+        return outs
 
     def all_gather_sizes(self, n: int) -> list[int]:
         """Every member's ``n`` (a host value, on this group: call it on ``meta``)."""

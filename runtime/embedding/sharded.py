@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from grstack.runtime.embedding.comm import Comm
 from grstack.runtime.embedding.optim import SparseOptimizer
@@ -224,16 +225,33 @@ class ShardedEmbedding:
     # -- the update ------------------------------------------------------------------------------------------
     def reduce_replicas(self, keys: torch.Tensor, grad: torch.Tensor, replicas: Comm
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sums gradients of the same shard over sparse groups. Only the keys are gathered (host data, on the
-        gloo twin); each replica scatters its rows into the union of touched rows and one all-reduce sums them,
-        so a replica moves about 2·|union|·d values whatever the number of replicas (gathering every replica's
-        rows moved (R-1)·|keys|·d), and every replica receives the same sum, bit for bit."""
+        """Sums gradients of the same shard over sparse groups: the union of the rows any replica touched, then
+        one all-reduce of every replica's rows scattered into it (about 2·|union|·d values per replica whatever
+        the number of replicas; every replica receives the same sum, bit for bit). The union is host data, on
+        the gloo twin: after one all-reduce of the largest key count, either the keys are all-gathered (padded
+        to that count) or, when R replicas' keys would outweigh it, a presence mask of the shard's rows is
+        max-reduced (``union_by_mask``): its bytes do not grow with the number of replicas."""
         if not replicas.live:
             return keys, grad
-        all_keys = replicas.meta.all_gather_v(keys)
-        union = torch.unique(torch.cat(all_keys))
+        meta = replicas.meta
+        count = torch.tensor([keys.numel()], dtype=torch.int64)
+        meta.all_reduce(count, op=dist.ReduceOp.MAX)
+        width, rows = int(count), self.weight.shape[0]
+        if width == 0:  # no replica touched this shard (every replica sees the same 0)
+            return keys, grad
+        host = keys.cpu()
+        if union_by_mask(replicas.size, width, rows):
+            mask = torch.zeros(rows, dtype=torch.uint8)
+            mask[host] = 1
+            meta.all_reduce(mask, op=dist.ReduceOp.MAX)
+            union = torch.nonzero(mask).squeeze(1)
+        else:
+            padded = torch.full((width,), -1, dtype=torch.int64)
+            padded[: host.numel()] = host
+            union = torch.unique(torch.cat(meta.all_gather(padded)))
+            union = union[union >= 0]
         total = grad.new_zeros((union.numel(), grad.shape[1]), device=replicas.device)
-        total.index_add_(0, _dev(torch.searchsorted(union, keys), total.device), grad.to(total.device))
+        total.index_add_(0, _dev(torch.searchsorted(union, host), total.device), grad.to(total.device))
         replicas.all_reduce(total)
         return union, total
 
@@ -279,6 +297,13 @@ class ShardedEmbedding:
         for s, shard in enumerate(shards[:G]):
             table[s::G] = shard
         return table
+
+
+def union_by_mask(replicas: int, max_keys: int, shard_rows: int) -> bool:
+    """Whether the replicas agree on their union of touched rows by a presence mask (1 byte per shard row,
+    max-reduced) rather than by gathering every replica's keys (8 bytes per key per replica): whichever moves
+    fewer bytes. Every replica decides alike, from values they share."""
+    return shard_rows <= 8 * replicas * max_keys
 
 
 def merge_rows(keys_a: torch.Tensor, grad_a: torch.Tensor, keys_b: torch.Tensor, grad_b: torch.Tensor

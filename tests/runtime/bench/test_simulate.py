@@ -17,7 +17,9 @@ from grstack.runtime.bench.simulate import (
     replay_step,
     scale_bytes,
     scaling,
+    union_events_at,
 )
+from grstack.runtime.embedding import union_by_mask
 
 pytestmark = pytest.mark.unit
 
@@ -145,3 +147,26 @@ def test_efficiency_relative_to_the_smallest_w():
     assert rows[0]["step_s"] == pytest.approx(step[8]) and rows[1]["step_s"] == pytest.approx(step[64])
     assert rows[1]["scaling_efficiency"] == pytest.approx(step[8] / step[64])
     assert math.isclose(rows[1]["compute_s"], 1.0)
+
+
+def test_the_replica_union_is_replayed_the_way_the_engine_would_agree_it_at_the_target():
+    lg = Logged(ranks=4, sparse_group=2, d_model=64, table_rows=40_001)
+
+    def union(n):
+        return min(40_000.0, 3000.0 * n)
+
+    main = [ev("all_reduce", "world", 999, async_op=True), ev("all_reduce", "replica", 8, "int64"),
+            ev("all_gather", "replica", 8 * 1000, "int64"), ev("all_reduce", "replica", 2560),
+            ev("wait", "world", 0)]
+    # 192 replicas of a 5,000-row shard: everyone's keys (8 B each) would outweigh a 1-byte-per-row mask
+    big = union_events_at(main, Target(workers=1536, sparse_group=8, d_model=64, dense_params=10), lg, union)
+    ops = [(e["op"], e["dtype"]) for e in big]
+    assert ops == [("all_reduce", "float32"), ("all_reduce", "int64"), ("all_reduce", "uint8"),
+                   ("all_reduce", "float32"), ("wait", "float32")]
+    assert big[2]["target_bytes"] == 5001 and scale_bytes(big[2], Target(1536, 8, 64, 10), lg, union) == 5001
+    # 2 replicas of a shard of 20,001 rows touching 1,000 keys each: the keys are fewer bytes
+    small = union_events_at(main, Target(workers=4, sparse_group=2, d_model=64, dense_params=10), lg, union)
+    assert [(e["op"], e["dtype"]) for e in small][2] == ("all_gather", "int64")
+    assert small[2]["target_bytes"] == pytest.approx(8 * 1000)
+    # what the engine itself would decide on those numbers
+    assert union_by_mask(192, 1000, 5001) and not union_by_mask(2, 1000, 20_001)
