@@ -270,8 +270,9 @@ def scale_bytes(e: dict[str, Any], t: Target, lg: Logged, union: Callable[[float
 
     * sparse groups: routing counts ([G, units, 2] int64) grow with G; keys stay per rank; rows and gradients
       (float) scale with the width d; the clipping norm stays 4 B;
-    * replica groups: sizes stay 8 B per member; the gathered keys (this shard's rows of one group's batch)
-      scale with U(G)/G; the all-reduced rows (the union over replicas of one shard's touched rows) with
+    * replica groups: the union's agreement (count, keys or mask) is rebuilt at the target by
+      ``union_events_at`` (events carrying ``target_bytes``); logged sizes stay 8 B per member and gathered
+      keys (this shard's rows of one group's batch) scale with U(G)/G; the all-reduced rows (the union over replicas of one shard's touched rows) with
       U(W)/G and d (x ``union_scale``, the sensitivity knob);
     * world: the dense all-reduce is the target's dense gradient plus the stats (4 + W floats), fp32.
     """
