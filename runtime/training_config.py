@@ -1,8 +1,8 @@
 """Training configuration: pydantic models (unknown keys and wrong types rejected, the field named).
 
 A config is a YAML file; ``--set a.b=value`` overrides fields (values parsed as YAML scalars). Relative
-data paths resolve against the config file's directory, so configs in ``configs/`` read
-``../shared/data`` by default and stay overridable.
+data paths in a config file resolve against the config file's directory, so configs in ``configs/`` read
+``../shared/data`` by default; a ``--set data.source=`` path resolves against the working directory.
 """
 
 from __future__ import annotations
@@ -283,8 +283,11 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
             raise UserError(f"{p}: a config must be a mapping of sections")
         tree = loaded
         base_dir = p.resolve().parent
-    for key, value in parse_overrides(overrides or []):
+    parsed = parse_overrides(overrides or [])
+    for key, value in parsed:
         _set_path(tree, key, value)
+    if any(key == "data.source" or key == "data" for key, _ in parsed):
+        base_dir = Path.cwd()  # a path typed on the command line is the user's, relative to where they are
     try:
         cfg = Config.model_validate(tree)
     except ValidationError as exc:
