@@ -90,6 +90,16 @@ class RunPolicy(_Model):
 
 
 class GRTrainingJobSpec(_Model):
+    """A change of ``workers.replicas`` is refused unless the job is (or becomes, in the same update) suspended:
+    the ranks of a running gang cannot change their world size. Other fields that reach the pods restart the
+    gang from its last checkpoint (condition reason ``SpecChanged``); ``runPolicy`` applies in place."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        {"rule": "self.workers.replicas == oldSelf.workers.replicas || self.runPolicy.suspend "
+                 "|| oldSelf.runPolicy.suspend",
+         "message": "workers.replicas cannot change while the job runs: set runPolicy.suspend to true first "
+                    "(or in the same update), then resume"}]})
+
     image: str = Field(min_length=1, description="image with the grstack command")
     image_pull_policy: PullPolicy = "IfNotPresent"
     image_pull_secrets: list[str] = Field(default_factory=list)

@@ -109,6 +109,19 @@ def terminated(pod: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
+def annotation(obj: dict[str, Any], key: str) -> str | None:
+    return (obj.get("metadata", {}).get("annotations") or {}).get(key)
+
+
+def covers(desired: Any, live: Any) -> bool:
+    """Whether the live object already has every desired field (the API server adds defaults of its own)."""
+    if isinstance(desired, dict):
+        return isinstance(live, dict) and all(covers(v, live.get(k)) for k, v in desired.items())
+    if isinstance(desired, list):
+        return isinstance(live, list) and len(desired) == len(live) and all(map(covers, desired, live))
+    return desired == live or (desired is not None and live is not None and str(desired) == str(live))
+
+
 def label_int(pod: dict[str, Any], key: str, default: int = -1) -> int:
     try:
         return int(pod.get("metadata", {}).get("labels", {}).get(key, default))

@@ -179,12 +179,36 @@ def worker_pod(job: dict[str, Any], spec: GRTrainingJobSpec, rank: int, attempt:
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = objects.pull_secrets(spec.image_pull_secrets)
     objects.apply_scheduling(pod_spec, spec.scheduling)
-    digest = hashlib.sha256(json.dumps(pod_spec, sort_keys=True).encode()).hexdigest()[:16]
+    # The hash covers what the pod runs: its spec and the trainer config it mounts. A pod of the current
+    # attempt whose hash differs from the desired one was made from an older spec (see reconcile_training).
+    digest = spec_hash(pod_spec, trainconfig.config_text(spec))
     return {
         "apiVersion": "v1", "kind": "Pod",
-        "metadata": objects.metadata(job, pod_name, pod_labels, {f"{names.GROUP}/spec-hash": digest}),
+        "metadata": objects.metadata(job, pod_name, pod_labels, {ANNOTATION_SPEC_HASH: digest}),
         "spec": pod_spec,
     }
+
+
+ANNOTATION_SPEC_HASH = f"{names.GROUP}/spec-hash"
+
+
+def spec_hash(pod_spec: dict[str, Any], config: str) -> str:
+    text = json.dumps({"pod": pod_spec, "config": config}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _changed(desired: dict[str, Any], live: dict[str, Any]) -> list[str]:
+    """Names of the pod fields that differ between a desired pod and a live one, for the restart message."""
+    out = []
+    d_spec, l_spec = desired["spec"], live.get("spec") or {}
+    d_main, l_main = d_spec["containers"][0], next(iter(l_spec.get("containers") or []), {})
+    for key in sorted(d_main):
+        if not objects.covers(d_main[key], l_main.get(key)):
+            out.append(f"container {key}")
+    for key in sorted(d_spec):
+        if key != "containers" and not objects.covers(d_spec[key], l_spec.get(key)):
+            out.append(key)
+    return out or ["trainer config"]
 
 
 # ------------------------------------------------------------------------------------------------ status
@@ -314,9 +338,11 @@ def reconcile_training(job: dict[str, Any], pods: list[dict[str, Any]], now: dt.
             plan.events.append(("Normal", "Suspended", "job suspended"))
         plan.delete_pods = [p["metadata"]["name"] for p in live]
         status["workers"] = {"active": 0, "succeeded": 0, "failed": 0}
+        status.pop("gangAttempt", None)  # the gang is gone on purpose: its absence is no lost worker
         return plan
     if previous_state == "Suspended":
         status.pop("startTime", None)  # the deadline counts from the resume, as in Kubeflow
+        status.pop("gangAttempt", None)  # the resumed gang has not been seen whole yet
         status["conditions"] = objects.set_condition(status["conditions"], "Suspended", False, "JobResumed",
                                                      "runPolicy.suspend is false; pods recreated", now,
                                                      generation)
@@ -357,6 +383,27 @@ def reconcile_training(job: dict[str, Any], pods: list[dict[str, Any]], now: dt.
         _finish(plan, live, spec, now, failed=False)
         return plan
 
+    # A spec change that reaches the pods (image, env, resources, trainer config, replicas, ...): the gang is
+    # restarted on purpose from the last checkpoint, as one gang of the new spec. Not a failure: backoffLimit
+    # is not charged. (workers.replicas can only change while suspended or finished: a CEL rule in the CRD.)
+    desired = {r: worker_pod(job, spec, r, attempt) for r in range(replicas)}
+    outdated = {r: p for r, p in current.items()
+                if objects.annotation(p, ANNOTATION_SPEC_HASH) not in (None, objects.annotation(
+                    desired[r], ANNOTATION_SPEC_HASH))}
+    if outdated or (current and any(objects.label_int(p, names.LABEL_RANK) >= replicas for p in stale
+                                    if objects.label_int(p, names.LABEL_ATTEMPT) == attempt)):
+        rank = min(outdated) if outdated else min(current)
+        fields = _changed(desired[rank], outdated[rank]) if outdated else ["workers.replicas"]
+        msg = (f"spec changed (generation {generation}: {', '.join(fields)}); restarting all {replicas} workers "
+               f"from the last checkpoint")
+        _set_state(status, "Restarting", "SpecChanged", msg, now, generation)
+        plan.events.append(("Normal", "SpecChanged", msg))
+        plan.delete_pods += [p["metadata"]["name"] for p in current.values()]
+        status.pop("gangAttempt", None)  # the old gang goes on purpose
+        status["workers"] = {"active": 0, "succeeded": 0, "failed": 0}
+        plan.requeue_after = min(plan.requeue_after or 1.0, 1.0)
+        return plan
+
     # A rank that vanished (deleted, evicted) after the whole gang of this attempt was seen: its peers cannot
     # go on without it, so that is a gang failure too. Other missing ranks were never created (see below).
     lost = [r for r in range(replicas) if r not in current]
@@ -389,7 +436,7 @@ def reconcile_training(job: dict[str, Any], pods: list[dict[str, Any]], now: dt.
     blocked = {p["metadata"]["name"] for p in pods if p not in current.values()}
     waiting = any(names.worker_pod_name(name, r) in blocked for r in lost)
     if not waiting:  # the whole gang at once, once the previous attempt's pods have released the names
-        plan.create_pods = [worker_pod(job, spec, rank, attempt) for rank in lost]
+        plan.create_pods = [desired[rank] for rank in lost]
     if plan.create_pods and not status.get("startTime"):
         status["startTime"] = objects.timestamp(now)
         if policy.active_deadline_seconds is not None:
