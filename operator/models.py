@@ -80,6 +80,23 @@ class TrainingCheckpoint(_Model):
     interval_steps: int | None = Field(None, ge=1, description="steps between checkpoints (train.checkpoint_every)")
 
 
+class SchedulingPolicy(_Model):
+    """Gang scheduling of the workers: a PodGroup for a gang scheduler, a Kueue queue, a schedule timeout."""
+
+    gang_scheduler: Literal["None", "Coscheduling", "Volcano"] = Field(
+        "None", description="Coscheduling: a scheduling.x-k8s.io/v1alpha1 PodGroup (scheduler-plugins) and the "
+                            "pod label scheduling.x-k8s.io/pod-group; Volcano: a scheduling.volcano.sh/v1beta1 "
+                            "PodGroup, the pod annotation scheduling.k8s.io/group-name and schedulerName volcano; "
+                            "minMember = workers.replicas")
+    queue: str | None = Field(None, description="Volcano queue of the PodGroup (gangScheduler Volcano)")
+    kueue_queue_name: str | None = Field(
+        None, description="Kueue LocalQueue: pods get the kueue.x-k8s.io/queue-name label and form one Kueue "
+                          "pod group (default: the job's own kueue.x-k8s.io/queue-name label)")
+    schedule_timeout_seconds: int | None = Field(
+        None, ge=1, description="a gang partly scheduled this long after its pods were created is released "
+                                "(pods deleted, condition GangScheduled False ScheduleTimeout) and recreated")
+
+
 class RunPolicy(_Model):
     backoff_limit: int = Field(3, ge=0, description="whole-gang restarts from the last checkpoint before Failed")
     active_deadline_seconds: int | None = Field(None, ge=1)
@@ -87,6 +104,7 @@ class RunPolicy(_Model):
     clean_pod_policy: Literal["All", "Running", "None"] = Field(
         "None", description="pods deleted when the job ends: All, Running (still running ones) or None")
     suspend: bool = Field(False, description="true deletes the pods; false again resumes from the last checkpoint")
+    scheduling_policy: SchedulingPolicy = Field(default_factory=SchedulingPolicy)
 
 
 class GRTrainingJobSpec(_Model):
@@ -152,6 +170,7 @@ class GRTrainingJobStatus(_Model):
     workers: WorkerCounts = Field(default_factory=WorkerCounts)
     restarts: int = 0
     gang_attempt: int | None = Field(None, description="the attempt whose pods were all seen (a later gap is a loss)")
+    gang_start_time: str | None = Field(None, description="when the current gang's pods were created")
     progress: Progress | None = None
     start_time: str | None = None
     completion_time: str | None = None

@@ -30,6 +30,19 @@ from pydantic import ValidationError
 from grstack.operator import names, objects, trainconfig
 from grstack.operator.models import GRTrainingJobSpec
 
+# Gang scheduling (``spec.runPolicy.schedulingPolicy``).
+COSCHEDULING_API = "scheduling.x-k8s.io/v1alpha1"
+COSCHEDULING_LABEL = "scheduling.x-k8s.io/pod-group"
+COSCHEDULING_SCHEDULER = "scheduler-plugins-scheduler"  # the scheduler-plugins chart's second scheduler
+VOLCANO_API = "scheduling.volcano.sh/v1beta1"
+VOLCANO_ANNOTATION = "scheduling.k8s.io/group-name"
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+KUEUE_GROUP_LABEL = "kueue.x-k8s.io/pod-group-name"
+KUEUE_GROUP_COUNT = "kueue.x-k8s.io/pod-group-total-count"
+# Container waiting reasons that will not resolve by waiting (surfaced as condition WorkersWaiting).
+BLOCKING_REASONS = ("ImagePullBackOff", "ErrImagePull", "CrashLoopBackOff", "CreateContainerConfigError",
+                    "CreateContainerError", "InvalidImageName")
+
 TERMINAL = ("Succeeded", "Failed")
 STATE_CONDITIONS = ("Running", "Restarting", "Succeeded", "Failed", "Suspended")
 USER_ERROR_EXIT = 2
@@ -107,7 +120,32 @@ def children(job: dict[str, Any], spec: GRTrainingJobSpec) -> list[dict[str, Any
         },
     }
     rbac = objects.self_patch_role(job, names.job_account_name(name), base, [names.worker_pod_name(name, 0)])
-    return [config, service, *rbac]
+    return [config, service, *rbac, *pod_groups(job, spec)]
+
+
+def pod_groups(job: dict[str, Any], spec: GRTrainingJobSpec) -> list[dict[str, Any]]:
+    """The PodGroup of the gang scheduler chosen in ``runPolicy.schedulingPolicy`` (minMember = replicas)."""
+    policy = spec.run_policy.scheduling_policy
+    name = job["metadata"]["name"]
+    if policy.gang_scheduler == "Coscheduling":
+        group_spec: dict[str, Any] = {"minMember": spec.workers.replicas}
+        if policy.schedule_timeout_seconds is not None:
+            group_spec["scheduleTimeoutSeconds"] = policy.schedule_timeout_seconds
+        api = COSCHEDULING_API
+    elif policy.gang_scheduler == "Volcano":
+        group_spec = {"minMember": spec.workers.replicas}
+        if policy.queue:
+            group_spec["queue"] = policy.queue
+        api = VOLCANO_API
+    else:
+        return []
+    return [{"apiVersion": api, "kind": "PodGroup", "metadata": objects.metadata(job, name, labels(name)),
+             "spec": group_spec}]
+
+
+def kueue_queue(job: dict[str, Any], spec: GRTrainingJobSpec) -> str | None:
+    return (spec.run_policy.scheduling_policy.kueue_queue_name
+            or (job["metadata"].get("labels") or {}).get(KUEUE_QUEUE_LABEL))
 
 
 def run_dir(name: str, spec: GRTrainingJobSpec) -> str:
@@ -179,12 +217,25 @@ def worker_pod(job: dict[str, Any], spec: GRTrainingJobSpec, rank: int, attempt:
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = objects.pull_secrets(spec.image_pull_secrets)
     objects.apply_scheduling(pod_spec, spec.scheduling)
+    annotations: dict[str, str] = {}
+    gang = spec.run_policy.scheduling_policy.gang_scheduler
+    if gang == "Coscheduling":
+        pod_labels[COSCHEDULING_LABEL] = name
+        pod_spec.setdefault("schedulerName", COSCHEDULING_SCHEDULER)
+    elif gang == "Volcano":
+        annotations[VOLCANO_ANNOTATION] = name
+        pod_spec.setdefault("schedulerName", "volcano")
+    queue = kueue_queue(job, spec)
+    if queue:  # Kueue's plain-pod-group integration admits the gang as one workload
+        pod_labels[KUEUE_QUEUE_LABEL] = queue
+        pod_labels[KUEUE_GROUP_LABEL] = f"{name}-a{attempt}"
+        annotations[KUEUE_GROUP_COUNT] = str(spec.workers.replicas)
     # The hash covers what the pod runs: its spec and the trainer config it mounts. A pod of the current
     # attempt whose hash differs from the desired one was made from an older spec (see reconcile_training).
     digest = spec_hash(pod_spec, trainconfig.config_text(spec))
     return {
         "apiVersion": "v1", "kind": "Pod",
-        "metadata": objects.metadata(job, pod_name, pod_labels, {ANNOTATION_SPEC_HASH: digest}),
+        "metadata": objects.metadata(job, pod_name, pod_labels, {**annotations, ANNOTATION_SPEC_HASH: digest}),
         "spec": pod_spec,
     }
 
@@ -339,6 +390,7 @@ def reconcile_training(job: dict[str, Any], pods: list[dict[str, Any]], now: dt.
         plan.delete_pods = [p["metadata"]["name"] for p in live]
         status["workers"] = {"active": 0, "succeeded": 0, "failed": 0}
         status.pop("gangAttempt", None)  # the gang is gone on purpose: its absence is no lost worker
+        status.pop("gangStartTime", None)
         return plan
     if previous_state == "Suspended":
         status.pop("startTime", None)  # the deadline counts from the resume, as in Kubeflow
@@ -400,6 +452,7 @@ def reconcile_training(job: dict[str, Any], pods: list[dict[str, Any]], now: dt.
         plan.events.append(("Normal", "SpecChanged", msg))
         plan.delete_pods += [p["metadata"]["name"] for p in current.values()]
         status.pop("gangAttempt", None)  # the old gang goes on purpose
+        status.pop("gangStartTime", None)
         status["workers"] = {"active": 0, "succeeded": 0, "failed": 0}
         plan.requeue_after = min(plan.requeue_after or 1.0, 1.0)
         return plan
@@ -431,12 +484,41 @@ def reconcile_training(job: dict[str, Any], pods: list[dict[str, Any]], now: dt.
             _fail(plan, status, "BackoffLimitExceeded", text, live, spec, now, generation)
         return plan
 
+    _waiting_condition(plan, status, current, now, generation)
+    timeout = policy.scheduling_policy.schedule_timeout_seconds
+    begun = objects.parse_time(status.get("gangStartTime"))
+    if timeout is not None and begun is not None and current:
+        scheduled = [r for r, p in current.items() if objects.scheduled(p)]
+        if len(scheduled) < replicas:
+            due = begun + dt.timedelta(seconds=timeout)
+            if scheduled and now >= due:  # a partial gang holds its nodes' accelerators: release it
+                msg = (f"only {len(scheduled)}/{replicas} workers were scheduled within scheduleTimeoutSeconds="
+                       f"{timeout}; the gang is released (pods deleted) and recreated")
+                status["conditions"] = objects.set_condition(status["conditions"], "GangScheduled", False,
+                                                             "ScheduleTimeout", msg, now, generation)
+                plan.events.append(("Warning", "ScheduleTimeout", msg))
+                plan.delete_pods += [p["metadata"]["name"] for p in current.values()]
+                status.pop("gangAttempt", None)
+                status.pop("gangStartTime", None)
+                status["workers"] = {"active": 0, "succeeded": 0, "failed": 0}
+                plan.requeue_after = min(plan.requeue_after or 1.0, 1.0)
+                return plan
+            if now < due:
+                wait = (due - now).total_seconds()
+                plan.requeue_after = min(plan.requeue_after or wait, wait)
+        elif objects.condition(status["conditions"], "GangScheduled") is not None:
+            status["conditions"] = objects.set_condition(status["conditions"], "GangScheduled", True,
+                                                         "GangScheduled", f"{replicas}/{replicas} workers scheduled",
+                                                         now, generation)
+
     if len(current) == replicas:
         status["gangAttempt"] = attempt
     blocked = {p["metadata"]["name"] for p in pods if p not in current.values()}
     waiting = any(names.worker_pod_name(name, r) in blocked for r in lost)
     if not waiting:  # the whole gang at once, once the previous attempt's pods have released the names
         plan.create_pods = [desired[rank] for rank in lost]
+    if plan.create_pods:
+        status["gangStartTime"] = objects.timestamp(now)
     if plan.create_pods and not status.get("startTime"):
         status["startTime"] = objects.timestamp(now)
         if policy.active_deadline_seconds is not None:
@@ -448,6 +530,28 @@ def reconcile_training(job: dict[str, Any], pods: list[dict[str, Any]], now: dt.
     if running == replicas:
         _set_state(status, "Running", "JobRunning", f"{running}/{replicas} workers running", now, generation)
     return plan
+
+
+def _waiting_condition(plan: TrainingPlan, status: dict[str, Any], current: dict[int, dict[str, Any]],
+                       now: dt.datetime, generation: int | None) -> None:
+    """Condition WorkersWaiting (and a Warning Event when it changes) for pods stuck on something that waiting
+    will not fix: an image that cannot be pulled, a crash-looping sidecar, an unschedulable pod."""
+    found = None
+    for rank in sorted(current):
+        found = objects.blocked(current[rank], BLOCKING_REASONS)
+        if found:
+            break
+    conds = status.get("conditions") or []
+    previous = objects.condition(conds, "WorkersWaiting")
+    if found:
+        reason, message = found
+        if previous is None or previous.get("status") != "True" or previous.get("message") != message:
+            plan.events.append(("Warning", reason, message))
+        status["conditions"] = objects.set_condition(conds, "WorkersWaiting", True, reason, message, now,
+                                                     generation)
+    elif previous is not None and previous.get("status") == "True":
+        status["conditions"] = objects.set_condition(conds, "WorkersWaiting", False, "NotWaiting",
+                                                     "no worker is blocked", now, generation)
 
 
 def _fail(plan: TrainingPlan, status: dict[str, Any], reason: str, message: str, live: list[dict[str, Any]],

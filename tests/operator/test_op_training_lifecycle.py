@@ -204,3 +204,137 @@ class _Dot:
 
 def test_training_parse_spec_still_accepts_minimal() -> None:
     assert training.parse_spec(job()).workers.replicas == 2
+
+
+# ------------------------------------------------------------------------------------ gang scheduling (item 2)
+
+
+def _pods_of(plan: training.TrainingPlan) -> dict[str, dict[str, Any]]:
+    return {p["metadata"]["name"]: p for p in plan.create_pods}
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_coscheduling_pod_group(replicas: int) -> None:
+    spec = {"workers": {"replicas": replicas},
+            "runPolicy": {"schedulingPolicy": {"gangScheduler": "Coscheduling", "scheduleTimeoutSeconds": 120}}}
+    plan = reconcile_training(job(spec), [], NOW)
+    group = next(c for c in plan.children if c["kind"] == "PodGroup")
+    assert group["apiVersion"] == "scheduling.x-k8s.io/v1alpha1" and group["metadata"]["name"] == "demo"
+    assert group["spec"] == {"minMember": replicas, "scheduleTimeoutSeconds": 120}
+    assert group["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    for p in plan.create_pods:
+        assert p["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] == "demo"
+        assert p["spec"]["schedulerName"] == "scheduler-plugins-scheduler"
+
+
+def test_volcano_pod_group() -> None:
+    spec = {"runPolicy": {"schedulingPolicy": {"gangScheduler": "Volcano", "queue": "research"}}}
+    plan = reconcile_training(job(spec), [], NOW)
+    group = next(c for c in plan.children if c["kind"] == "PodGroup")
+    assert group["apiVersion"] == "scheduling.volcano.sh/v1beta1"
+    assert group["spec"] == {"minMember": 2, "queue": "research"}
+    for p in plan.create_pods:
+        assert p["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == "demo"
+        assert p["spec"]["schedulerName"] == "volcano"
+
+
+def test_user_scheduler_name_wins_and_no_group_by_default() -> None:
+    spec = {"scheduling": {"schedulerName": "my-cosched"},
+            "runPolicy": {"schedulingPolicy": {"gangScheduler": "Coscheduling"}}}
+    plan = reconcile_training(job(spec), [], NOW)
+    assert all(p["spec"]["schedulerName"] == "my-cosched" for p in plan.create_pods)
+    plain = reconcile_training(job(), [], NOW)
+    assert not any(c["kind"] == "PodGroup" for c in plain.children)
+    assert all("schedulerName" not in p["spec"] for p in plain.create_pods)
+
+
+@pytest.mark.parametrize("where", ["field", "label"])
+def test_kueue_queue_label_and_pod_group(where: str) -> None:
+    spec = {"runPolicy": {"schedulingPolicy": {"kueueQueueName": "team-a"}}} if where == "field" else {}
+    j = job(spec)
+    if where == "label":
+        j["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "team-a"}
+    plan = reconcile_training(j, [], NOW)
+    for p in plan.create_pods:
+        assert p["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+        assert p["metadata"]["labels"]["kueue.x-k8s.io/pod-group-name"] == "demo-a0"
+        assert p["metadata"]["annotations"]["kueue.x-k8s.io/pod-group-total-count"] == "2"
+
+
+def test_kueue_admission_through_suspend() -> None:
+    """Kueue's hook is spec.runPolicy.suspend: created suspended, no pods until it admits (unsuspends)."""
+    spec = {"runPolicy": {"suspend": True, "schedulingPolicy": {"kueueQueueName": "team-a"}}}
+    plan = reconcile_training(job(spec), [], NOW)
+    assert plan.status["state"] == "Suspended" and not plan.create_pods
+    admitted = {"runPolicy": {"suspend": False, "schedulingPolicy": {"kueueQueueName": "team-a"}}}
+    plan = reconcile_training(job(admitted, plan.status, 2), [], NOW)
+    assert plan.status["state"] == "Created" and len(plan.create_pods) == 2
+    # Kueue preempts: suspends again; the pods go, the resumed gang is not a lost worker
+    pods = as_live(plan.create_pods)
+    plan = reconcile_training(job(admitted, plan.status, 2), pods, NOW)
+    plan = reconcile_training(job(spec, plan.status, 3), pods, NOW)
+    assert plan.status["state"] == "Suspended" and len(plan.delete_pods) == 2
+    plan = reconcile_training(job(admitted, plan.status, 4), [], NOW)
+    assert len(plan.create_pods) == 2 and plan.status["restarts"] == 0
+
+
+def _pending(p: dict[str, Any]) -> dict[str, Any]:
+    p = copy.deepcopy(p)
+    p["status"] = {"phase": "Pending", "conditions": [
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+         "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu."}]}
+    return p
+
+
+def test_schedule_timeout_releases_a_partial_gang() -> None:
+    spec = {"runPolicy": {"schedulingPolicy": {"scheduleTimeoutSeconds": 60}}}
+    plan = reconcile_training(job(spec), [], NOW)
+    assert plan.status["gangStartTime"] == "2026-01-01T12:00:00Z"
+    pods = as_live(plan.create_pods)
+    pods[1] = _pending(pods[1])
+    soon = NOW + dt.timedelta(seconds=30)
+    plan = reconcile_training(job(spec, plan.status), pods, soon)
+    assert plan.status["state"] == "Created" and not plan.delete_pods and plan.requeue_after == 30
+    waiting = next(c for c in plan.status["conditions"] if c["type"] == "WorkersWaiting")
+    assert waiting["reason"] == "Unschedulable" and "Insufficient nvidia.com/gpu" in waiting["message"]
+    assert plan.events[0][:2] == ("Warning", "Unschedulable")
+    late = NOW + dt.timedelta(seconds=61)
+    plan = reconcile_training(job(spec, plan.status), pods, late)
+    cond = next(c for c in plan.status["conditions"] if c["type"] == "GangScheduled")
+    assert (cond["status"], cond["reason"]) == ("False", "ScheduleTimeout") and "1/2" in cond["message"]
+    assert sorted(plan.delete_pods) == ["demo-worker-0", "demo-worker-1"]
+    assert plan.status["restarts"] == 0 and "ScheduleTimeout" in [e[1] for e in plan.events]
+    plan = reconcile_training(job(spec, plan.status), [], late)  # released: a new gang
+    assert len(plan.create_pods) == 2 and plan.status["state"] != "Failed"
+
+
+def test_schedule_timeout_leaves_a_wholly_pending_gang() -> None:
+    spec = {"runPolicy": {"schedulingPolicy": {"scheduleTimeoutSeconds": 60}}}
+    plan = reconcile_training(job(spec), [], NOW)
+    pods = [_pending(p) for p in plan.create_pods]
+    plan = reconcile_training(job(spec, plan.status), pods, NOW + dt.timedelta(seconds=600))
+    assert not plan.delete_pods  # nothing is held: releasing would only lose its place in the queue
+
+
+@pytest.mark.parametrize("reason", ["ImagePullBackOff", "ErrImagePull", "CrashLoopBackOff"])
+def test_waiting_reasons_surface_as_condition_and_event(reason: str) -> None:
+    plan = reconcile_training(job(), [], NOW)
+    pods = as_live(plan.create_pods, "Pending")
+    pods[0]["spec"]["nodeName"] = "node-1"
+    pods[0]["status"]["containerStatuses"] = [{"name": "trainer", "state": {"waiting": {
+        "reason": reason, "message": 'Back-off pulling image "grstack:typo"'}}}]
+    plan = reconcile_training(job(status=plan.status), pods, NOW)
+    cond = next(c for c in plan.status["conditions"] if c["type"] == "WorkersWaiting")
+    assert (cond["status"], cond["reason"]) == ("True", reason) and "demo-worker-0" in cond["message"]
+    assert plan.events == [("Warning", reason, cond["message"])]
+    again = reconcile_training(job(status=plan.status), pods, NOW)
+    assert again.events == []  # once per change, not every pass
+    fixed = as_live(pods)
+    plan = reconcile_training(job(status=again.status), fixed, NOW)
+    cond = next(c for c in plan.status["conditions"] if c["type"] == "WorkersWaiting")
+    assert cond["status"] == "False" and plan.status["state"] == "Running"
+
+
+def test_status_schema_keeps_the_new_fields() -> None:
+    props = crds.structural_schema(crds.TRAINING.status)["properties"]
+    assert "gangStartTime" in props and "gangAttempt" in props
