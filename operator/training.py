@@ -28,7 +28,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from grstack.operator import names, objects, trainconfig
-from grstack.operator.models import GRTrainingJobSpec
+from grstack.operator.models import RESERVED_WORKER_ENV, GRTrainingJobSpec
 
 # Gang scheduling (``spec.runPolicy.schedulingPolicy``).
 COSCHEDULING_API = "scheduling.x-k8s.io/v1alpha1"
@@ -156,17 +156,24 @@ def worker_pod(job: dict[str, Any], spec: GRTrainingJobSpec, rank: int, attempt:
     name = job["metadata"]["name"]
     pod_name = names.worker_pod_name(name, rank)
     pod_labels = {**labels(name), names.LABEL_RANK: str(rank), names.LABEL_ATTEMPT: str(attempt)}
+    nproc = spec.workers.nproc_per_node
     args = ["train", "--config", f"{names.CONFIG_MOUNT}/{names.CONFIG_KEY}", "--out", run_dir(name, spec),
             "--no-progress"]
+    if nproc > 1:  # the trainer starts nproc local ranks RANK = NODE_RANK * nproc + LOCAL_RANK
+        args += ["--nproc", str(nproc)]
     for item in trainconfig.overrides(spec):
         args += ["--set", item]
+    # torchrun's contract for the pod (its local rank 0): the global RANK of its first rank, the pod's index
+    # as NODE_RANK/GROUP_RANK, WORLD_SIZE = all ranks of all pods.
     env = [
         {"name": "MASTER_ADDR", "value": f"{names.worker_pod_name(name, 0)}.{names.workers_service_name(name)}"},
         {"name": "MASTER_PORT", "value": str(names.MASTER_PORT)},
-        {"name": "WORLD_SIZE", "value": str(spec.workers.replicas)},
-        {"name": "RANK", "value": str(rank)},
+        {"name": "WORLD_SIZE", "value": str(spec.workers.replicas * nproc)},
+        {"name": "RANK", "value": str(rank * nproc)},
+        {"name": "NODE_RANK", "value": str(rank)},
+        {"name": "GROUP_RANK", "value": str(rank)},
         {"name": "LOCAL_RANK", "value": "0"},
-        {"name": "LOCAL_WORLD_SIZE", "value": "1"},
+        {"name": "LOCAL_WORLD_SIZE", "value": str(nproc)},
         objects.field_env("GRSTACK_POD_NAME", "metadata.name"),
         objects.field_env("GRSTACK_POD_NAMESPACE", "metadata.namespace"),
         *objects.SCRATCH_ENV,
@@ -174,7 +181,7 @@ def worker_pod(job: dict[str, Any], spec: GRTrainingJobSpec, rank: int, attempt:
     if rank == 0:
         env += [{"name": "GRSTACK_PROGRESS_ANNOTATION", "value": names.ANNOTATION_PROGRESS},
                 {"name": "GRSTACK_PROGRESS_INTERVAL", "value": str(spec.progress_interval_seconds)}]
-    env += objects.env_list(spec.workers.env)
+    env = _merge_named(env, [e.model_dump(by_alias=True, exclude_none=True) for e in spec.workers.env])
 
     volumes, mounts = objects.scratch_volumes()
     volumes.append({"name": "config", "configMap": {"name": names.job_config_name(name)}})
@@ -200,7 +207,9 @@ def worker_pod(job: dict[str, Any], spec: GRTrainingJobSpec, rank: int, attempt:
         "securityContext": objects.container_security_context(),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
-    res = objects.resources(spec.workers.resources, spec.workers.accelerator)
+    if spec.workers.env_from:
+        container["envFrom"] = [dict(e) for e in spec.workers.env_from]
+    res = objects.resources(spec.workers.resources, spec.workers.accelerator, count=nproc)
     if res:
         container["resources"] = res
     pod_spec: dict[str, Any] = {
@@ -218,6 +227,10 @@ def worker_pod(job: dict[str, Any], spec: GRTrainingJobSpec, rank: int, attempt:
         pod_spec["imagePullSecrets"] = objects.pull_secrets(spec.image_pull_secrets)
     objects.apply_scheduling(pod_spec, spec.scheduling)
     annotations: dict[str, str] = {}
+    template = spec.workers.template
+    overlay(pod_spec, template.spec)
+    pod_labels = {**template.metadata.labels, **pod_labels}  # the operator's labels win
+    annotations.update(template.metadata.annotations)
     gang = spec.run_policy.scheduling_policy.gang_scheduler
     if gang == "Coscheduling":
         pod_labels[COSCHEDULING_LABEL] = name
@@ -230,14 +243,87 @@ def worker_pod(job: dict[str, Any], spec: GRTrainingJobSpec, rank: int, attempt:
         pod_labels[KUEUE_QUEUE_LABEL] = queue
         pod_labels[KUEUE_GROUP_LABEL] = f"{name}-a{attempt}"
         annotations[KUEUE_GROUP_COUNT] = str(spec.workers.replicas)
-    # The hash covers what the pod runs: its spec and the trainer config it mounts. A pod of the current
+    # The hash covers what the pod runs: its spec, labels and annotations, and the trainer config it mounts. A pod of the current
     # attempt whose hash differs from the desired one was made from an older spec (see reconcile_training).
-    digest = spec_hash(pod_spec, trainconfig.config_text(spec))
+    digest = spec_hash({"spec": pod_spec, "labels": pod_labels, "annotations": annotations},
+                       trainconfig.config_text(spec))
     return {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": objects.metadata(job, pod_name, pod_labels, {**annotations, ANNOTATION_SPEC_HASH: digest}),
         "spec": pod_spec,
     }
+
+
+def _merge_named(base: list[dict[str, Any]], extra: list[dict[str, Any]], key: str = "name") -> list[dict[str, Any]]:
+    """Lists merged by ``key`` (env by name, volumes by name, mounts by mountPath): ``extra`` replaces an item
+    of ``base`` with the same key in place, the rest is appended in order."""
+    out = [dict(item) for item in base]
+    index = {item.get(key): i for i, item in enumerate(out)}
+    for item in extra:
+        if item.get(key) in index:
+            out[index[item.get(key)]] = dict(item)
+        else:
+            index[item.get(key)] = len(out)
+            out.append(dict(item))
+    return out
+
+
+def _deep_merge(base: Any, extra: Any) -> Any:
+    if isinstance(base, dict) and isinstance(extra, dict):
+        out = dict(base)
+        for k, v in extra.items():
+            out[k] = _deep_merge(base.get(k), v) if k in base else v
+        return out
+    return extra
+
+
+# List fields of a PodSpec / Container merged by key rather than replaced (strategic-merge-patch keys).
+_POD_LISTS = {"volumes": "name", "initContainers": "name", "imagePullSecrets": "name", "hostAliases": "ip",
+              "topologySpreadConstraints": "topologyKey", "resourceClaims": "name"}
+_CONTAINER_LISTS = {"env": "name", "envFrom": None, "volumeMounts": "mountPath", "ports": "containerPort",
+                    "volumeDevices": "devicePath"}
+
+
+def _merge_container(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        if k in _CONTAINER_LISTS and isinstance(v, list):
+            key = _CONTAINER_LISTS[k]
+            out[k] = list(base.get(k) or []) + list(v) if key is None else _merge_named(base.get(k) or [], v, key)
+        elif k in base:
+            out[k] = _deep_merge(base[k], v)
+        else:
+            out[k] = v
+    if "env" in extra:  # the operator's environment stays authoritative (the models refuse to set it)
+        mine = {e["name"]: e for e in base.get("env") or []}
+        out["env"] = [mine.get(e["name"], e) if e["name"] in RESERVED_WORKER_ENV else e for e in out["env"]]
+    return out
+
+
+def overlay(pod_spec: dict[str, Any], template: dict[str, Any]) -> None:
+    """Merges ``spec.workers.template.spec`` into a worker's pod spec, strategic-merge style: containers and
+    the other keyed lists by their key (the ``trainer`` container is the operator's: its env, mounts, ports
+    merged, other fields deep-merged), tolerations appended, maps deep-merged, other fields replaced. What the
+    operator must own (rank env, command, restartPolicy, its volumes) is refused by the models before this."""
+    for key, value in template.items():
+        if key == "containers" and isinstance(value, list):
+            containers = list(pod_spec["containers"])
+            for extra in value:
+                names_ = [c["name"] for c in containers]
+                if extra.get("name") in names_:
+                    i = names_.index(extra["name"])
+                    containers[i] = _merge_container(containers[i], extra)
+                else:
+                    containers.append(dict(extra))  # a sidecar
+            pod_spec["containers"] = containers
+        elif key in _POD_LISTS and isinstance(value, list):
+            pod_spec[key] = _merge_named(pod_spec.get(key) or [], value, _POD_LISTS[key])
+        elif key == "tolerations" and isinstance(value, list):
+            pod_spec[key] = list(pod_spec.get(key) or []) + list(value)
+        elif key in pod_spec:
+            pod_spec[key] = _deep_merge(pod_spec[key], value)
+        else:
+            pod_spec[key] = value
 
 
 ANNOTATION_SPEC_HASH = f"{names.GROUP}/spec-hash"

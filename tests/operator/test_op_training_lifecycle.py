@@ -101,6 +101,11 @@ RESTARTING = [
     ("checkpoint.intervalSteps", 50),
     ("scheduling.nodeSelector", {"pool": "gpu"}),
     ("progressIntervalSeconds", 30),
+    ("workers.envFrom", [{"secretRef": {"name": "creds"}}]),
+    ("workers.template", {"metadata": {"annotations": {"team": "a"}}}),
+    ("workers.template", {"spec": {"priorityClassName": "high"}}),
+    ("workers.nprocPerNode", 2),  # only when the CEL rule let it through (suspended in between)
+    ("runPolicy.schedulingPolicy", {"gangScheduler": "Volcano"}),
     ("workers.replicas", 3),  # only when the CEL rule let it through (suspended in between)
     ("workers.replicas", 1),
 ]
@@ -124,11 +129,12 @@ def test_a_spec_change_restarts_the_gang_on_purpose(field: str, value: Any) -> N
     plan = reconcile_training(job(spec, plan.status, 2), dying, NOW)
     assert plan.status["state"] == "Restarting" and not plan.create_pods
     plan = reconcile_training(job(spec, plan.status, 2), [], NOW)
-    replicas = _change(field, value, {"workers": {"replicas": 2}})["workers"]["replicas"]
+    workers = _change(field, value, {"workers": {"replicas": 2}})["workers"]
+    replicas = workers["replicas"]
     assert len(plan.create_pods) == replicas and plan.status["restarts"] == 0
     new = as_live(plan.create_pods)
     env = {e["name"]: e.get("value") for e in new[0]["spec"]["containers"][0]["env"]}
-    assert env["WORLD_SIZE"] == str(replicas)
+    assert env["WORLD_SIZE"] == str(replicas * workers.get("nprocPerNode", 1))
     plan = reconcile_training(job(spec, plan.status, 2), new, NOW)
     assert plan.status["state"] == "Running" and not plan.delete_pods and not plan.create_pods
 
@@ -183,14 +189,16 @@ def test_crd_refuses_a_replica_change_unless_suspended() -> None:
         ns = {"self": _Dot(new), "oldSelf": _Dot(old)}
         return bool(eval(rule.replace("||", " or ").replace("&&", " and "), {}, ns))
 
-    def s(replicas: int, suspend: bool) -> dict[str, Any]:
-        return {"workers": {"replicas": replicas}, "runPolicy": {"suspend": suspend}}
+    def s(replicas: int, suspend: bool, nproc: int = 1) -> dict[str, Any]:
+        return {"workers": {"replicas": replicas, "nprocPerNode": nproc}, "runPolicy": {"suspend": suspend}}
 
     assert allowed(s(2, False), s(2, False))
     assert not allowed(s(2, False), s(3, False))
     assert allowed(s(2, False), s(3, True))  # suspend and rescale in one update
     assert allowed(s(2, True), s(3, True))
     assert allowed(s(2, True), s(3, False))  # rescale while suspended and resume in one update
+    assert not allowed(s(2, False), s(2, False, 2))
+    assert allowed(s(2, True), s(2, False, 2))
 
 
 class _Dot:
