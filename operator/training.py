@@ -249,7 +249,9 @@ def worker_pod(job: dict[str, Any], spec: GRTrainingJobSpec, rank: int, attempt:
                        trainconfig.config_text(spec))
     return {
         "apiVersion": "v1", "kind": "Pod",
-        "metadata": objects.metadata(job, pod_name, pod_labels, {**annotations, ANNOTATION_SPEC_HASH: digest}),
+        "metadata": objects.metadata(job, pod_name, pod_labels, {
+            **annotations, ANNOTATION_SPEC_HASH: digest,
+            ANNOTATION_GENERATION: str(job["metadata"].get("generation") or 0)}),
         "spec": pod_spec,
     }
 
@@ -327,6 +329,7 @@ def overlay(pod_spec: dict[str, Any], template: dict[str, Any]) -> None:
 
 
 ANNOTATION_SPEC_HASH = f"{names.GROUP}/spec-hash"
+ANNOTATION_GENERATION = f"{names.GROUP}/generation"  # the job's metadata.generation the pod was made from
 
 
 def spec_hash(pod_spec: dict[str, Any], config: str) -> str:
@@ -524,10 +527,13 @@ def reconcile_training(job: dict[str, Any], pods: list[dict[str, Any]], now: dt.
     # A spec change that reaches the pods (image, env, resources, trainer config, replicas, ...): the gang is
     # restarted on purpose from the last checkpoint, as one gang of the new spec. Not a failure: backoffLimit
     # is not charged. (workers.replicas can only change while suspended or finished: a CEL rule in the CRD.)
+    # Only a change of the job's spec counts (its generation moved since the pod was made): a new operator
+    # version that builds pods a little differently does not restart the jobs already running.
     desired = {r: worker_pod(job, spec, r, attempt) for r in range(replicas)}
     outdated = {r: p for r, p in current.items()
                 if objects.annotation(p, ANNOTATION_SPEC_HASH) not in (None, objects.annotation(
-                    desired[r], ANNOTATION_SPEC_HASH))}
+                    desired[r], ANNOTATION_SPEC_HASH))
+                and objects.annotation(p, ANNOTATION_GENERATION) not in (None, str(generation or 0))}
     if outdated or (current and any(objects.label_int(p, names.LABEL_RANK) >= replicas for p in stale
                                     if objects.label_int(p, names.LABEL_ATTEMPT) == attempt)):
         rank = min(outdated) if outdated else min(current)

@@ -178,6 +178,20 @@ def test_pods_without_a_hash_are_left_alone() -> None:
     assert plan.status["state"] == "Running" and not plan.delete_pods
 
 
+def test_a_new_operator_version_does_not_restart_running_jobs() -> None:
+    """Pods built differently by another operator version (other hash) at the same job generation stay."""
+    status, pods = run_gang()
+    for p in pods:
+        p["metadata"]["annotations"]["grstack.io/spec-hash"] = "0123456789abcdef"
+    plan = reconcile_training(job(status=status), pods, NOW)
+    assert plan.status["state"] == "Running" and not plan.delete_pods
+    old = copy.deepcopy(pods)  # ... and pods from before generations were recorded
+    for p in old:
+        p["metadata"]["annotations"].pop("grstack.io/generation")
+    plan = reconcile_training(job({"image": "grstack:new"}, status, 2), old, NOW)
+    assert plan.status["state"] == "Running" and not plan.delete_pods
+
+
 def test_crd_refuses_a_replica_change_unless_suspended() -> None:
     schema = crds.crd(crds.TRAINING)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
     rules = [r["rule"] for r in schema["x-kubernetes-validations"]]
