@@ -480,6 +480,7 @@ def reconcile_training(job: dict[str, Any], pods: list[dict[str, Any]], now: dt.
         status["workers"] = {"active": 0, "succeeded": 0, "failed": 0}
         status.pop("gangAttempt", None)  # the gang is gone on purpose: its absence is no lost worker
         status.pop("gangStartTime", None)
+        _waiting_condition(plan, status, {}, now, generation)  # no pods, nothing waits
         return plan
     if previous_state == "Suspended":
         status.pop("startTime", None)  # the deadline counts from the resume, as in Kubeflow

@@ -86,3 +86,26 @@ async def test_gang_scheduled_job_created_suspended_then_admitted(cluster: Clust
     await cluster.wait_for("Succeeded", lambda: status(cluster, "queued").get("state") in ("Succeeded", "Failed"),
                            timeout=90)
     assert status(cluster, "queued")["state"] == "Succeeded", condition(cluster, "queued", "Failed")
+
+
+async def test_image_pull_backoff_surfaces_as_condition_and_event(cluster: Cluster) -> None:
+    """A worker whose container waits in ImagePullBackOff (reported by the kubelet) shows on the job."""
+    obj = job("pull", replicas=2, env={"FAKE_STEPS": "4"})
+    # a ConfigMap that does not exist keeps the emulator's kubelet in ContainerCreating, so the test can play
+    # the kubelet that cannot pull the image
+    obj["spec"]["workers"]["template"] = {"spec": {
+        "volumes": [{"name": "extra", "configMap": {"name": "missing"}}],
+        "containers": [{"name": "trainer", "volumeMounts": [{"name": "extra", "mountPath": "/extra"}]}]}}
+    await create(cluster, obj)
+    await cluster.wait_for("2 pods", lambda: len(cluster.pods(names.LABEL_JOB, "pull")) == 2)
+    message = 'Back-off pulling image "grstack:typo"'
+    code, body = await cluster.patch("v1/pods", "pull-worker-1", {"status": {"phase": "Pending", "containerStatuses": [
+        {"name": "trainer", "ready": False, "restartCount": 0, "image": "grstack:typo", "imageID": "",
+         "state": {"waiting": {"reason": "ImagePullBackOff", "message": message}}}]}}, sub="status")
+    assert code == 200, body
+    await cluster.wait_for("WorkersWaiting", lambda: condition(cluster, "pull", "WorkersWaiting").get("reason")
+                           == "ImagePullBackOff")
+    cond = condition(cluster, "pull", "WorkersWaiting")
+    assert cond["status"] == "True" and "pull-worker-1" in cond["message"] and message in cond["message"]
+    await cluster.wait_for("Event", lambda: events(cluster, "pull", "ImagePullBackOff"))
+    assert status(cluster, "pull")["state"] == "Created"

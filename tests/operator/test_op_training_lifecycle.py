@@ -360,3 +360,13 @@ def test_waiting_reasons_surface_as_condition_and_event(reason: str) -> None:
 def test_status_schema_keeps_the_new_fields() -> None:
     props = crds.structural_schema(crds.TRAINING.status)["properties"]
     assert "gangStartTime" in props and "gangAttempt" in props
+
+
+def test_suspend_clears_workers_waiting() -> None:
+    plan = reconcile_training(job(), [], NOW)
+    pods = as_live(plan.create_pods, "Pending")
+    pods[0]["status"]["containerStatuses"] = [{"name": "trainer", "state": {"waiting": {"reason": "ErrImagePull"}}}]
+    plan = reconcile_training(job(status=plan.status), pods, NOW)
+    plan = reconcile_training(job({"runPolicy": {"suspend": True}}, plan.status, 2), pods, NOW)
+    cond = next(c for c in plan.status["conditions"] if c["type"] == "WorkersWaiting")
+    assert cond["status"] == "False" and plan.status["state"] == "Suspended"
