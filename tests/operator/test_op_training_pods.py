@@ -142,3 +142,33 @@ def test_pod_env_agrees_with_the_trainer_launcher() -> None:
 def test_the_schema_model_accepts_the_example_template() -> None:
     spec = parse_spec(job({"replicas": 2, "template": TEMPLATE}))
     assert spec.workers.template.metadata.labels["team"] == "recsys"
+
+
+def _admit(spec: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    from opsim import admit_custom_resource
+
+    from grstack.operator import crds
+
+    schema = crds.crd(crds.TRAINING)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    return admit_custom_resource({"apiVersion": names.API_VERSION, "kind": names.TRAINING_KIND,
+                                  "metadata": {"name": "demo"}, "spec": spec}, schema)
+
+
+def test_crd_keeps_the_template_unpruned_and_defaults_the_new_fields() -> None:
+    stored, errors = _admit({"image": "x", "workers": {"replicas": 2, "template": TEMPLATE}})
+    assert errors == []
+    workers = stored["spec"]["workers"]
+    assert workers["template"]["spec"] == TEMPLATE["spec"]  # x-kubernetes-preserve-unknown-fields
+    assert workers["nprocPerNode"] == 1
+    assert stored["spec"]["runPolicy"]["schedulingPolicy"] == {"gangScheduler": "None"}
+
+
+@pytest.mark.parametrize(("spec", "where"), [
+    ({"workers": {"nprocPerNode": 0}}, "nprocPerNode"),
+    ({"runPolicy": {"schedulingPolicy": {"gangScheduler": "Kube"}}}, "gangScheduler"),
+    ({"runPolicy": {"schedulingPolicy": {"scheduleTimeoutSeconds": 0}}}, "scheduleTimeoutSeconds"),
+    ({"workers": {"template": {"metadata": {"labels": {"a": 1}}}}}, "labels"),
+])
+def test_crd_rejects_bad_new_fields(spec: dict[str, Any], where: str) -> None:
+    _, errors = _admit({"image": "x", **spec})
+    assert errors and where in " ".join(errors), errors
