@@ -139,8 +139,14 @@ async def reconcile_training_once(rt: Runtime, namespace: str, name: str) -> flo
     post_events(job, plan.events)
     if plan.status.get("restarts", 0) > (job.get("status") or {}).get("restarts", 0):
         rt.metrics.restarts.inc()
-    for child in plan.children:
-        await ensure(client, child, update=False)
+    for child in plan.children:  # kept up to date: a spec change reaches the ConfigMap and the Role
+        try:
+            await ensure(client, child, update=True)
+        except ApiError as exc:
+            if child["kind"] != "PodGroup" or exc.status not in (403, 404):
+                raise
+            log.warning("%s/%s: cannot create the %s PodGroup (is the gang scheduler installed and the operator "
+                        "allowed to manage podgroups?): %s", namespace, name, child["apiVersion"], exc)
     for pod_name in plan.delete_pods:
         if await client.delete("v1", "Pod", namespace, pod_name):
             rt.metrics.pods_deleted.inc()

@@ -27,6 +27,8 @@ PLURALS = {
     ("apps/v1", "StatefulSet"): "statefulsets",
     ("apps/v1", "Deployment"): "deployments",
     ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
+    ("scheduling.x-k8s.io/v1alpha1", "PodGroup"): "podgroups",
+    ("scheduling.volcano.sh/v1beta1", "PodGroup"): "podgroups",
     ("grstack.io/v1alpha1", "GRTrainingJob"): "grtrainingjobs",
     ("grstack.io/v1alpha1", "GRRankingService"): "grrankingservices",
 }

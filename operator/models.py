@@ -57,12 +57,86 @@ class Scheduling(_Model):
 # ---------------------------------------------------------------------------------------------- training
 
 
+# Environment the operator sets on every worker (the torchrun contract and the progress reporting): a user
+# value for one of these is refused, as it would silently break the gang.
+RESERVED_WORKER_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                       "NODE_RANK", "GROUP_RANK", "GRSTACK_POD_NAME", "GRSTACK_POD_NAMESPACE",
+                       "GRSTACK_PROGRESS_ANNOTATION", "GRSTACK_PROGRESS_INTERVAL")
+# Pod fields and volume names the operator owns.
+RESERVED_POD_FIELDS = ("restartPolicy", "hostname", "subdomain")
+RESERVED_TRAINER_FIELDS = ("image", "command", "args")
+RESERVED_VOLUMES = ("tmp", "shm", "config", "checkpoint", "data")
+TRAINER_CONTAINER = "trainer"
+
+
+class WorkerEnvVar(_Model):
+    """corev1.EnvVar: a literal ``value`` or a ``valueFrom`` (secretKeyRef, configMapKeyRef, fieldRef, ...)."""
+
+    name: str = Field(min_length=1)
+    value: str | None = None
+    value_from: KubeObject | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> WorkerEnvVar:
+        if self.value is not None and self.value_from is not None:
+            raise ValueError(f"env {self.name}: set value or valueFrom, not both")
+        return self
+
+
+class TemplateMetadata(_Model):
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class WorkerTemplate(_Model):
+    """A PodTemplateSpec overlay merged into every worker pod (see docs/kubernetes.md, Pod templates)."""
+
+    metadata: TemplateMetadata = Field(default_factory=TemplateMetadata)
+    spec: KubeObject = Field(
+        default_factory=dict,
+        description="a corev1.PodSpec fragment (not validated field by field here: the API server validates the "
+                    "pods): containers merged by name (trainer = the operator's container, others are "
+                    "sidecars), initContainers, volumes, tolerations, affinity, nodeSelector, priorityClassName, ...")
+
+    @model_validator(mode="after")
+    def _reserved(self) -> WorkerTemplate:
+        spec = self.spec
+        bad = [f"spec.{k}" for k in RESERVED_POD_FIELDS if k in spec]
+        for i, c in enumerate(spec.get("containers") or []):
+            if not isinstance(c, dict) or not c.get("name"):
+                raise ValueError(f"template.spec.containers[{i}]: a container needs a name")
+            if c["name"] == TRAINER_CONTAINER:
+                bad += [f"spec.containers[trainer].{k}" for k in RESERVED_TRAINER_FIELDS if k in c]
+                bad += [f"spec.containers[trainer].env {e.get('name')}" for e in c.get("env") or []
+                        if isinstance(e, dict) and e.get("name") in RESERVED_WORKER_ENV]
+        bad += [f"spec.volumes {v.get('name')}" for v in spec.get("volumes") or []
+                if isinstance(v, dict) and v.get("name") in RESERVED_VOLUMES]
+        if bad:
+            raise ValueError(f"template sets what the operator sets: {', '.join(bad)} (image, command and "
+                             f"args come from spec.image and the trainer config; reserved environment: "
+                             f"{', '.join(RESERVED_WORKER_ENV)}; reserved volumes: {', '.join(RESERVED_VOLUMES)})")
+        return self
+
+
 class Workers(_Model):
-    replicas: int = Field(1, ge=1, description="ranks in the job; one pod per rank")
+    replicas: int = Field(1, ge=1, description="pods in the job (nodes); nprocPerNode ranks each")
+    nproc_per_node: int = Field(
+        1, ge=1, description="ranks per pod (grstack train --nproc), one accelerator each: WORLD_SIZE = "
+                             "replicas * nprocPerNode")
     accelerator: Accelerator = Field(
         "cpu", description="cpu, nvidia (nvidia.com/gpu) or ascend (huawei.com/Ascend910); one device per rank")
     resources: Resources = Field(default_factory=Resources)
-    env: list[EnvVar] = Field(default_factory=list)
+    env: list[WorkerEnvVar] = Field(default_factory=list)
+    env_from: list[KubeObject] = Field(default_factory=list, description="corev1.EnvFromSource items")
+    template: WorkerTemplate = Field(default_factory=WorkerTemplate)
+
+    @model_validator(mode="after")
+    def _reserved_env(self) -> Workers:
+        bad = [e.name for e in self.env if e.name in RESERVED_WORKER_ENV]
+        if bad:
+            raise ValueError(f"workers.env sets {', '.join(bad)}: the operator sets "
+                             f"{', '.join(RESERVED_WORKER_ENV)} for every rank")
+        return self
 
 
 class TrainingData(_Model):
@@ -80,6 +154,23 @@ class TrainingCheckpoint(_Model):
     interval_steps: int | None = Field(None, ge=1, description="steps between checkpoints (train.checkpoint_every)")
 
 
+class SchedulingPolicy(_Model):
+    """Gang scheduling of the workers: a PodGroup for a gang scheduler, a Kueue queue, a schedule timeout."""
+
+    gang_scheduler: Literal["None", "Coscheduling", "Volcano"] = Field(
+        "None", description="Coscheduling: a scheduling.x-k8s.io/v1alpha1 PodGroup (scheduler-plugins) and the "
+                            "pod label scheduling.x-k8s.io/pod-group; Volcano: a scheduling.volcano.sh/v1beta1 "
+                            "PodGroup, the pod annotation scheduling.k8s.io/group-name and schedulerName volcano; "
+                            "minMember = workers.replicas")
+    queue: str | None = Field(None, description="Volcano queue of the PodGroup (gangScheduler Volcano)")
+    kueue_queue_name: str | None = Field(
+        None, description="Kueue LocalQueue: pods get the kueue.x-k8s.io/queue-name label and form one Kueue "
+                          "pod group (default: the job's own kueue.x-k8s.io/queue-name label)")
+    schedule_timeout_seconds: int | None = Field(
+        None, ge=1, description="a gang partly scheduled this long after its pods were created is released "
+                                "(pods deleted, condition GangScheduled False ScheduleTimeout) and recreated")
+
+
 class RunPolicy(_Model):
     backoff_limit: int = Field(3, ge=0, description="whole-gang restarts from the last checkpoint before Failed")
     active_deadline_seconds: int | None = Field(None, ge=1)
@@ -87,9 +178,21 @@ class RunPolicy(_Model):
     clean_pod_policy: Literal["All", "Running", "None"] = Field(
         "None", description="pods deleted when the job ends: All, Running (still running ones) or None")
     suspend: bool = Field(False, description="true deletes the pods; false again resumes from the last checkpoint")
+    scheduling_policy: SchedulingPolicy = Field(default_factory=SchedulingPolicy)
 
 
 class GRTrainingJobSpec(_Model):
+    """A change of ``workers.replicas`` is refused unless the job is (or becomes, in the same update) suspended:
+    the ranks of a running gang cannot change their world size. Other fields that reach the pods restart the
+    gang from its last checkpoint (condition reason ``SpecChanged``); ``runPolicy`` applies in place."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        {"rule": "(self.workers.replicas == oldSelf.workers.replicas && self.workers.nprocPerNode == "
+                 "oldSelf.workers.nprocPerNode) || self.runPolicy.suspend || oldSelf.runPolicy.suspend",
+         "message": "workers.replicas and workers.nprocPerNode cannot change while the job runs: set "
+                    "runPolicy.suspend to true first "
+                    "(or in the same update), then resume"}]})
+
     image: str = Field(min_length=1, description="image with the grstack command")
     image_pull_policy: PullPolicy = "IfNotPresent"
     image_pull_secrets: list[str] = Field(default_factory=list)
@@ -142,6 +245,7 @@ class GRTrainingJobStatus(_Model):
     workers: WorkerCounts = Field(default_factory=WorkerCounts)
     restarts: int = 0
     gang_attempt: int | None = Field(None, description="the attempt whose pods were all seen (a later gap is a loss)")
+    gang_start_time: str | None = Field(None, description="when the current gang's pods were created")
     progress: Progress | None = None
     start_time: str | None = None
     completion_time: str | None = None

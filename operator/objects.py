@@ -109,6 +109,47 @@ def terminated(pod: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
+def annotation(obj: dict[str, Any], key: str) -> str | None:
+    return (obj.get("metadata", {}).get("annotations") or {}).get(key)
+
+
+def covers(desired: Any, live: Any) -> bool:
+    """Whether the live object already has every desired field (the API server adds defaults of its own)."""
+    if isinstance(desired, dict):
+        return isinstance(live, dict) and all(covers(v, live.get(k)) for k, v in desired.items())
+    if isinstance(desired, list):
+        return isinstance(live, list) and len(desired) == len(live) and all(map(covers, desired, live))
+    return desired == live or (desired is not None and live is not None and str(desired) == str(live))
+
+
+def scheduled(pod: dict[str, Any]) -> bool:
+    """Whether the pod is bound to a node (it holds that node's resources)."""
+    if (pod.get("spec") or {}).get("nodeName") or phase(pod) != "Pending":
+        return True
+    conds = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "PodScheduled" and c.get("status") == "True" for c in conds)
+
+
+def blocked(pod: dict[str, Any], reasons: tuple[str, ...]) -> tuple[str, str] | None:
+    """(reason, message) when a container of the pod waits for one of ``reasons``, or the pod is
+    Unschedulable."""
+    name = pod.get("metadata", {}).get("name", "?")
+    st = pod.get("status") or {}
+    for cs in (st.get("initContainerStatuses") or []) + (st.get("containerStatuses") or []):
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") in reasons:
+            text = f"pod {name} container {cs.get('name')}: {waiting['reason']}"
+            if waiting.get("message"):
+                text += f": {waiting['message'][:300]}"
+            return waiting["reason"], text
+    for cond in st.get("conditions") or []:
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "False" and \
+                cond.get("reason") == "Unschedulable":
+            text = f"pod {name} is unschedulable" + (f": {cond['message'][:300]}" if cond.get("message") else "")
+            return "Unschedulable", text
+    return None
+
+
 def label_int(pod: dict[str, Any], key: str, default: int = -1) -> int:
     try:
         return int(pod.get("metadata", {}).get("labels", {}).get(key, default))

@@ -28,7 +28,20 @@ from typing import Any
 from pydantic import ValidationError
 
 from grstack.operator import names, objects, trainconfig
-from grstack.operator.models import GRTrainingJobSpec
+from grstack.operator.models import RESERVED_WORKER_ENV, GRTrainingJobSpec
+
+# Gang scheduling (``spec.runPolicy.schedulingPolicy``).
+COSCHEDULING_API = "scheduling.x-k8s.io/v1alpha1"
+COSCHEDULING_LABEL = "scheduling.x-k8s.io/pod-group"
+COSCHEDULING_SCHEDULER = "scheduler-plugins-scheduler"  # the scheduler-plugins chart's second scheduler
+VOLCANO_API = "scheduling.volcano.sh/v1beta1"
+VOLCANO_ANNOTATION = "scheduling.k8s.io/group-name"
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+KUEUE_GROUP_LABEL = "kueue.x-k8s.io/pod-group-name"
+KUEUE_GROUP_COUNT = "kueue.x-k8s.io/pod-group-total-count"
+# Container waiting reasons that will not resolve by waiting (surfaced as condition WorkersWaiting).
+BLOCKING_REASONS = ("ImagePullBackOff", "ErrImagePull", "CrashLoopBackOff", "CreateContainerConfigError",
+                    "CreateContainerError", "InvalidImageName")
 
 TERMINAL = ("Succeeded", "Failed")
 STATE_CONDITIONS = ("Running", "Restarting", "Succeeded", "Failed", "Suspended")
@@ -107,7 +120,32 @@ def children(job: dict[str, Any], spec: GRTrainingJobSpec) -> list[dict[str, Any
         },
     }
     rbac = objects.self_patch_role(job, names.job_account_name(name), base, [names.worker_pod_name(name, 0)])
-    return [config, service, *rbac]
+    return [config, service, *rbac, *pod_groups(job, spec)]
+
+
+def pod_groups(job: dict[str, Any], spec: GRTrainingJobSpec) -> list[dict[str, Any]]:
+    """The PodGroup of the gang scheduler chosen in ``runPolicy.schedulingPolicy`` (minMember = replicas)."""
+    policy = spec.run_policy.scheduling_policy
+    name = job["metadata"]["name"]
+    if policy.gang_scheduler == "Coscheduling":
+        group_spec: dict[str, Any] = {"minMember": spec.workers.replicas}
+        if policy.schedule_timeout_seconds is not None:
+            group_spec["scheduleTimeoutSeconds"] = policy.schedule_timeout_seconds
+        api = COSCHEDULING_API
+    elif policy.gang_scheduler == "Volcano":
+        group_spec = {"minMember": spec.workers.replicas}
+        if policy.queue:
+            group_spec["queue"] = policy.queue
+        api = VOLCANO_API
+    else:
+        return []
+    return [{"apiVersion": api, "kind": "PodGroup", "metadata": objects.metadata(job, name, labels(name)),
+             "spec": group_spec}]
+
+
+def kueue_queue(job: dict[str, Any], spec: GRTrainingJobSpec) -> str | None:
+    return (spec.run_policy.scheduling_policy.kueue_queue_name
+            or (job["metadata"].get("labels") or {}).get(KUEUE_QUEUE_LABEL))
 
 
 def run_dir(name: str, spec: GRTrainingJobSpec) -> str:
@@ -118,17 +156,24 @@ def worker_pod(job: dict[str, Any], spec: GRTrainingJobSpec, rank: int, attempt:
     name = job["metadata"]["name"]
     pod_name = names.worker_pod_name(name, rank)
     pod_labels = {**labels(name), names.LABEL_RANK: str(rank), names.LABEL_ATTEMPT: str(attempt)}
+    nproc = spec.workers.nproc_per_node
     args = ["train", "--config", f"{names.CONFIG_MOUNT}/{names.CONFIG_KEY}", "--out", run_dir(name, spec),
             "--no-progress"]
+    if nproc > 1:  # the trainer starts nproc local ranks RANK = NODE_RANK * nproc + LOCAL_RANK
+        args += ["--nproc", str(nproc)]
     for item in trainconfig.overrides(spec):
         args += ["--set", item]
+    # torchrun's contract for the pod (its local rank 0): the global RANK of its first rank, the pod's index
+    # as NODE_RANK/GROUP_RANK, WORLD_SIZE = all ranks of all pods.
     env = [
         {"name": "MASTER_ADDR", "value": f"{names.worker_pod_name(name, 0)}.{names.workers_service_name(name)}"},
         {"name": "MASTER_PORT", "value": str(names.MASTER_PORT)},
-        {"name": "WORLD_SIZE", "value": str(spec.workers.replicas)},
-        {"name": "RANK", "value": str(rank)},
+        {"name": "WORLD_SIZE", "value": str(spec.workers.replicas * nproc)},
+        {"name": "RANK", "value": str(rank * nproc)},
+        {"name": "NODE_RANK", "value": str(rank)},
+        {"name": "GROUP_RANK", "value": str(rank)},
         {"name": "LOCAL_RANK", "value": "0"},
-        {"name": "LOCAL_WORLD_SIZE", "value": "1"},
+        {"name": "LOCAL_WORLD_SIZE", "value": str(nproc)},
         objects.field_env("GRSTACK_POD_NAME", "metadata.name"),
         objects.field_env("GRSTACK_POD_NAMESPACE", "metadata.namespace"),
         *objects.SCRATCH_ENV,
@@ -136,7 +181,7 @@ def worker_pod(job: dict[str, Any], spec: GRTrainingJobSpec, rank: int, attempt:
     if rank == 0:
         env += [{"name": "GRSTACK_PROGRESS_ANNOTATION", "value": names.ANNOTATION_PROGRESS},
                 {"name": "GRSTACK_PROGRESS_INTERVAL", "value": str(spec.progress_interval_seconds)}]
-    env += objects.env_list(spec.workers.env)
+    env = _merge_named(env, [e.model_dump(by_alias=True, exclude_none=True) for e in spec.workers.env])
 
     volumes, mounts = objects.scratch_volumes()
     volumes.append({"name": "config", "configMap": {"name": names.job_config_name(name)}})
@@ -162,7 +207,9 @@ def worker_pod(job: dict[str, Any], spec: GRTrainingJobSpec, rank: int, attempt:
         "securityContext": objects.container_security_context(),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
-    res = objects.resources(spec.workers.resources, spec.workers.accelerator)
+    if spec.workers.env_from:
+        container["envFrom"] = [dict(e) for e in spec.workers.env_from]
+    res = objects.resources(spec.workers.resources, spec.workers.accelerator, count=nproc)
     if res:
         container["resources"] = res
     pod_spec: dict[str, Any] = {
@@ -179,12 +226,129 @@ def worker_pod(job: dict[str, Any], spec: GRTrainingJobSpec, rank: int, attempt:
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = objects.pull_secrets(spec.image_pull_secrets)
     objects.apply_scheduling(pod_spec, spec.scheduling)
-    digest = hashlib.sha256(json.dumps(pod_spec, sort_keys=True).encode()).hexdigest()[:16]
+    annotations: dict[str, str] = {}
+    template = spec.workers.template
+    overlay(pod_spec, template.spec)
+    pod_labels = {**template.metadata.labels, **pod_labels}  # the operator's labels win
+    annotations.update(template.metadata.annotations)
+    gang = spec.run_policy.scheduling_policy.gang_scheduler
+    if gang == "Coscheduling":
+        pod_labels[COSCHEDULING_LABEL] = name
+        pod_spec.setdefault("schedulerName", COSCHEDULING_SCHEDULER)
+    elif gang == "Volcano":
+        annotations[VOLCANO_ANNOTATION] = name
+        pod_spec.setdefault("schedulerName", "volcano")
+    queue = kueue_queue(job, spec)
+    if queue:  # Kueue's plain-pod-group integration admits the gang as one workload
+        pod_labels[KUEUE_QUEUE_LABEL] = queue
+        pod_labels[KUEUE_GROUP_LABEL] = f"{name}-a{attempt}"
+        annotations[KUEUE_GROUP_COUNT] = str(spec.workers.replicas)
+    # The hash covers what the pod runs: its spec, labels and annotations, and the trainer config it mounts. A pod of the current
+    # attempt whose hash differs from the desired one was made from an older spec (see reconcile_training).
+    digest = spec_hash({"spec": pod_spec, "labels": pod_labels, "annotations": annotations},
+                       trainconfig.config_text(spec))
     return {
         "apiVersion": "v1", "kind": "Pod",
-        "metadata": objects.metadata(job, pod_name, pod_labels, {f"{names.GROUP}/spec-hash": digest}),
+        "metadata": objects.metadata(job, pod_name, pod_labels, {
+            **annotations, ANNOTATION_SPEC_HASH: digest,
+            ANNOTATION_GENERATION: str(job["metadata"].get("generation") or 0)}),
         "spec": pod_spec,
     }
+
+
+def _merge_named(base: list[dict[str, Any]], extra: list[dict[str, Any]], key: str = "name") -> list[dict[str, Any]]:
+    """Lists merged by ``key`` (env by name, volumes by name, mounts by mountPath): ``extra`` replaces an item
+    of ``base`` with the same key in place, the rest is appended in order."""
+    out = [dict(item) for item in base]
+    index = {item.get(key): i for i, item in enumerate(out)}
+    for item in extra:
+        if item.get(key) in index:
+            out[index[item.get(key)]] = dict(item)
+        else:
+            index[item.get(key)] = len(out)
+            out.append(dict(item))
+    return out
+
+
+def _deep_merge(base: Any, extra: Any) -> Any:
+    if isinstance(base, dict) and isinstance(extra, dict):
+        out = dict(base)
+        for k, v in extra.items():
+            out[k] = _deep_merge(base.get(k), v) if k in base else v
+        return out
+    return extra
+
+
+# List fields of a PodSpec / Container merged by key rather than replaced (strategic-merge-patch keys).
+_POD_LISTS = {"volumes": "name", "initContainers": "name", "imagePullSecrets": "name", "hostAliases": "ip",
+              "topologySpreadConstraints": "topologyKey", "resourceClaims": "name"}
+_CONTAINER_LISTS = {"env": "name", "envFrom": None, "volumeMounts": "mountPath", "ports": "containerPort",
+                    "volumeDevices": "devicePath"}
+
+
+def _merge_container(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        if k in _CONTAINER_LISTS and isinstance(v, list):
+            key = _CONTAINER_LISTS[k]
+            out[k] = list(base.get(k) or []) + list(v) if key is None else _merge_named(base.get(k) or [], v, key)
+        elif k in base:
+            out[k] = _deep_merge(base[k], v)
+        else:
+            out[k] = v
+    if "env" in extra:  # the operator's environment stays authoritative (the models refuse to set it)
+        mine = {e["name"]: e for e in base.get("env") or []}
+        out["env"] = [mine.get(e["name"], e) if e["name"] in RESERVED_WORKER_ENV else e for e in out["env"]]
+    return out
+
+
+def overlay(pod_spec: dict[str, Any], template: dict[str, Any]) -> None:
+    """Merges ``spec.workers.template.spec`` into a worker's pod spec, strategic-merge style: containers and
+    the other keyed lists by their key (the ``trainer`` container is the operator's: its env, mounts, ports
+    merged, other fields deep-merged), tolerations appended, maps deep-merged, other fields replaced. What the
+    operator must own (rank env, command, restartPolicy, its volumes) is refused by the models before this."""
+    for key, value in template.items():
+        if key == "containers" and isinstance(value, list):
+            containers = list(pod_spec["containers"])
+            for extra in value:
+                names_ = [c["name"] for c in containers]
+                if extra.get("name") in names_:
+                    i = names_.index(extra["name"])
+                    containers[i] = _merge_container(containers[i], extra)
+                else:
+                    containers.append(dict(extra))  # a sidecar
+            pod_spec["containers"] = containers
+        elif key in _POD_LISTS and isinstance(value, list):
+            pod_spec[key] = _merge_named(pod_spec.get(key) or [], value, _POD_LISTS[key])
+        elif key == "tolerations" and isinstance(value, list):
+            pod_spec[key] = list(pod_spec.get(key) or []) + list(value)
+        elif key in pod_spec:
+            pod_spec[key] = _deep_merge(pod_spec[key], value)
+        else:
+            pod_spec[key] = value
+
+
+ANNOTATION_SPEC_HASH = f"{names.GROUP}/spec-hash"
+ANNOTATION_GENERATION = f"{names.GROUP}/generation"  # the job's metadata.generation the pod was made from
+
+
+def spec_hash(pod_spec: dict[str, Any], config: str) -> str:
+    text = json.dumps({"pod": pod_spec, "config": config}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _changed(desired: dict[str, Any], live: dict[str, Any]) -> list[str]:
+    """Names of the pod fields that differ between a desired pod and a live one, for the restart message."""
+    out = []
+    d_spec, l_spec = desired["spec"], live.get("spec") or {}
+    d_main, l_main = d_spec["containers"][0], next(iter(l_spec.get("containers") or []), {})
+    for key in sorted(d_main):
+        if not objects.covers(d_main[key], l_main.get(key)):
+            out.append(f"container {key}")
+    for key in sorted(d_spec):
+        if key != "containers" and not objects.covers(d_spec[key], l_spec.get(key)):
+            out.append(key)
+    return out or ["trainer config"]
 
 
 # ------------------------------------------------------------------------------------------------ status
@@ -314,9 +478,13 @@ def reconcile_training(job: dict[str, Any], pods: list[dict[str, Any]], now: dt.
             plan.events.append(("Normal", "Suspended", "job suspended"))
         plan.delete_pods = [p["metadata"]["name"] for p in live]
         status["workers"] = {"active": 0, "succeeded": 0, "failed": 0}
+        status.pop("gangAttempt", None)  # the gang is gone on purpose: its absence is no lost worker
+        status.pop("gangStartTime", None)
+        _waiting_condition(plan, status, {}, now, generation)  # no pods, nothing waits
         return plan
     if previous_state == "Suspended":
         status.pop("startTime", None)  # the deadline counts from the resume, as in Kubeflow
+        status.pop("gangAttempt", None)  # the resumed gang has not been seen whole yet
         status["conditions"] = objects.set_condition(status["conditions"], "Suspended", False, "JobResumed",
                                                      "runPolicy.suspend is false; pods recreated", now,
                                                      generation)
@@ -357,6 +525,31 @@ def reconcile_training(job: dict[str, Any], pods: list[dict[str, Any]], now: dt.
         _finish(plan, live, spec, now, failed=False)
         return plan
 
+    # A spec change that reaches the pods (image, env, resources, trainer config, replicas, ...): the gang is
+    # restarted on purpose from the last checkpoint, as one gang of the new spec. Not a failure: backoffLimit
+    # is not charged. (workers.replicas can only change while suspended or finished: a CEL rule in the CRD.)
+    # Only a change of the job's spec counts (its generation moved since the pod was made): a new operator
+    # version that builds pods a little differently does not restart the jobs already running.
+    desired = {r: worker_pod(job, spec, r, attempt) for r in range(replicas)}
+    outdated = {r: p for r, p in current.items()
+                if objects.annotation(p, ANNOTATION_SPEC_HASH) not in (None, objects.annotation(
+                    desired[r], ANNOTATION_SPEC_HASH))
+                and objects.annotation(p, ANNOTATION_GENERATION) not in (None, str(generation or 0))}
+    if outdated or (current and any(objects.label_int(p, names.LABEL_RANK) >= replicas for p in stale
+                                    if objects.label_int(p, names.LABEL_ATTEMPT) == attempt)):
+        rank = min(outdated) if outdated else min(current)
+        fields = _changed(desired[rank], outdated[rank]) if outdated else ["workers.replicas"]
+        msg = (f"spec changed (generation {generation}: {', '.join(fields)}); restarting all {replicas} workers "
+               f"from the last checkpoint")
+        _set_state(status, "Restarting", "SpecChanged", msg, now, generation)
+        plan.events.append(("Normal", "SpecChanged", msg))
+        plan.delete_pods += [p["metadata"]["name"] for p in current.values()]
+        status.pop("gangAttempt", None)  # the old gang goes on purpose
+        status.pop("gangStartTime", None)
+        status["workers"] = {"active": 0, "succeeded": 0, "failed": 0}
+        plan.requeue_after = min(plan.requeue_after or 1.0, 1.0)
+        return plan
+
     # A rank that vanished (deleted, evicted) after the whole gang of this attempt was seen: its peers cannot
     # go on without it, so that is a gang failure too. Other missing ranks were never created (see below).
     lost = [r for r in range(replicas) if r not in current]
@@ -384,12 +577,41 @@ def reconcile_training(job: dict[str, Any], pods: list[dict[str, Any]], now: dt.
             _fail(plan, status, "BackoffLimitExceeded", text, live, spec, now, generation)
         return plan
 
+    _waiting_condition(plan, status, current, now, generation)
+    timeout = policy.scheduling_policy.schedule_timeout_seconds
+    begun = objects.parse_time(status.get("gangStartTime"))
+    if timeout is not None and begun is not None and current:
+        scheduled = [r for r, p in current.items() if objects.scheduled(p)]
+        if len(scheduled) < replicas:
+            due = begun + dt.timedelta(seconds=timeout)
+            if scheduled and now >= due:  # a partial gang holds its nodes' accelerators: release it
+                msg = (f"only {len(scheduled)}/{replicas} workers were scheduled within scheduleTimeoutSeconds="
+                       f"{timeout}; the gang is released (pods deleted) and recreated")
+                status["conditions"] = objects.set_condition(status["conditions"], "GangScheduled", False,
+                                                             "ScheduleTimeout", msg, now, generation)
+                plan.events.append(("Warning", "ScheduleTimeout", msg))
+                plan.delete_pods += [p["metadata"]["name"] for p in current.values()]
+                status.pop("gangAttempt", None)
+                status.pop("gangStartTime", None)
+                status["workers"] = {"active": 0, "succeeded": 0, "failed": 0}
+                plan.requeue_after = min(plan.requeue_after or 1.0, 1.0)
+                return plan
+            if now < due:
+                wait = (due - now).total_seconds()
+                plan.requeue_after = min(plan.requeue_after or wait, wait)
+        elif objects.condition(status["conditions"], "GangScheduled") is not None:
+            status["conditions"] = objects.set_condition(status["conditions"], "GangScheduled", True,
+                                                         "GangScheduled", f"{replicas}/{replicas} workers scheduled",
+                                                         now, generation)
+
     if len(current) == replicas:
         status["gangAttempt"] = attempt
     blocked = {p["metadata"]["name"] for p in pods if p not in current.values()}
     waiting = any(names.worker_pod_name(name, r) in blocked for r in lost)
     if not waiting:  # the whole gang at once, once the previous attempt's pods have released the names
-        plan.create_pods = [worker_pod(job, spec, rank, attempt) for rank in lost]
+        plan.create_pods = [desired[rank] for rank in lost]
+    if plan.create_pods:
+        status["gangStartTime"] = objects.timestamp(now)
     if plan.create_pods and not status.get("startTime"):
         status["startTime"] = objects.timestamp(now)
         if policy.active_deadline_seconds is not None:
@@ -401,6 +623,28 @@ def reconcile_training(job: dict[str, Any], pods: list[dict[str, Any]], now: dt.
     if running == replicas:
         _set_state(status, "Running", "JobRunning", f"{running}/{replicas} workers running", now, generation)
     return plan
+
+
+def _waiting_condition(plan: TrainingPlan, status: dict[str, Any], current: dict[int, dict[str, Any]],
+                       now: dt.datetime, generation: int | None) -> None:
+    """Condition WorkersWaiting (and a Warning Event when it changes) for pods stuck on something that waiting
+    will not fix: an image that cannot be pulled, a crash-looping sidecar, an unschedulable pod."""
+    found = None
+    for rank in sorted(current):
+        found = objects.blocked(current[rank], BLOCKING_REASONS)
+        if found:
+            break
+    conds = status.get("conditions") or []
+    previous = objects.condition(conds, "WorkersWaiting")
+    if found:
+        reason, message = found
+        if previous is None or previous.get("status") != "True" or previous.get("message") != message:
+            plan.events.append(("Warning", reason, message))
+        status["conditions"] = objects.set_condition(conds, "WorkersWaiting", True, reason, message, now,
+                                                     generation)
+    elif previous is not None and previous.get("status") == "True":
+        status["conditions"] = objects.set_condition(conds, "WorkersWaiting", False, "NotWaiting",
+                                                     "no worker is blocked", now, generation)
 
 
 def _fail(plan: TrainingPlan, status: dict[str, Any], reason: str, message: str, live: list[dict[str, Any]],

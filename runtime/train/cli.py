@@ -6,8 +6,6 @@ import argparse
 import json
 import sys
 
-from grstack.runtime.errors import UserError
-
 
 def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="YAML config (see configs/)")
@@ -20,7 +18,9 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="train on N local ranks (sharded embeddings; gloo on CPU, NCCL/HCCL on "
                              "accelerators, one per rank), --nproc 1 included (a process group of one: every "
                              "collective runs); without it, one process and no process group. Inside a pod "
-                             "the torchrun environment (WORLD_SIZE, RANK, MASTER_ADDR, ...) makes this one rank")
+                             "the torchrun environment (WORLD_SIZE, RANK, MASTER_ADDR, ...) makes this one rank; "
+                             "with --nproc N there, N ranks: RANK = NODE_RANK * N + LOCAL_RANK, "
+                             "LOCAL_WORLD_SIZE must be N")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.set_defaults(func=run)
@@ -48,9 +48,11 @@ def _train(cfg, args: argparse.Namespace) -> dict:
     progress, stop = not args.no_progress, args.stop_after_step
     env = DistEnv.from_env()
     if env is not None and env.world_size > 1:
-        if args.nproc is not None:
-            raise UserError(f"--nproc {args.nproc} inside a distributed job (WORLD_SIZE={env.world_size}): "
-                            "drop --nproc")
+        if args.nproc is not None:  # this pod's share of the job: --nproc local ranks from RANK = NODE_RANK * N
+            from grstack.runtime.train.launch import node_from_env, train_distributed
+
+            return train_distributed(cfg, args.out, nproc=args.nproc, progress=progress, stop_after=stop,
+                                     node=node_from_env(args.nproc))
         from grstack.runtime.train.launch import run_rank
 
         return run_rank(cfg, args.out, env, progress=progress, stop_after=stop)

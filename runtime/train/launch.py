@@ -22,7 +22,8 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -140,7 +141,7 @@ def run_rank(cfg: Any, run_dir: str | Path, env: Any, *, progress: bool = True,
 
     result = guarded(env.rank, train)
     path = os.environ.get(ENV_RESULT_FILE)
-    if path and env.rank == 0:
+    if path and env.local_rank == 0:  # the local gang's first rank (global rank 0 when alone)
         Path(path).write_text(json.dumps(result))
     return result
 
@@ -152,22 +153,66 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_env(rank: int, nproc: int, port: int, threads: int | None = None) -> dict[str, str]:
+@dataclass(frozen=True)
+class Node:
+    """This pod's place in a multi-pod job started with ``--nproc N`` in each pod (GRTrainingJob
+    ``nprocPerNode``): its local ranks are global ranks ``base .. base + N - 1`` of ``world_size``."""
+
+    master_addr: str
+    master_port: int
+    world_size: int
+    base: int
+
+
+def node_from_env(nproc: int, environ: Mapping[str, str] | None = None) -> Node | None:
+    """The torchrun environment of a pod running ``nproc`` local ranks, or None outside one. The pod's env is
+    that of its local rank 0: WORLD_SIZE = all ranks, NODE_RANK (or GROUP_RANK) = the pod's index, RANK =
+    NODE_RANK * nproc, LOCAL_WORLD_SIZE = nproc."""
+    env = os.environ if environ is None else environ
+    if "WORLD_SIZE" not in env:
+        return None
+    try:
+        world = int(env["WORLD_SIZE"])
+        local_world = int(env.get("LOCAL_WORLD_SIZE", nproc))
+        node = env.get("NODE_RANK", env.get("GROUP_RANK"))
+        base = int(node) * nproc if node is not None else int(env.get("RANK", "0"))
+        out = Node(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, base)
+    except (KeyError, ValueError) as exc:
+        raise UserError(f"--nproc {nproc} inside a distributed job: incomplete or bad environment ({exc})") from None
+    if local_world != nproc:
+        raise UserError(f"--nproc {nproc} inside a distributed job with LOCAL_WORLD_SIZE={local_world}: they must "
+                        "agree (one process per local rank)")
+    if "RANK" in env and int(env["RANK"]) != base:
+        raise UserError(f"RANK={env['RANK']} is not NODE_RANK * --nproc = {base}: the pod's RANK is that of its "
+                        "first local rank")
+    if world % nproc or not 0 <= base <= world - nproc:
+        raise UserError(f"--nproc {nproc} ranks from RANK={base} do not fit in WORLD_SIZE={world}")
+    return out
+
+
+def rank_env(rank: int, nproc: int, port: int, threads: int | None = None,
+             node: Node | None = None) -> dict[str, str]:
+    """Local rank ``rank`` of ``nproc``: alone on this machine, or (``node``) part of a multi-pod job."""
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc), "RANK": str(rank),
            "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(nproc)}
+    if node is not None:
+        env.update({"MASTER_ADDR": node.master_addr, "MASTER_PORT": str(node.master_port),
+                    "WORLD_SIZE": str(node.world_size), "RANK": str(node.base + rank),
+                    "NODE_RANK": str(node.base // nproc), "GROUP_RANK": str(node.base // nproc)})
     if threads:
         env[ENV_THREADS] = str(threads)
     return env
 
 
 def spawn_local(nproc: int, argv: list[str], tmp: Path, extra_env: dict[str, str] | None = None,
-                per_rank_env: dict[int, dict[str, str]] | None = None) -> list[subprocess.Popen]:
+                per_rank_env: dict[int, dict[str, str]] | None = None, node: Node | None = None
+                ) -> list[subprocess.Popen]:
     """Starts ``python -m <argv>`` as ``nproc`` local ranks with the torchrun environment."""
-    port = free_port()
+    port = node.master_port if node is not None else free_port()
     threads = max(1, (os.cpu_count() or 1) // nproc)
     procs = []
     for r in range(nproc):
-        env = {**os.environ, **(extra_env or {}), **rank_env(r, nproc, port, threads),
+        env = {**os.environ, **(extra_env or {}), **rank_env(r, nproc, port, threads, node),
                ENV_ERROR_FILE: str(tmp / f"error-{r}.txt"), **((per_rank_env or {}).get(r, {}))}
         if r == 0:
             env[ENV_RESULT_FILE] = str(tmp / "result.json")
@@ -213,7 +258,7 @@ def failure_message(codes: list[int], tmp: Path) -> tuple[int, str]:
     return EXIT_PEER, messages[first] + note
 
 
-def preflight(cfg: Any, nproc: int) -> None:
+def preflight(cfg: Any, nproc: int, world: int | None = None) -> None:
     """What can be checked before any rank starts, so a mistake is one clear error, not a gang of failing
     ranks: the world size against the sharding plan and the batch, the precision against the device, the
     local ranks against the accelerators."""
@@ -224,13 +269,14 @@ def preflight(cfg: Any, nproc: int) -> None:
 
     if nproc < 1:
         raise UserError(f"--nproc must be >= 1, got {nproc}")
+    local, nproc = nproc, world or nproc  # the global checks use every rank of the job
     group = resolve_group_size(nproc, cfg.distributed.sparse_group_size)
     if cfg.balance.token_budget is None and cfg.train.batch_size < nproc:
         raise UserError(f"train.batch_size={cfg.train.batch_size} is the global batch: it must be at least the "
                         f"number of ranks ({nproc})")
     device = resolve_device(cfg.train.device)
     check_precision(device, cfg.train.precision)
-    local_device(device, nproc - 1)  # every local rank needs an accelerator of its own
+    local_device(device, local - 1)  # every local rank needs an accelerator of its own
     items = known_item_count(cfg.data)
     if items is not None:
         ShardingPlan.make(items + 1, cfg.model.d_model, nproc, group, cfg.distributed.max_shard_rows)
@@ -241,10 +287,11 @@ def preflight(cfg: Any, nproc: int) -> None:
 
 
 def train_distributed(cfg: Any, run_dir: str | Path, nproc: int = 2, progress: bool = True,
-                      stop_after: int | None = None) -> dict[str, Any]:
-    """Trains ``cfg`` on ``nproc`` local ranks (gloo on CPU); returns rank 0's summary (or
-    ``{"stopped_at_step": N}``). Failures raise UserError (exit status 2) or PeerFailure (3), one line each."""
-    preflight(cfg, nproc)
+                      stop_after: int | None = None, node: Node | None = None) -> dict[str, Any]:
+    """Trains ``cfg`` on ``nproc`` local ranks (gloo on CPU); returns local rank 0's summary (or
+    ``{"stopped_at_step": N}``). Failures raise UserError (exit status 2) or PeerFailure (3), one line each.
+    With ``node`` the local ranks are this pod's share of a multi-pod job (see ``node_from_env``)."""
+    preflight(cfg, nproc, node.world_size if node is not None else None)
     with tempfile.TemporaryDirectory(prefix="grstack-launch-") as tmpdir:
         tmp = Path(tmpdir)
         (tmp / "config.json").write_text(json.dumps(cfg.model_dump(mode="json")))
@@ -253,7 +300,7 @@ def train_distributed(cfg: Any, run_dir: str | Path, nproc: int = 2, progress: b
             argv += ["--stop-after-step", str(stop_after)]
         if not progress:
             argv.append("--no-progress")
-        procs = spawn_local(nproc, argv, tmp)
+        procs = spawn_local(nproc, argv, tmp, node=node)
         try:
             codes = wait_all(procs, grace_s=cfg.distributed.timeout_s + 15)
         except KeyboardInterrupt:

@@ -235,3 +235,65 @@ async def test_ranking_service_children_and_scale(env: Env) -> None:
         return bool(sts and sts["spec"]["replicas"] == 2)
 
     await env.wait_for("kubectl-scale to reach the StatefulSet", scaled, timeout=120)
+
+
+async def _patch_job(env: Env, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return await env.client.request(
+        "PATCH", f"/apis/{names.API_VERSION}/namespaces/{env.ns}/{names.TRAINING_PLURAL}/{name}", {"spec": spec},
+        content_type="application/merge-patch+json")
+
+
+async def test_replica_change_refused_unless_suspended_and_image_pull_errors_shown(env: Env) -> None:
+    """The CRD's CEL rule (a real API server evaluates it), and an unpullable image on the job."""
+    await _create_when_served(env, names.TRAINING_PLURAL, training_job(
+        "noimage", image="registry.invalid/grstack:absent", workers={"replicas": 2}))
+    with pytest.raises(ApiError) as caught:
+        await _patch_job(env, "noimage", {"workers": {"replicas": 3}})
+    assert caught.value.status == 422 and "suspend" in caught.value.message
+    await _patch_job(env, "noimage", {"workers": {"replicas": 3}, "runPolicy": {"suspend": True}})
+
+    async def suspended() -> bool:
+        return (await env.status("noimage")).get("state") == "Suspended"
+
+    await env.wait_for("Suspended", suspended, timeout=120)
+    await _patch_job(env, "noimage", {"runPolicy": {"suspend": False}})
+
+    async def waiting() -> dict[str, Any] | None:
+        return next((c for c in (await env.status("noimage")).get("conditions", [])
+                     if c["type"] == "WorkersWaiting" and c["status"] == "True"), None)
+
+    cond = await env.wait_for("WorkersWaiting", waiting, timeout=300)
+    assert cond["reason"] in ("ErrImagePull", "ImagePullBackOff", "Unschedulable"), cond
+    assert len(await env.pods(names.LABEL_JOB, "noimage")) == 3
+
+
+@needs_image
+@pytest.mark.skipif(not os.environ.get("GRSTACK_TEST_CLAIM"), reason="needs GRSTACK_TEST_CLAIM (a RWX-capable PVC)")
+async def test_two_workers_suspended_and_resumed_succeed_with_backoff_limit_0(env: Env) -> None:
+    claim = os.environ["GRSTACK_TEST_CLAIM"]
+    await env.client.request("POST", f"/api/v1/namespaces/{env.ns}/persistentvolumeclaims", {
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim},
+        "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}}})
+    await _create_when_served(env, names.TRAINING_PLURAL, training_job(
+        "pause", maxSteps=2000, workers={"replicas": max(2, WORKERS)}, runPolicy={"backoffLimit": 0},
+        checkpoint={"claimName": claim, "intervalSteps": 100}))
+
+    async def checkpointed() -> bool:
+        return bool(((await env.status("pause")).get("progress") or {}).get("lastCheckpoint"))
+
+    await env.wait_for("a checkpoint", checkpointed, timeout=900)
+    await _patch_job(env, "pause", {"runPolicy": {"suspend": True}})
+
+    async def no_pods() -> bool:
+        return (await env.status("pause")).get("state") == "Suspended" and not await env.pods(names.LABEL_JOB,
+                                                                                               "pause")
+
+    await env.wait_for("suspended without pods", no_pods, timeout=300)
+    await _patch_job(env, "pause", {"runPolicy": {"suspend": False}})
+
+    async def done() -> str | None:
+        state = (await env.status("pause")).get("state")
+        return state if state in ("Succeeded", "Failed") else None
+
+    assert await env.wait_for("the job to finish", done, timeout=900) == "Succeeded"
+    assert (await env.status("pause"))["restarts"] == 0

@@ -107,7 +107,8 @@ def test_minimal_job_gets_every_default() -> None:
          "spec": {"image": "grstack:cpu", "workers": {"replicas": 2}}}, schema(crds.TRAINING))
     assert errors == []
     spec = stored["spec"]
-    assert spec["runPolicy"] == {"backoffLimit": 3, "cleanPodPolicy": "None", "suspend": False}
+    assert spec["runPolicy"] == {"backoffLimit": 3, "cleanPodPolicy": "None", "suspend": False,
+                                 "schedulingPolicy": {"gangScheduler": "None"}}
     assert spec["workers"]["accelerator"] == "cpu"
     assert spec["checkpoint"]["mountPath"] == "/var/grstack/run"
     assert "config" not in spec  # the operator supplies the built-in demo config
