@@ -7,8 +7,15 @@ What it lacks and this module adds:
 - ``/api/v1/namespaces`` (create, get, list, watch, delete), which KMock cannot route;
 - uid, creationTimestamp, resourceVersion and generation on writes (kopf and ownerReferences need them);
   a ``metadata.uid`` in a patch is a precondition (409 on mismatch), as in the real API server;
-- for the grstack CRDs: structural pruning, defaulting and validation against the generated
-  ``openAPIV3Schema`` (a 422 ``Invalid`` answer naming the field, like the API server's);
+- for the grstack CRDs (``crds/*.yaml``, and any CRD applied through the API): structural pruning, defaulting
+  and validation against the ``openAPIV3Schema`` with the ``x-kubernetes-validations`` CEL rules evaluated by
+  cel-python (``oldSelf`` on update); a 422 ``Invalid`` answer naming the field, like the API server's; on
+  create and on every update alike: merge patch, JSON patch, PUT (strategic merge for built-in kinds only),
+  ``fieldValidation=Strict`` rejecting unknown fields;
+- what the real ``kubectl`` needs: discovery with singular and short names and categories, OpenAPI v3 (and v2
+  as JSON) documents built from the CRDs, lists with ``kind`` and ``resourceVersion``, label and field
+  selectors on lists and watches, JSON-typed watch streams, ``as=Table`` output with the CRDs' printer
+  columns (a default table for pods, Name/Age for the rest);
 - writes to ``status`` through the main resource are ignored (status subresource semantics);
 - the garbage collector: objects whose owners are all gone are deleted (ownerReferences);
 - the kubelet: a Pod becomes a local process (command/args/env with ``$(VAR)`` expansion and the downward
@@ -75,6 +82,7 @@ CLUSTER = {  # cluster-scoped resources (kopf looks for some during discovery; t
 VERBS = {"create", "delete", "get", "list", "patch", "update", "watch"}
 CRD_KEY = "apiextensions.k8s.io/v1/customresourcedefinitions"
 TABLE = {"kind": "Table", "apiVersion": "meta.k8s.io/v1"}
+REPLACE = "X-Opsim-Replace"  # marks a PUT handed to KMock as a PATCH
 
 
 # ------------------------------------------------------------------------------------ CRD schema handling
@@ -346,6 +354,13 @@ def selected(obj: dict[str, Any], params: Any) -> bool:
             and _match_fields(obj, params.get("fieldSelector") or ""))
 
 
+def _int(value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
+
+
 def wants_table(headers: Any) -> bool:
     return "as=Table" in (headers.get("Accept") or "")
 
@@ -473,6 +488,9 @@ class ApiServer(kmock.KubernetesEmulator):
         # KMock cannot parse /api/v1/namespaces[/name] (it reads "namespaces" as the namespace prefix).
         match = re.fullmatch(r"/api/v1/namespaces(?:/([^/]+))?/?", raw.path)
         if match is None:
+            if raw.method == "PUT":  # KMock routes no PUT: an update (replace) goes through the patch path
+                headers = {**raw.headers, "Content-Type": "application/json", REPLACE: "1"}
+                raw = raw.clone(method="PATCH", headers=headers)
             return await super().__call__(raw)
         return await self._namespace(raw, match.group(1))
 
@@ -681,9 +699,14 @@ class ApiServer(kmock.KubernetesEmulator):
 
     async def _serve_watch(self, request: kmock.Request) -> Any:
         table = wants_table(request.headers)
+        since = _int(request.params.get("resourceVersion"))
         async for event in super()._serve_watch(request):
             if isinstance(event, dict) and isinstance(event.get("object"), dict):
                 if not selected(event["object"], request.params):
+                    continue
+                # KMock replays the current objects as ADDED: those a client listed at ``since`` it has seen.
+                if since and event.get("type") == "ADDED" and \
+                        _int(event["object"].get("metadata", {}).get("resourceVersion")) <= since:
                     continue
                 if table:
                     event = {"type": event["type"], "object": self._table(request.resource, [event["object"]],
@@ -753,8 +776,18 @@ class ApiServer(kmock.KubernetesEmulator):
         body = request.data
         ctype = (request.headers.get("Content-Type") or "").split(";")[0].strip()
         custom = request.resource in self.custom
+        replace = request.headers.get(REPLACE) == "1"
         try:
-            if ctype == "application/json-patch+json":
+            if replace:  # PUT: the body is the whole object; its resourceVersion, if any, must be current
+                if not isinstance(body, dict):
+                    raise _bad(400, "BadRequest", "the body of a PUT must be an object")
+                sent = (body.get("metadata") or {}).get("resourceVersion")
+                if sent and sent != (current.get("metadata") or {}).get("resourceVersion"):
+                    raise _bad(409, "Conflict", f'Operation cannot be fulfilled on {request.resource.plural} '
+                                                f'"{request.name}": the object has been modified; please apply '
+                                                "your changes to the latest version and try again")
+                new = copy.deepcopy(body)
+            elif ctype == "application/json-patch+json":
                 if not isinstance(body, list):
                     raise _bad(400, "BadRequest", "a JSON patch must be a list of operations")
                 new = jsonpatch.apply_patch(current, body, in_place=False)

@@ -319,3 +319,25 @@ def test_operator_without_credentials_or_with_a_busy_port(
         assert main(["operator", "--server", "http://127.0.0.1:1", "--metrics-port", str(port)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: --metrics-port {port}: cannot listen") and err.count("\n") == 1, err
+
+
+@pytest.mark.e2e
+@needs_kubectl
+async def test_standalone_emulator_writes_a_kubeconfig(tmp_path: Path) -> None:
+    """``python -P tests/operator/opsim.py --kubeconfig FILE``: the emulated cluster on its own."""
+    kubeconfig = tmp_path / "kmock.kubeconfig"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-P", str(REPO / "tests" / "operator" / "opsim.py"), "--kubeconfig", str(kubeconfig),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+        assert "emulated cluster at http://" in line and kubeconfig.is_file(), line
+        sh = Shell(kubeconfig)
+        await sh.run("kubectl apply -f examples/training-job.yaml")
+        rows = table(await sh.run("kubectl get grtj"))
+        assert rows[0][:4] == ["NAME", "STATE", "WORKERS", "PROGRESS"] and rows[1][0] == "demo", rows
+    finally:
+        os.killpg(proc.pid, 15)
+        await proc.wait()
+
