@@ -1,8 +1,18 @@
-"""``grstack operator``: run the Kubernetes operator (kopf) for GRTrainingJob and GRRankingService."""
+"""``grstack operator``: run the Kubernetes operator (kopf) for GRTrainingJob and GRRankingService.
+
+User mistakes (a bad port or URL, a port in use, no way to log in to the API server) end with one
+``error:`` line and exit status 2, like the trainer's commands (:class:`grstack.runtime.errors.UserError`).
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import socket
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from grstack.runtime.errors import UserError
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -22,6 +32,37 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(func=run)
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse bad values before kopf starts (it would end them in a traceback or retry forever)."""
+    for flag, port in (("--liveness-port", args.liveness_port), ("--metrics-port", args.metrics_port)):
+        if not 0 <= port <= 65535:
+            raise UserError(f"{flag} {port}: not a port number (0-65535; 0 = off)")
+    if args.liveness_port and args.liveness_port == args.metrics_port:
+        raise UserError(f"--liveness-port and --metrics-port are both {args.metrics_port}")
+    if not args.resync_seconds > 0:
+        raise UserError(f"--resync-seconds {args.resync_seconds}: must be > 0")
+    for ns in args.namespace:
+        if not ns.strip():
+            raise UserError("--namespace: empty namespace name")
+    if args.server is not None:
+        url = urlsplit(args.server)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise UserError(f"--server {args.server}: not an http(s) URL (e.g. http://127.0.0.1:8001)")
+    if args.server is None and not os.environ.get("KUBERNETES_SERVICE_HOST"):
+        configs = os.environ.get("KUBECONFIG") or str(Path.home() / ".kube" / "config")
+        if not any(Path(p).is_file() for p in configs.split(os.pathsep) if p):
+            raise UserError(f"no way to log in to the Kubernetes API: not in a pod, no kubeconfig ({configs}); "
+                            "set KUBECONFIG or give --server URL (e.g. of `kubectl proxy`)")
+    for flag, port in (("--liveness-port", args.liveness_port), ("--metrics-port", args.metrics_port)):
+        if port:
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    s.bind(("0.0.0.0", port))
+                except OSError as exc:
+                    raise UserError(f"{flag} {port}: cannot listen ({exc.strerror or exc})") from exc
+
+
 def run(args: argparse.Namespace) -> int:
     import asyncio
     import logging
@@ -30,19 +71,27 @@ def run(args: argparse.Namespace) -> int:
 
     from grstack.operator.handlers import OperatorConfig, build_registry
 
+    check_args(args)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not args.verbose:
         logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # liveness probes every few seconds
     registry, rt = build_registry(OperatorConfig(server=args.server, resync_seconds=args.resync_seconds))
     if args.metrics_port:
-        rt.metrics.serve(args.metrics_port)
+        try:
+            rt.metrics.serve(args.metrics_port)
+        except OSError as exc:
+            raise UserError(f"--metrics-port {args.metrics_port}: cannot listen ({exc.strerror or exc})") from exc
     liveness = f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None
-    asyncio.run(kopf.operator(
-        registry=registry,
-        standalone=True,  # one replica (Deployment strategy Recreate); no peering objects needed
-        clusterwide=not args.namespace,
-        namespaces=args.namespace,
-        liveness_endpoint=liveness,
-    ))
+    try:
+        asyncio.run(kopf.operator(
+            registry=registry,
+            standalone=True,  # one replica (Deployment strategy Recreate); no peering objects needed
+            clusterwide=not args.namespace,
+            namespaces=args.namespace,
+            liveness_endpoint=liveness,
+        ))
+    except kopf.LoginError as exc:
+        raise UserError(f"cannot log in to the Kubernetes API ({exc}); give --server URL, a kubeconfig "
+                        "(KUBECONFIG) or run in a pod with a service account") from exc
     return 0

@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from grstack.runtime.errors import UserError
+
 
 def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", action="append", required=True, metavar="DIR",
@@ -22,16 +24,24 @@ def run(args: argparse.Namespace) -> int:
     stale = []
     for out in args.out:
         directory = Path(out)
+        if directory.exists() and not directory.is_dir():
+            raise UserError(f"--out {out}: not a directory")
         for name, text in files.items():
             target = directory / name
-            current = target.read_text() if target.is_file() else None
+            try:
+                current = target.read_text() if target.is_file() else None
+            except OSError as exc:
+                raise UserError(f"--out {out}: cannot read {target}: {exc.strerror or exc}") from exc
             if current == text:
                 continue
             if args.check:
                 stale.append(str(target))
                 continue
-            directory.mkdir(parents=True, exist_ok=True)
-            target.write_text(text)
+            try:
+                directory.mkdir(parents=True, exist_ok=True)
+                target.write_text(text)
+            except OSError as exc:
+                raise UserError(f"--out {out}: cannot write {target}: {exc.strerror or exc}") from exc
             print(f"wrote {target}", file=sys.stderr)
     if stale:
         print("stale: " + ", ".join(stale) + " (run: grstack crds --out crds/ --out charts/grstack/crds/)",

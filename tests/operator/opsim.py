@@ -7,8 +7,15 @@ What it lacks and this module adds:
 - ``/api/v1/namespaces`` (create, get, list, watch, delete), which KMock cannot route;
 - uid, creationTimestamp, resourceVersion and generation on writes (kopf and ownerReferences need them);
   a ``metadata.uid`` in a patch is a precondition (409 on mismatch), as in the real API server;
-- for the grstack CRDs: structural pruning, defaulting and validation against the generated
-  ``openAPIV3Schema`` (a 422 ``Invalid`` answer naming the field, like the API server's);
+- for the grstack CRDs (``crds/*.yaml``, and any CRD applied through the API): structural pruning, defaulting
+  and validation against the ``openAPIV3Schema`` with the ``x-kubernetes-validations`` CEL rules evaluated by
+  cel-python (``oldSelf`` on update); a 422 ``Invalid`` answer naming the field, like the API server's; on
+  create and on every update alike: merge patch, JSON patch, PUT (strategic merge for built-in kinds only),
+  ``fieldValidation=Strict`` rejecting unknown fields;
+- what the real ``kubectl`` needs: discovery with singular and short names and categories, OpenAPI v3 (and v2
+  as JSON) documents built from the CRDs, lists with ``kind`` and ``resourceVersion``, label and field
+  selectors on lists and watches, JSON-typed watch streams, ``as=Table`` output with the CRDs' printer
+  columns (a default table for pods, Name/Age for the rest);
 - writes to ``status`` through the main resource are ignored (status subresource semantics);
 - the garbage collector: objects whose owners are all gone are deleted (ownerReferences);
 - the kubelet: a Pod becomes a local process (command/args/env with ``$(VAR)`` expansion and the downward
@@ -23,7 +30,7 @@ import asyncio
 import contextlib
 import copy
 import datetime as dt
-import itertools
+import functools
 import json
 import os
 import re
@@ -37,6 +44,9 @@ from typing import Any
 
 import aiohttp
 import attrs
+import celpy
+import jsonpatch
+import jsonpointer
 import jsonschema
 import kmock
 import yaml
@@ -46,24 +56,33 @@ from grstack.operator import crds
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 
+# resource -> (kind, subresources, short names, categories); singular names are the lower-case kinds
 CORE = {
-    "v1/pods": ("Pod", {"status"}),
-    "v1/services": ("Service", {"status"}),
-    "v1/configmaps": ("ConfigMap", set()),
-    "v1/serviceaccounts": ("ServiceAccount", set()),
-    "v1/events": ("Event", set()),
-    "v1/persistentvolumeclaims": ("PersistentVolumeClaim", {"status"}),
-    "rbac.authorization.k8s.io/v1/roles": ("Role", set()),
-    "rbac.authorization.k8s.io/v1/rolebindings": ("RoleBinding", set()),
-    "apps/v1/statefulsets": ("StatefulSet", {"status", "scale"}),
-    "apps/v1/deployments": ("Deployment", {"status", "scale"}),
-    "autoscaling/v2/horizontalpodautoscalers": ("HorizontalPodAutoscaler", {"status"}),
+    "v1/pods": ("Pod", {"status"}, {"po"}, {"all"}),
+    "v1/services": ("Service", {"status"}, {"svc"}, {"all"}),
+    "v1/configmaps": ("ConfigMap", set(), {"cm"}, set()),
+    "v1/secrets": ("Secret", set(), set(), set()),
+    "v1/serviceaccounts": ("ServiceAccount", set(), {"sa"}, set()),
+    "v1/events": ("Event", set(), {"ev"}, set()),
+    "v1/persistentvolumeclaims": ("PersistentVolumeClaim", {"status"}, {"pvc"}, set()),
+    "rbac.authorization.k8s.io/v1/roles": ("Role", set(), set(), set()),
+    "rbac.authorization.k8s.io/v1/rolebindings": ("RoleBinding", set(), set(), set()),
+    "apps/v1/statefulsets": ("StatefulSet", {"status", "scale"}, {"sts"}, {"all"}),
+    "apps/v1/deployments": ("Deployment", {"status", "scale"}, {"deploy"}, {"all"}),
+    "autoscaling/v2/horizontalpodautoscalers": ("HorizontalPodAutoscaler", {"status"}, {"hpa"}, {"all"}),
+    "policy/v1/poddisruptionbudgets": ("PodDisruptionBudget", {"status"}, {"pdb"}, set()),
+    "coordination.k8s.io/v1/leases": ("Lease", set(), set(), set()),
 }
-CLUSTER = {  # cluster-scoped resources kopf looks for during discovery
-    "v1/namespaces": "Namespace",
-    "apiextensions.k8s.io/v1/customresourcedefinitions": "CustomResourceDefinition",
+CLUSTER = {  # cluster-scoped resources (kopf looks for some during discovery; the chart creates the RBAC ones)
+    "v1/namespaces": ("Namespace", {"ns"}),
+    "apiextensions.k8s.io/v1/customresourcedefinitions": ("CustomResourceDefinition", {"crd", "crds"}),
+    "rbac.authorization.k8s.io/v1/clusterroles": ("ClusterRole", set()),
+    "rbac.authorization.k8s.io/v1/clusterrolebindings": ("ClusterRoleBinding", set()),
 }
 VERBS = {"create", "delete", "get", "list", "patch", "update", "watch"}
+CRD_KEY = "apiextensions.k8s.io/v1/customresourcedefinitions"
+TABLE = {"kind": "Table", "apiVersion": "meta.k8s.io/v1"}
+REPLACE = "X-Opsim-Replace"  # marks a PUT handed to KMock as a PATCH
 
 
 # ------------------------------------------------------------------------------------ CRD schema handling
@@ -107,37 +126,89 @@ def default(obj: Any, schema: dict[str, Any]) -> Any:
     return obj
 
 
-def schema_errors(obj: dict[str, Any], schema: dict[str, Any]) -> list[str]:
-    """Violations of the CRD schema, phrased like the API server (``spec.x: Invalid value: ...``)."""
+def unknown_fields(obj: Any, schema: dict[str, Any], path: str = "") -> list[str]:
+    """Fields pruning would drop (``fieldValidation=Strict`` rejects them instead)."""
+    out: list[str] = []
+    if isinstance(obj, dict) and not schema.get("x-kubernetes-preserve-unknown-fields"):
+        props = schema.get("properties")
+        extra = schema.get("additionalProperties")
+        for key, value in obj.items():
+            if props is not None and key in props:
+                out += unknown_fields(value, props[key], f"{path}.{key}" if path else key)
+            elif props is not None:
+                out.append(f"{path}.{key}" if path else key)
+            elif isinstance(extra, dict):
+                out += unknown_fields(value, extra, f"{path}.{key}" if path else key)
+    elif isinstance(obj, list) and isinstance(schema.get("items"), dict):
+        for i, value in enumerate(obj):
+            out += unknown_fields(value, schema["items"], f"{path}[{i}]")
+    return out
+
+
+def schema_errors(obj: dict[str, Any], schema: dict[str, Any], old: dict[str, Any] | None = None) -> list[str]:
+    """Violations of the CRD schema, phrased like the API server (``spec.x: Invalid value: ...``); ``old`` is
+    the stored object on update (CEL transition rules, those using ``oldSelf``, run only then)."""
     validator = jsonschema.Draft4Validator(schema)
     out = []
     for err in sorted(validator.iter_errors(obj), key=lambda e: list(e.absolute_path)):
         where = ".".join(str(p) for p in err.absolute_path) or "<root>"
         out.append(f"{where}: Invalid value: {err.message}")
-    for err in _cel_errors(obj, schema, []):
-        out.append(err)
+    out += cel_errors(obj, schema, [], old)
     return out
 
 
-def _cel_errors(obj: Any, schema: dict[str, Any], path: list[str]) -> list[str]:
-    """The one CEL rule shape the CRDs use: ``self.a >= self.b`` (the real API server evaluates any rule)."""
+_MISSING = object()
+
+
+@functools.cache
+def _cel_program(rule: str) -> Any:
+    env = celpy.Environment()
+    return env.program(env.compile(rule))
+
+
+def cel_errors(obj: Any, schema: dict[str, Any], path: list[str], old: Any = _MISSING) -> list[str]:
+    """``x-kubernetes-validations`` rules evaluated by a CEL interpreter (cel-python), at every node that has
+    them: ``self`` is the node, ``oldSelf`` the stored node on update (rules using it are skipped on create
+    and where the node is new, as the API server does)."""
     out = []
+    where = ".".join(path) or "<root>"
+    for rule in schema.get("x-kubernetes-validations", []):
+        text = rule["rule"]
+        transition = re.search(r"\boldSelf\b", text) is not None
+        if transition and (old is _MISSING or old is None):
+            continue
+        activation = {"self": celpy.json_to_cel(obj)}
+        if transition:
+            activation["oldSelf"] = celpy.json_to_cel(old)
+        try:
+            result = _cel_program(text).evaluate(activation)
+        except Exception as exc:  # a compile or evaluation error is the rule's failure, as in the API server
+            out.append(f"{where}: Invalid value: rule {text!r} could not be evaluated: {exc}")
+            continue
+        if isinstance(result, Exception) or not bool(result):
+            message = rule.get("message") or f"failed rule: {text}"
+            out.append(f"{where}: Invalid value: {message}")
     if isinstance(obj, dict):
-        for rule in schema.get("x-kubernetes-validations", []):
-            m = re.fullmatch(r"self\.(\w+) >= self\.(\w+)", rule["rule"])
-            if m and m.group(1) in obj and m.group(2) in obj and not obj[m.group(1)] >= obj[m.group(2)]:
-                out.append(f"{'.'.join(path)}: Invalid value: {rule['message']}")
-        for key, sub in (schema.get("properties") or {}).items():
-            if key in obj:
-                out += _cel_errors(obj[key], sub, [*path, key])
+        props = schema.get("properties") or {}
+        extra = schema.get("additionalProperties")
+        for key, value in obj.items():
+            sub = props.get(key) if key in props else (extra if isinstance(extra, dict) else None)
+            if sub is not None:
+                prev = old.get(key, _MISSING) if isinstance(old, dict) else _MISSING
+                out += cel_errors(value, sub, [*path, key], prev)
+    elif isinstance(obj, list) and isinstance(schema.get("items"), dict):
+        for i, value in enumerate(obj):
+            out += cel_errors(value, schema["items"], [*path[:-1], f"{path[-1] if path else ''}[{i}]"], _MISSING)
     return out
 
 
-def admit_custom_resource(obj: dict[str, Any], schema: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """What the API server stores for a custom resource (pruned, defaulted), and why it would reject it."""
+def admit_custom_resource(obj: dict[str, Any], schema: dict[str, Any],
+                          old: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[str]]:
+    """What the API server stores for a custom resource (pruned, defaulted), and why it would reject it (on
+    create, or on update with ``old`` the stored object)."""
     stored = default(prune(obj, schema), schema)
     stored["metadata"] = obj.get("metadata", {})
-    return stored, schema_errors(stored, schema)
+    return stored, schema_errors(stored, schema, old)
 
 
 # ------------------------------------------------------------------------------------------- API server
@@ -147,111 +218,627 @@ def _now() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def _bad(status: int, reason: str, message: str, **details: Any) -> kmock.KubernetesError:
+    return kmock.KubernetesError(status=status, reason=reason, message=message, details=details or {})
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch (``application/merge-patch+json``)."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merge_patch(out.get(key), value)
+    return out
+
+
+def strategic_merge_patch(target: Any, patch: Any) -> Any:
+    """A simplified strategic merge patch for built-in kinds (what ``kubectl apply``/``patch`` send): dicts
+    merge as in a merge patch, lists of objects merge by their ``name`` key (containers, env, volumes, ports),
+    ``$patch: delete`` removes a list element, other ``$`` directives are ignored; other lists are replaced.
+    (The API server takes the merge keys and strategies from the Go types; this covers the common ones.)"""
+    if not isinstance(patch, dict):
+        if isinstance(patch, list) and isinstance(target, list) and _mergeable(target) and _mergeable(patch):
+            out = [copy.deepcopy(t) for t in target]
+            for item in patch:
+                idx = next((i for i, t in enumerate(out) if t.get("name") == item.get("name")), None)
+                if item.get("$patch") == "delete":
+                    if idx is not None:
+                        out.pop(idx)
+                elif idx is None:
+                    out.append(strategic_merge_patch({}, item))
+                else:
+                    out[idx] = strategic_merge_patch(out[idx], item)
+            return out
+        return copy.deepcopy(patch)
+    if patch.get("$patch") == "replace":
+        return {k: copy.deepcopy(v) for k, v in patch.items() if not k.startswith("$")}
+    out = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if key.startswith("$"):
+            continue
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = strategic_merge_patch(out.get(key), value)
+    return out
+
+
+def _mergeable(items: list[Any]) -> bool:
+    return all(isinstance(i, dict) and "name" in i for i in items)
+
+
+def merge_diff(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """The merge patch that turns ``old`` into ``new`` (how a computed object is handed to KMock's store)."""
+    out: dict[str, Any] = {key: None for key in old if key not in new}
+    for key, value in new.items():
+        if key not in old or old[key] != value:
+            if isinstance(value, dict) and isinstance(old.get(key), dict):
+                out[key] = merge_diff(old[key], value)
+            else:
+                out[key] = copy.deepcopy(value)
+    return out
+
+
+def json_path(obj: Any, path: str) -> Any:
+    """The simple JSONPath of printer columns (``.status.state``, ``.spec.items[0].name``)."""
+    for part in re.findall(r"[^.\[\]]+|\[\d+\]", path):
+        if part.startswith("["):
+            index = int(part[1:-1])
+            obj = obj[index] if isinstance(obj, list) and index < len(obj) else None
+        else:
+            obj = obj.get(part) if isinstance(obj, dict) else None
+        if obj is None:
+            return None
+    return obj
+
+
+def human_age(timestamp: str | None) -> str:
+    """``kubectl``'s age format (``45s``, ``3m12s``, ``5h``, ``2d``)."""
+    if not timestamp:
+        return "<unknown>"
+    then = dt.datetime.fromisoformat(timestamp.replace("Z", "+00:00"))
+    secs = max(0, int((dt.datetime.now(dt.UTC) - then).total_seconds()))
+    if secs < 120:
+        return f"{secs}s"
+    if secs < 600:
+        return f"{secs // 60}m{secs % 60}s" if secs % 60 else f"{secs // 60}m"
+    if secs < 3 * 3600:
+        return f"{secs // 60}m"
+    if secs < 48 * 3600:
+        return f"{secs // 3600}h"
+    return f"{secs // 86400}d"
+
+
+def _match_labels(labels: dict[str, str], selector: str) -> bool:
+    """Equality- and set-based label selectors (``a=b,c!=d,e,!f,g in (x,y),h notin (z)``)."""
+    for term in re.findall(r"[^,(]+(?:\([^)]*\))?", selector):
+        term = term.strip()
+        if not term:
+            continue
+        if m := re.fullmatch(r"(\S+)\s+(in|notin)\s+\(([^)]*)\)", term):
+            values = {v.strip() for v in m.group(3).split(",")}
+            present = m.group(1) in labels and labels[m.group(1)] in values
+            if present != (m.group(2) == "in"):
+                return False
+        elif m := re.fullmatch(r"([^!=\s]+)\s*(==|=|!=)\s*(\S*)", term):
+            equal = labels.get(m.group(1)) == m.group(3)
+            if equal != (m.group(2) != "!="):
+                return False
+        elif term.startswith("!"):
+            if term[1:].strip() in labels:
+                return False
+        elif term not in labels:
+            return False
+    return True
+
+
+def _match_fields(obj: dict[str, Any], selector: str) -> bool:
+    for term in filter(None, (t.strip() for t in selector.split(","))):
+        m = re.fullmatch(r"([^!=]+)(==|=|!=)(.*)", term)
+        if m is None:
+            raise _bad(400, "BadRequest", f"invalid field selector: {term!r}")
+        value = json_path(obj, "." + m.group(1))
+        equal = (str(value) if value is not None else "") == m.group(3)
+        if equal != (m.group(2) != "!="):
+            return False
+    return True
+
+
+def selected(obj: dict[str, Any], params: Any) -> bool:
+    labels = (obj.get("metadata") or {}).get("labels") or {}
+    return (_match_labels(labels, params.get("labelSelector") or "")
+            and _match_fields(obj, params.get("fieldSelector") or ""))
+
+
+def _int(value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
+
+
+def wants_table(headers: Any) -> bool:
+    return "as=Table" in (headers.get("Accept") or "")
+
+
+POD_COLUMNS = [("Ready", "string", 0), ("Status", "string", 0), ("Restarts", "integer", 0), ("Age", "string", 0),
+               ("IP", "string", 1), ("Node", "string", 1)]
+
+
+def _pod_cells(pod: dict[str, Any]) -> list[Any]:
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    containers = (pod.get("spec") or {}).get("containers") or []
+    phase = (pod.get("status") or {}).get("phase") or "Pending"
+    if (pod.get("metadata") or {}).get("deletionTimestamp"):
+        phase = "Terminating"
+    ready = sum(1 for s in statuses if s.get("ready"))
+    return [f"{ready}/{len(containers)}", phase, sum(int(s.get("restartCount") or 0) for s in statuses),
+            human_age(pod["metadata"].get("creationTimestamp")), (pod.get("status") or {}).get("podIP"),
+            (pod.get("spec") or {}).get("nodeName")]
+
+
+def _protobuf_fields(buf: bytes) -> dict[int, bytes | int]:
+    """The top-level fields of a protobuf message (varint and length-delimited ones; enough for names)."""
+    out: dict[int, bytes | int] = {}
+    i = 0
+
+    def varint() -> int:
+        nonlocal i
+        value = shift = 0
+        while True:
+            byte = buf[i]
+            i += 1
+            value |= (byte & 0x7F) << shift
+            shift += 7
+            if byte < 0x80:
+                return value
+    while i < len(buf):
+        key = varint()
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            out.setdefault(field, varint())
+        elif wire == 2:
+            size = varint()
+            out.setdefault(field, buf[i:i + size])
+            i += size
+        elif wire in (1, 5):
+            i += 8 if wire == 1 else 4
+        else:
+            break
+    return out
+
+
+def _protobuf_name(body: bytes) -> str:
+    """``metadata.name`` of a built-in object sent as ``application/vnd.kubernetes.protobuf`` (the ``k8s\\0``
+    envelope holding runtime.Unknown, whose raw bytes hold the object; ObjectMeta is field 1, name its 1)."""
+    if not body.startswith(b"k8s\x00"):
+        raise _bad(415, "UnsupportedMediaType", "not a Kubernetes protobuf envelope")
+    raw = _protobuf_fields(body[4:]).get(2, b"")
+    meta = _protobuf_fields(raw if isinstance(raw, bytes) else b"").get(1, b"")
+    name = _protobuf_fields(meta if isinstance(meta, bytes) else b"").get(1, b"")
+    return name.decode() if isinstance(name, bytes) else ""
+
+
 @attrs.define(kw_only=True)
 class ApiServer(kmock.KubernetesEmulator):
     """KMock's emulator plus the API-server behaviour listed in the module docstring."""
 
     custom: dict[Any, tuple[str, dict[str, Any]]] = attrs.field(factory=dict)  # resource -> (kind, schema)
+    columns: dict[Any, list[dict[str, Any]]] = attrs.field(factory=dict)  # resource -> additionalPrinterColumns
     namespaces: dict[str, dict[str, Any]] = attrs.field(factory=dict)
-    _versions: Any = attrs.field(factory=lambda: itertools.count(1))
+    _rv: int = 0
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
-        for key, (kind, subresources) in CORE.items():
-            self.resources[key] = kmock.ResourceInfo(kind=kind, namespaced=True, verbs=VERBS,
-                                                     subresources=subresources)
-        for key, kind in CLUSTER.items():
-            self.resources[key] = kmock.ResourceInfo(kind=kind, namespaced=False, verbs=VERBS)
-        for res in crds.RESOURCES:
-            key = f"{crds.GROUP}/{crds.VERSION}/{res.plural}"
-            subresources = {"status", "scale"} if res.scale else {"status"}
-            self.resources[key] = kmock.ResourceInfo(kind=res.kind, namespaced=True, verbs=VERBS,
-                                                     subresources=subresources, singular=res.singular)
-            schema = crds.crd(res)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
-            self.custom[kmock.resource(key)] = (res.kind, schema)
+        for key, (kind, subresources, short, categories) in CORE.items():
+            self.resources[key] = kmock.ResourceInfo(kind=kind, namespaced=True, verbs=VERBS, singular=kind.lower(),
+                                                     subresources=subresources, shortnames=short,
+                                                     categories=categories)
+        for key, (kind, short) in CLUSTER.items():
+            self.resources[key] = kmock.ResourceInfo(kind=kind, namespaced=False, verbs=VERBS, singular=kind.lower(),
+                                                     shortnames=short)
+        for path in sorted((REPO / "crds").glob("*.yaml")):  # the generated CRDs, as if applied at start
+            self.register_crd(yaml.safe_load(path.read_text()))
 
+    def _next_rv(self) -> str:
+        self._rv += 1
+        return str(self._rv)
+
+    def register_crd(self, crd: dict[str, Any]) -> None:
+        """Serve a CustomResourceDefinition's resource: discovery names, schema, printer columns."""
+        spec = crd["spec"]
+        names_ = spec["names"]
+        for version in spec["versions"]:
+            if not version.get("served", True):
+                continue
+            key = f"{spec['group']}/{version['name']}/{names_['plural']}"
+            subresources = set(version.get("subresources") or {})
+            self.resources[key] = kmock.ResourceInfo(
+                kind=names_["kind"], namespaced=spec.get("scope", "Namespaced") == "Namespaced", verbs=VERBS,
+                singular=names_.get("singular") or names_["kind"].lower(), shortnames=set(names_.get("shortNames") or ()),
+                categories=set(names_.get("categories") or ()), subresources=subresources)
+            res = kmock.resource(key)
+            self.custom[res] = (names_["kind"], version["schema"]["openAPIV3Schema"])
+            self.columns[res] = list(version.get("additionalPrinterColumns") or [])
+
+    def _info(self, res: Any) -> Any:
+        try:
+            return self.resources[res]
+        except KeyError:
+            return None
+
+    # -- requests KMock does not route -----------------------------------------------------------------
     async def __call__(self, raw: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        if raw.path.startswith("/openapi/"):
+            return self._openapi(raw)
+        if raw.query.get("watch") in ("true", "1"):
+            # KMock streams with aiohttp's default application/octet-stream, for which client-go has no
+            # stream decoder (kubectl wait/delete would fall back to re-listing): label watches as JSON.
+            hook = raw._prepare_hook
+
+            async def json_stream(response: aiohttp.web.StreamResponse) -> None:
+                if response.content_type == "application/octet-stream":
+                    response.content_type = "application/json"
+                await hook(response)
+            object.__setattr__(raw, "_prepare_hook", json_stream)
         # KMock cannot parse /api/v1/namespaces[/name] (it reads "namespaces" as the namespace prefix).
         match = re.fullmatch(r"/api/v1/namespaces(?:/([^/]+))?/?", raw.path)
         if match is None:
+            if raw.method == "PUT":  # KMock routes no PUT: an update (replace) goes through the patch path
+                headers = {**raw.headers, "Content-Type": "application/json", REPLACE: "1"}
+                raw = raw.clone(method="PATCH", headers=headers)
             return await super().__call__(raw)
         return await self._namespace(raw, match.group(1))
+
+    def _served(self) -> list[tuple[str, str, str, Any]]:
+        """(group, version, plural, info) of every served resource."""
+        out = {}
+        for res in self._get_resources():
+            info = self._info(res)
+            if info is not None and res.plural and res.group is not None and res.version:
+                out[(res.group, res.version, res.plural)] = info
+        return [(*key, info) for key, info in sorted(out.items())]
+
+    def _schema_of(self, group: str, version: str, plural: str) -> dict[str, Any]:
+        custom = self.custom.get(kmock.resource(f"{group}/{version}/{plural}" if group else f"{version}/{plural}"))
+        return copy.deepcopy(custom[1]) if custom else {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+
+    @staticmethod
+    def _definition_name(group: str, version: str, kind: str) -> str:
+        if not group:
+            return f"io.k8s.api.core.{version}.{kind}"
+        return ".".join(reversed(group.split("."))) + f".{version}.{kind}"
+
+    def _openapi(self, raw: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        """OpenAPI v2 (JSON) and v3 documents built from the served resources and the CRDs' schemas. The v3
+        PATCH operations declare the ``fieldValidation`` parameter, so ``kubectl apply`` validates through the
+        server (as against a real API server) instead of downloading v2."""
+        web = aiohttp.web
+        served = self._served()
+        if raw.path.rstrip("/") == "/openapi/v2":
+            accept = raw.headers.get("Accept", "")
+            if accept and "json" not in accept and "*/*" not in accept:
+                return web.json_response({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 406,
+                                          "reason": "NotAcceptable",
+                                          "message": "the emulator serves OpenAPI v2 as JSON only (and v3)"},
+                                         status=406)
+            definitions = {}
+            for group, version, plural, info in served:
+                schema = self._schema_of(group, version, plural)
+                schema.pop("x-kubernetes-validations", None)
+                schema["x-kubernetes-group-version-kind"] = [{"group": group, "version": version, "kind": info.kind}]
+                definitions[self._definition_name(group, version, info.kind)] = schema
+            return web.json_response({"swagger": "2.0", "info": {"title": "Kubernetes (grstack emulator)",
+                                                                  "version": "v1.32.0"},
+                                      "paths": {}, "definitions": definitions})
+        gvs = sorted({("api/v1" if not g else f"apis/{g}/{v}") for g, v, _, _ in served})
+        rest = raw.path.removeprefix("/openapi/v3").strip("/")
+        if not rest:
+            return web.json_response({"paths": {gv: {"serverRelativeURL": f"/openapi/v3/{gv}?hash={self._rv}"}
+                                                for gv in gvs}})
+        if rest not in gvs:
+            return web.json_response({"kind": "Status", "code": 404, "reason": "NotFound"}, status=404)
+        paths: dict[str, Any] = {}
+        schemas: dict[str, Any] = {}
+        for group, version, plural, info in served:
+            if ("api/v1" if not group else f"apis/{group}/{version}") != rest:
+                continue
+            gvk = {"group": group, "version": version, "kind": info.kind}
+            ref = self._definition_name(group, version, info.kind)
+            schema = self._schema_of(group, version, plural)
+            schema["x-kubernetes-group-version-kind"] = [gvk]
+            schemas[ref] = schema
+            body = {"schema": {"$ref": f"#/components/schemas/{ref}"}}
+            # No strategic merge listed even for built-ins: kubectl then computes it from its compiled-in types
+            # (the schemas here are not the built-in types'); the emulator accepts it for built-ins.
+            patch_types = ["application/json-patch+json", "application/merge-patch+json", "application/apply-patch+yaml"]
+            params = [{"name": n, "in": "query", "schema": {"type": "string"}}
+                      for n in ("dryRun", "fieldManager", "fieldValidation")]
+            prefix = f"/api/{version}" if not group else f"/apis/{group}/{version}"
+            scope = f"{prefix}/namespaces/{{namespace}}/{plural}" if info.namespaced else f"{prefix}/{plural}"
+
+            def op(action: str, **extra: Any) -> dict[str, Any]:
+                return {"x-kubernetes-action": action, "x-kubernetes-group-version-kind": gvk,  # noqa: B023
+                        "responses": {"200": {"description": "OK", "content": {"application/json": body}}},  # noqa: B023
+                        **extra}
+            paths[scope] = {"get": op("list"), "post": op("post", parameters=params,
+                                                          requestBody={"content": {"application/json": body}})}
+            paths[f"{scope}/{{name}}"] = {
+                "get": op("get"), "delete": op("delete"),
+                "put": op("put", parameters=params, requestBody={"content": {"application/json": body}}),
+                "patch": op("patch", parameters=[*params, {"name": "force", "in": "query",
+                                                           "schema": {"type": "boolean"}}],
+                            requestBody={"content": {t: body for t in patch_types}})}
+        return web.json_response({"openapi": "3.0.0", "info": {"title": "Kubernetes (grstack emulator)",
+                                                               "version": "v1.32.0"},
+                                  "paths": paths, "components": {"schemas": schemas}})
 
     async def _namespace(self, raw: aiohttp.web.BaseRequest, name: str | None) -> aiohttp.web.StreamResponse:
         web = aiohttp.web
         self.namespaces.setdefault("default", self._namespace_object("default"))
         if raw.method == "POST":
-            obj = self._namespace_object((await raw.json())["metadata"]["name"])
+            body = await raw.read()
+            if raw.content_type == "application/vnd.kubernetes.protobuf":  # kubectl create namespace
+                ns_name = _protobuf_name(body)
+            else:
+                ns_name = json.loads(body)["metadata"]["name"]
+            obj = self._namespace_object(ns_name)
             if obj["metadata"]["name"] in self.namespaces:
-                return web.json_response({"kind": "Status", "code": 409, "reason": "AlreadyExists"}, status=409)
+                return web.json_response({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 409,
+                                          "reason": "AlreadyExists",
+                                          "message": f'namespaces "{obj["metadata"]["name"]}" already exists'},
+                                         status=409)
             self.namespaces[obj["metadata"]["name"]] = obj
             return web.json_response(obj, status=201)
         if name is not None:
             obj = self.namespaces.pop(name, None) if raw.method == "DELETE" else self.namespaces.get(name)
             if obj is None:
-                return web.json_response({"kind": "Status", "code": 404, "reason": "NotFound"}, status=404)
+                return web.json_response({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 404,
+                                          "reason": "NotFound", "message": f'namespaces "{name}" not found',
+                                          "details": {"name": name, "kind": "namespaces"}}, status=404)
+            if wants_table(raw.headers):
+                return web.json_response(self._table(kmock.resource("v1/namespaces"), [obj], raw.query))
             return web.json_response(obj)
-        if raw.query.get("watch") == "true":  # the current namespaces, then silence until the client leaves
+        items = [o for o in self.namespaces.values() if selected(o, raw.query)]
+        if raw.query.get("watch") in ("true", "1"):  # the current namespaces, then silence until the client leaves
             response = web.StreamResponse()
             await response.prepare(raw)
-            for obj in list(self.namespaces.values()):
+            for obj in items:
                 await response.write(json.dumps({"type": "ADDED", "object": obj}).encode() + b"\n")
             await asyncio.sleep(float(raw.query.get("timeoutSeconds", 3600)))
             return response
+        if wants_table(raw.headers):
+            return web.json_response(self._table(kmock.resource("v1/namespaces"), items, raw.query))
         return web.json_response({"kind": "NamespaceList", "apiVersion": "v1",
-                                  "metadata": {"resourceVersion": str(next(self._versions))},
-                                  "items": list(self.namespaces.values())})
+                                  "metadata": {"resourceVersion": str(self._rv)}, "items": items})
 
     def _namespace_object(self, name: str) -> dict[str, Any]:
         return {"apiVersion": "v1", "kind": "Namespace",
                 "metadata": {"name": name, "uid": str(uuid.uuid4()), "creationTimestamp": _now(),
-                             "resourceVersion": str(next(self._versions))}, "status": {"phase": "Active"}}
+                             "resourceVersion": self._next_rv()}, "status": {"phase": "Active"}}
 
+    async def _serve_version(self, request: kmock.Request) -> Any:
+        """Discovery of one group version: ``v1`` (not ``/v1``) for the core group; subresources carry no
+        singular or short names (kubectl would warn that ``grtj`` also matches ``grtrainingjobs/status``)."""
+        payload = await super()._serve_version(request)
+        if request.resource.group == "":
+            payload["groupVersion"] = request.resource.version
+        for entry in payload["resources"]:
+            if "/" in entry["name"]:
+                entry.update(singularName="", shortNames=[], categories=[])
+                entry["verbs"] = ["get", "patch", "update"]
+            elif not entry["categories"]:
+                entry.pop("categories")
+        payload["resources"].sort(key=lambda e: e["name"])
+        return payload
+
+    # -- reads: list kinds, resource versions, selectors, Table output ------------------------------------
+    def _table(self, res: Any, objs: list[dict[str, Any]], params: Any) -> dict[str, Any]:
+        """``as=Table``: the CRD's additionalPrinterColumns (Name first), pods' default columns, or Name/Age."""
+        name_col = {"name": "Name", "type": "string", "format": "name", "priority": 0,
+                    "description": "Name must be unique within a namespace."}
+        printer = self.columns.get(res)
+        if printer is not None:
+            cols = [name_col] + [{"name": c["name"], "type": c.get("type", "string"), "format": c.get("format", ""),
+                                  "description": c.get("description", ""), "priority": c.get("priority", 0)}
+                                 for c in printer]
+
+            def cells(o: dict[str, Any]) -> list[Any]:
+                out = [o["metadata"]["name"]]
+                for c in printer:
+                    value = json_path(o, c["jsonPath"])
+                    out.append(human_age(value) if c.get("type") == "date" and value else value)
+                return out
+        elif res.plural == "pods" and res.group == "":
+            cols = [name_col] + [{"name": n, "type": t, "format": "", "description": "", "priority": p}
+                                 for n, t, p in POD_COLUMNS]
+
+            def cells(o: dict[str, Any]) -> list[Any]:
+                return [o["metadata"]["name"], *_pod_cells(o)]
+        else:
+            cols = [name_col, {"name": "Age", "type": "string", "format": "", "priority": 0,
+                               "description": "time since creation"}]
+
+            def cells(o: dict[str, Any]) -> list[Any]:
+                return [o["metadata"]["name"], human_age(o["metadata"].get("creationTimestamp"))]
+        include = params.get("includeObject") or "Metadata"
+        rows = []
+        for o in objs:
+            row: dict[str, Any] = {"cells": cells(o)}
+            if include == "Object":
+                row["object"] = o
+            elif include == "Metadata":
+                row["object"] = {"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1",
+                                 "metadata": o.get("metadata", {})}
+            rows.append(row)
+        return {**TABLE, "metadata": {"resourceVersion": str(self._rv)}, "columnDefinitions": cols, "rows": rows}
+
+    def _kind(self, res: Any) -> str:
+        info = self._info(res)
+        return info.kind if info is not None and info.kind else res.plural.capitalize()
+
+    async def _serve_list(self, request: kmock.Request) -> Any:
+        payload = await super()._serve_list(request)
+        items = [o for o in payload["items"] if selected(o, request.params)]
+        items.sort(key=lambda o: (o["metadata"].get("namespace") or "", o["metadata"].get("name") or ""))
+        if wants_table(request.headers):
+            return self._table(request.resource, items, request.params)
+        res = request.resource
+        return {"kind": self._kind(res) + "List", "apiVersion": f"{res.group}/{res.version}" if res.group else res.version,
+                "metadata": {"resourceVersion": str(self._rv)}, "items": items}
+
+    async def _serve_fetch(self, request: kmock.Request) -> Any:
+        obj = await super()._serve_fetch(request)
+        if wants_table(request.headers) and request.subresource is None:
+            return self._table(request.resource, [obj], request.params)
+        return obj
+
+    async def _serve_watch(self, request: kmock.Request) -> Any:
+        table = wants_table(request.headers)
+        since = _int(request.params.get("resourceVersion"))
+        async for event in super()._serve_watch(request):
+            if isinstance(event, dict) and isinstance(event.get("object"), dict):
+                if not selected(event["object"], request.params):
+                    continue
+                # KMock replays the current objects as ADDED: those a client listed at ``since`` it has seen.
+                if since and event.get("type") == "ADDED" and \
+                        _int(event["object"].get("metadata", {}).get("resourceVersion")) <= since:
+                    continue
+                if table:
+                    event = {"type": event["type"], "object": self._table(request.resource, [event["object"]],
+                                                                          request.params)}
+            yield event
+
+    # -- writes: admission on create, update and patch --------------------------------------------------
     async def _handle(self, request: kmock.Request) -> Any:
-        if request.resource is not None and isinstance(request.data, dict):
-            if request.action == kmock.action.CREATE:
+        if request.resource is not None:
+            if request.action == kmock.action.CREATE and isinstance(request.data, dict):
                 self._admit_create(request)
-            elif request.action == kmock.action.UPDATE:
+            elif request.action == kmock.action.UPDATE and request.name is not None:
                 self._admit_update(request)
         return await super()._handle(request)
+
+    def _admit_custom(self, request: kmock.Request, obj: dict[str, Any],
+                      old: dict[str, Any] | None) -> dict[str, Any]:
+        custom = self.custom.get(request.resource)
+        if custom is None:
+            return obj
+        kind, schema = custom
+        meta = obj.get("metadata") or {}
+        if request.params.get("fieldValidation") == "Strict":
+            unknown = [f for f in unknown_fields(obj, schema) if not f.startswith("metadata.")]
+            if unknown:
+                raise _bad(400, "BadRequest",
+                           f"{kind} in version \"{request.resource.version}\" cannot be handled as a {kind}: "
+                           + "; ".join(f'strict decoding error: unknown field "{f}"' for f in unknown))
+        stored, errors = admit_custom_resource(obj, schema, old)
+        if errors:
+            raise _bad(422, "Invalid", f'{kind}.{request.resource.group} "{meta.get("name")}" is invalid: '
+                       + ", ".join(errors), name=meta.get("name"), kind=kind,
+                       group=request.resource.group,
+                       causes=[{"reason": "FieldValueInvalid", "field": f, "message": m}
+                               for f, _, m in (e.partition(": ") for e in errors)])
+        return stored
 
     def _admit_create(self, request: kmock.Request) -> None:
         data = request.data
         meta = data.setdefault("metadata", {})
         if request.namespace and not meta.get("namespace"):
             meta["namespace"] = request.namespace
-        custom = self.custom.get(request.resource)
-        if custom is not None:
-            kind, schema = custom
-            stored, errors = admit_custom_resource(data, schema)
-            if errors:
-                raise kmock.KubernetesError(
-                    status=422, reason="Invalid",
-                    message=f'{kind}.{crds.GROUP} "{meta.get("name")}" is invalid: ' + "; ".join(errors),
-                    details={"name": meta.get("name"), "kind": kind, "causes": errors})
+        if request.resource in self.custom:
+            stored = self._admit_custom(request, data, None)
             stored.pop("status", None)
             data.clear()
             data.update(stored)
-        meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now(), resourceVersion=str(next(self._versions)),
-                     generation=1)
+        if request.resource == kmock.resource(CRD_KEY):
+            names_ = data["spec"]["names"]
+            data["status"] = {"acceptedNames": names_, "storedVersions": [v["name"] for v in data["spec"]["versions"]
+                                                                           if v.get("storage")],
+                              "conditions": [{"type": t, "status": "True", "reason": r, "lastTransitionTime": _now(),
+                                              "message": m} for t, r, m in (
+                                  ("NamesAccepted", "NoConflicts", "no conflicts found"),
+                                  ("Established", "InitialNamesAccepted", "the initial names have been accepted"))]}
+            self.register_crd(data)
+        meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now(), resourceVersion=self._next_rv(), generation=1)
 
     def _admit_update(self, request: kmock.Request) -> None:
-        data = request.data
+        """PATCH (merge, strategic-merge for built-ins, JSON patch): the resulting object is computed here,
+        admitted like a create (pruning, defaulting, schema and CEL validation, with ``oldSelf``), and
+        handed to KMock as the merge patch from the stored object to it."""
         key = (request.resource, request.namespace, request.name)
-        current = self.objects[key].raw if key in self.objects and not self.objects[key].deleted else None
-        meta = data.get("metadata") or {}
-        if current is not None:
-            expected = meta.get("uid")
-            if expected and expected != current["metadata"].get("uid"):
-                raise kmock.KubernetesError(status=409, reason="Conflict",
-                                            message=f"Precondition failed: UID in precondition: {expected}, "
-                                                    f"UID in object meta: {current['metadata'].get('uid')}")
-            if request.resource in self.custom and request.subresource is None:
-                data.pop("status", None)  # the status subresource owns status
-            if request.subresource is None and "spec" in data:
-                meta["generation"] = int(current["metadata"].get("generation") or 1) + 1
-        data["metadata"] = meta
-        meta["resourceVersion"] = str(next(self._versions))
+        if key not in self.objects or self.objects[key].deleted:
+            return  # KMock answers 404
+        current = copy.deepcopy(self.objects[key].raw)
+        body = request.data
+        ctype = (request.headers.get("Content-Type") or "").split(";")[0].strip()
+        custom = request.resource in self.custom
+        replace = request.headers.get(REPLACE) == "1"
+        try:
+            if replace:  # PUT: the body is the whole object; its resourceVersion, if any, must be current
+                if not isinstance(body, dict):
+                    raise _bad(400, "BadRequest", "the body of a PUT must be an object")
+                sent = (body.get("metadata") or {}).get("resourceVersion")
+                if sent and sent != (current.get("metadata") or {}).get("resourceVersion"):
+                    raise _bad(409, "Conflict", f'Operation cannot be fulfilled on {request.resource.plural} '
+                                                f'"{request.name}": the object has been modified; please apply '
+                                                "your changes to the latest version and try again")
+                new = copy.deepcopy(body)
+            elif ctype == "application/json-patch+json":
+                if not isinstance(body, list):
+                    raise _bad(400, "BadRequest", "a JSON patch must be a list of operations")
+                new = jsonpatch.apply_patch(current, body, in_place=False)
+            elif ctype == "application/strategic-merge-patch+json":
+                if custom:
+                    raise _bad(415, "UnsupportedMediaType",
+                               "the body of the request was in an unknown format - accepted media types include: "
+                               "application/json-patch+json, application/merge-patch+json, "
+                               "application/apply-patch+yaml")
+                new = strategic_merge_patch(current, body)
+            elif ctype == "application/apply-patch+yaml":
+                raise _bad(415, "UnsupportedMediaType", "server-side apply is not emulated (use kubectl apply "
+                                                        "without --server-side)")
+            else:
+                if not isinstance(body, dict):
+                    raise _bad(400, "BadRequest", "a merge patch must be a JSON object")
+                new = merge_patch(current, body)
+        except (jsonpatch.JsonPatchException, jsonpointer.JsonPointerException) as exc:
+            raise _bad(422, "Invalid", f"the JSON patch could not be applied: {exc}") from exc
+        if not isinstance(new, dict):
+            raise _bad(422, "Invalid", "the patched object is not an object")
+        cur_meta = current.get("metadata") or {}
+        meta = new.get("metadata") if isinstance(new.get("metadata"), dict) else {}
+        expected = ((body.get("metadata") or {}) if isinstance(body, dict) else {}).get("uid")
+        if expected and expected != cur_meta.get("uid"):
+            raise _bad(409, "Conflict", f"Precondition failed: UID in precondition: {expected}, "
+                                        f"UID in object meta: {cur_meta.get('uid')}")
+        for field in ("uid", "name", "namespace", "creationTimestamp", "generation", "deletionTimestamp"):
+            if field in cur_meta:
+                meta[field] = cur_meta[field]
+            else:
+                meta.pop(field, None)
+        new["metadata"] = meta
+        info = self._info(request.resource)
+        if request.subresource == "status":
+            new = {**current, "status": new.get("status")} if "status" in new else dict(current)
+            new["metadata"] = dict(cur_meta)
+        elif request.subresource is None and info is not None and "status" in info.subresources:
+            new.pop("status", None)  # the status subresource owns status
+            if "status" in current:
+                new["status"] = current["status"]
+        if custom:
+            new = self._admit_custom(request, new, current)
+        if request.resource == kmock.resource(CRD_KEY) and request.subresource is None:
+            self.register_crd(new)
+        changed = {k: v for k, v in new.items() if k not in ("metadata", "status")} != \
+                  {k: v for k, v in current.items() if k not in ("metadata", "status")}
+        if changed:
+            meta["generation"] = int(cur_meta.get("generation") or 1) + 1
+        meta["resourceVersion"] = self._next_rv()
+        object.__setattr__(request, "data", merge_diff(current, new))
 
     def live(self, plural_key: str) -> list[dict[str, Any]]:
         """Current objects of one resource (e.g. ``v1/pods``), as plain dicts."""
@@ -616,7 +1203,7 @@ class Cluster:
 
 def _plural_key(obj: dict[str, Any]) -> str:
     api = obj["apiVersion"]
-    for key, (kind, _) in CORE.items():
+    for key, (kind, *_) in CORE.items():
         if kind == obj["kind"] and key.startswith(api + "/"):
             return key
     for res in crds.RESOURCES:
