@@ -44,6 +44,7 @@ class Runtime:
     metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
     client: KubeClient | None = None
     wakeups: dict[tuple[str, str, str], asyncio.Event] = field(default_factory=dict)
+    hit_rates: dict[tuple[str, str], serving.HitRateWindow] = field(default_factory=dict)
 
     def wake(self, key: tuple[str, str, str]) -> None:
         event = self.wakeups.get(key)
@@ -162,7 +163,7 @@ async def reconcile_training_once(rt: Runtime, namespace: str, name: str) -> flo
 # --------------------------------------------------------------------------------------------- serving
 
 _CHILD_KINDS = (("apps/v1", "StatefulSet"), ("apps/v1", "Deployment"), ("autoscaling/v2", "HorizontalPodAutoscaler"),
-                ("v1", "Service"))
+                ("v1", "Service"), ("policy/v1", "PodDisruptionBudget"))
 
 
 async def reconcile_serving_once(rt: Runtime, namespace: str, name: str) -> float | None:
@@ -181,7 +182,8 @@ async def reconcile_serving_once(rt: Runtime, namespace: str, name: str) -> floa
                 observed[(kind, obj["metadata"]["name"])] = obj
     pods = await client.list("v1", "Pod", namespace, {names.LABEL_SERVICE: name})
     stats = await fetch_stats(serving.stats_targets(svc, pods))
-    plan = serving.reconcile_serving(svc, observed, stats, now())
+    window = rt.hit_rates.setdefault(key, serving.HitRateWindow())
+    plan = serving.reconcile_serving(svc, observed, stats, now(), window)
 
     for child in plan.children:
         await ensure(client, child, update=True)
@@ -212,7 +214,7 @@ async def fetch_stats(urls: list[str], timeout: float = 1.0) -> list[dict[str, A
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as http:
         answers = await asyncio.gather(*(one(http, u) for u in urls))
-    return [a for a in answers if isinstance(a, dict)]
+    return [{**a, "_target": u} for u, a in zip(urls, answers, strict=True) if isinstance(a, dict)]
 
 
 # ---------------------------------------------------------------------------------------------- registry
@@ -311,6 +313,7 @@ def build_registry(config: OperatorConfig | None = None) -> tuple[kopf.OperatorR
     @kopf.on.delete(G, V, names.SERVING_PLURAL, optional=True, registry=registry)
     def service_deleted(namespace: str, name: str, **_: Any) -> None:
         rt.metrics.service_ready((namespace, name), None)
+        rt.hit_rates.pop((namespace, name), None)
 
     for resource in ("statefulsets", "deployments"):
         @kopf.on.event(resource, labels={names.LABEL_SERVICE: kopf.PRESENT}, registry=registry,

@@ -27,6 +27,7 @@ PLURALS = {
     ("apps/v1", "StatefulSet"): "statefulsets",
     ("apps/v1", "Deployment"): "deployments",
     ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
+    ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("grstack.io/v1alpha1", "GRTrainingJob"): "grtrainingjobs",
     ("grstack.io/v1alpha1", "GRRankingService"): "grrankingservices",
 }

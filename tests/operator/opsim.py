@@ -58,6 +58,7 @@ CORE = {
     "apps/v1/statefulsets": ("StatefulSet", {"status", "scale"}),
     "apps/v1/deployments": ("Deployment", {"status", "scale"}),
     "autoscaling/v2/horizontalpodautoscalers": ("HorizontalPodAutoscaler", {"status"}),
+    "policy/v1/poddisruptionbudgets": ("PodDisruptionBudget", {"status"}),
 }
 CLUSTER = {  # cluster-scoped resources kopf looks for during discovery
     "v1/namespaces": "Namespace",
