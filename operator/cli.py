@@ -18,6 +18,14 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server", default=None,
                         help="API server URL to use without credentials (e.g. `kubectl proxy`); default: "
                              "in-cluster service account, else kubeconfig")
+    parser.add_argument("--peering", default=None, metavar="NAME",
+                        help="leader election among replicas through kopf peering: the ClusterKopfPeering (or, "
+                             "with --namespace, the KopfPeering in each namespace) named NAME; the live replica "
+                             "with the highest --priority works, the others stand by (default: standalone)")
+    parser.add_argument("--priority", type=int, default=None,
+                        help="peering priority (default: random, so replicas never tie)")
+    parser.add_argument("--readiness-port", type=int, default=0,
+                        help="serve /readyz on this port: ready once the CRDs are served (0 = off)")
     parser.add_argument("--verbose", "-v", action="store_true")
     parser.set_defaults(func=run)
 
@@ -34,13 +42,21 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not args.verbose:
         logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # liveness probes every few seconds
-    registry, rt = build_registry(OperatorConfig(server=args.server, resync_seconds=args.resync_seconds))
+    import random
+
+    priority = args.priority if args.priority is not None else random.randint(1, 1 << 30)
+    registry, rt = build_registry(OperatorConfig(
+        server=args.server, resync_seconds=args.resync_seconds, peering=args.peering, priority=priority,
+        namespaced_peering=bool(args.namespace), peering_namespace=(args.namespace or [None])[0],
+        readiness_port=args.readiness_port))
     if args.metrics_port:
         rt.metrics.serve(args.metrics_port)
     liveness = f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None
     asyncio.run(kopf.operator(
         registry=registry,
-        standalone=True,  # one replica (Deployment strategy Recreate); no peering objects needed
+        standalone=not args.peering,  # without --peering: one replica, no peering objects needed
+        peering_name=args.peering,
+        priority=priority if args.peering else None,
         clusterwide=not args.namespace,
         namespaces=args.namespace,
         liveness_endpoint=liveness,
