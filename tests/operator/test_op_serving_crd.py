@@ -67,3 +67,14 @@ def test_invalid_manifests_are_rejected(case: str) -> None:
 def test_autoscaling_cpu_rule_is_in_the_crd() -> None:
     rules = SCHEMA["properties"]["spec"]["x-kubernetes-validations"]
     assert any("requests.cpu" in r["message"] for r in rules)
+
+
+@pytest.mark.parametrize("example", ["ranking-service.yaml", "ranking-service-s3.yaml"])
+def test_examples_are_admitted_and_valid(example: str) -> None:
+    import yaml
+    from opsim import REPO
+
+    doc = yaml.safe_load((REPO / "examples" / example).read_text())
+    stored, errors = admit_custom_resource(doc, SCHEMA)
+    assert errors == []
+    GRRankingServiceSpec.model_validate(stored["spec"])
