@@ -5,6 +5,10 @@
 #   docker build --target cpu    -t ghcr.io/grstack/grstack:0.1.0-cpu .
 #   docker build --target cuda   -t ghcr.io/grstack/grstack:0.1.0-cuda .
 #   docker build --target ascend -t ghcr.io/grstack/grstack:0.1.0-ascend .
+#   docker build --target operator -t ghcr.io/grstack/grstack:0.1.0-operator .   # slim: no torch
+#
+# `make image` builds them all with whatever builder exists (docker, podman, buildah); the repository and the
+# version come from one place: charts/grstack/values.yaml (image.repository) and Chart.yaml (appVersion).
 #
 # Check an image with the commands the tests run (tests/operator runs them as local processes):
 #   docker run --rm ghcr.io/grstack/grstack:0.1.0-cpu train --config /opt/grstack/configs/synthetic-tiny-hstu.yaml \
@@ -67,5 +71,18 @@ RUN pip install --no-cache-dir "$(ls /dist/grstack-*.whl)[serve,operator]" && rm
 COPY configs /opt/grstack/configs
 ENV GRSTACK_CONFIG_DIR=/opt/grstack/configs HOME=/tmp PYTHONUNBUFFERED=1
 RUN (id -u 1000 >/dev/null 2>&1 || useradd --uid 1000 --user-group --no-create-home --home-dir /tmp grstack)
+USER 1000:1000
+ENTRYPOINT ["grstack"]
+
+# --- operator: the kopf operator only, no torch (the operator never imports it; see the import contracts) --
+FROM ${PYTHON_IMAGE} AS operator
+COPY --from=wheel /dist /dist
+# --no-deps: the wheel's own dependencies include torch; the operator needs only these.
+RUN pip install --no-cache-dir --no-deps "$(ls /dist/grstack-*.whl)" && rm -rf /dist \
+    && pip install --no-cache-dir "kopf>=1.37" "kubernetes>=29" "aiohttp>=3.9" "pydantic>=2.6" "pyyaml>=6" \
+       "prometheus-client>=0.20"
+COPY configs /opt/grstack/configs
+ENV GRSTACK_CONFIG_DIR=/opt/grstack/configs HOME=/tmp PYTHONUNBUFFERED=1
+RUN useradd --uid 1000 --user-group --no-create-home --home-dir /tmp grstack
 USER 1000:1000
 ENTRYPOINT ["grstack"]

@@ -12,7 +12,16 @@ TORCHREC_SPEC ?= torchrec==1.8.0 fbgemm-gpu-cpu==1.8.0 tensordict==0.15.3 torchm
 # -P: never put the working directory on sys.path, where the repo's operator/ would shadow the stdlib module.
 PYP := $(PY) -P
 
-.PHONY: setup demo test test-unit lint bench-kernels bench-quality clean
+.PHONY: setup demo test test-unit lint bench-kernels bench-quality clean image
+
+# Images (the Dockerfile's targets). The repository and version have one source: the chart
+# (charts/grstack/values.yaml image.repository, Chart.yaml appVersion); tags are VERSION-TARGET.
+IMAGE_REPOSITORY ?= $(shell sed -n 's/^  repository: *//p' charts/grstack/values.yaml | head -n 1)
+IMAGE_VERSION ?= $(shell sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\}/\1/p' charts/grstack/Chart.yaml)
+IMAGE_TARGETS ?= cpu cuda ascend operator
+# docker, podman or buildah; empty = the first of them found on PATH.
+IMAGE_BUILDER ?=
+PUSH ?= 0
 
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +59,25 @@ lint: $(STAMP)
 
 bench-kernels: $(STAMP)
 	$(VENV)/bin/grstack bench kernels --quick --json
+
+# Builds every IMAGE_TARGETS image as IMAGE_REPOSITORY:IMAGE_VERSION-TARGET (PUSH=1 pushes them too).
+image:
+	@builder="$(IMAGE_BUILDER)"; \
+	if [ -z "$$builder" ]; then \
+	  for b in docker podman buildah; do if command -v $$b >/dev/null 2>&1; then builder=$$b; break; fi; done; \
+	fi; \
+	if [ -z "$$builder" ] || ! command -v "$$builder" >/dev/null 2>&1; then \
+	  echo "error: make image needs a container builder: none of docker, podman or buildah is on PATH$${builder:+ ($$builder not found)}." >&2; \
+	  echo "Install one, or set IMAGE_BUILDER=/path/to/docker|podman|buildah." >&2; \
+	  exit 2; \
+	fi; \
+	case "$$(basename $$builder)" in buildah) build="$$builder bud";; *) build="$$builder build";; esac; \
+	for target in $(IMAGE_TARGETS); do \
+	  tag="$(IMAGE_REPOSITORY):$(IMAGE_VERSION)-$$target"; \
+	  echo "$$build --target $$target -t $$tag ."; \
+	  $$build --target $$target -t "$$tag" . || exit 1; \
+	  if [ "$(PUSH)" = 1 ]; then $$builder push "$$tag" || exit 1; fi; \
+	done
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

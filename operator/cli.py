@@ -28,17 +28,30 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server", default=None,
                         help="API server URL to use without credentials (e.g. `kubectl proxy`); default: "
                              "in-cluster service account, else kubeconfig")
+    parser.add_argument("--peering", default=None, metavar="NAME",
+                        help="leader election among replicas through kopf peering: the ClusterKopfPeering (or, "
+                             "with --namespace, the KopfPeering in each namespace) named NAME; the live replica "
+                             "with the highest --priority works, the others stand by (default: standalone)")
+    parser.add_argument("--priority", type=int, default=None,
+                        help="peering priority (default: random, so replicas never tie)")
+    parser.add_argument("--readiness-port", type=int, default=0,
+                        help="serve /readyz on this port: ready once the CRDs are served (0 = off)")
     parser.add_argument("--verbose", "-v", action="store_true")
     parser.set_defaults(func=run)
 
 
 def check_args(args: argparse.Namespace) -> None:
     """Refuse bad values before kopf starts (it would end them in a traceback or retry forever)."""
-    for flag, port in (("--liveness-port", args.liveness_port), ("--metrics-port", args.metrics_port)):
+    ports = (("--liveness-port", args.liveness_port), ("--metrics-port", args.metrics_port),
+             ("--readiness-port", args.readiness_port))
+    for flag, port in ports:
         if not 0 <= port <= 65535:
             raise UserError(f"{flag} {port}: not a port number (0-65535; 0 = off)")
-    if args.liveness_port and args.liveness_port == args.metrics_port:
-        raise UserError(f"--liveness-port and --metrics-port are both {args.metrics_port}")
+    used = [(flag, port) for flag, port in ports if port]
+    for i, (flag, port) in enumerate(used):
+        for other, port2 in used[i + 1:]:
+            if port == port2:
+                raise UserError(f"{flag} and {other} are both {port}")
     if not args.resync_seconds > 0:
         raise UserError(f"--resync-seconds {args.resync_seconds}: must be > 0")
     for ns in args.namespace:
@@ -53,7 +66,7 @@ def check_args(args: argparse.Namespace) -> None:
         if not any(Path(p).is_file() for p in configs.split(os.pathsep) if p):
             raise UserError(f"no way to log in to the Kubernetes API: not in a pod, no kubeconfig ({configs}); "
                             "set KUBECONFIG or give --server URL (e.g. of `kubectl proxy`)")
-    for flag, port in (("--liveness-port", args.liveness_port), ("--metrics-port", args.metrics_port)):
+    for flag, port in ports:
         if port:
             with socket.socket() as s:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -76,7 +89,13 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not args.verbose:
         logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # liveness probes every few seconds
-    registry, rt = build_registry(OperatorConfig(server=args.server, resync_seconds=args.resync_seconds))
+    import random
+
+    priority = args.priority if args.priority is not None else random.randint(1, 1 << 30)
+    registry, rt = build_registry(OperatorConfig(
+        server=args.server, resync_seconds=args.resync_seconds, peering=args.peering, priority=priority,
+        namespaced_peering=bool(args.namespace), peering_namespace=(args.namespace or [None])[0],
+        readiness_port=args.readiness_port))
     if args.metrics_port:
         try:
             rt.metrics.serve(args.metrics_port)
@@ -86,7 +105,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         asyncio.run(kopf.operator(
             registry=registry,
-            standalone=True,  # one replica (Deployment strategy Recreate); no peering objects needed
+            standalone=not args.peering,  # without --peering: one replica, no peering objects needed
+            peering_name=args.peering,
+            priority=priority if args.peering else None,
             clusterwide=not args.namespace,
             namespaces=args.namespace,
             liveness_endpoint=liveness,

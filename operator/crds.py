@@ -190,6 +190,33 @@ def render(resource: Resource) -> str:
     return HEADER + yaml.safe_dump(crd(resource), sort_keys=False, width=100)
 
 
+def peering_crd(kind: str, plural: str, scope: str) -> dict[str, Any]:
+    """kopf's peering resources (leader election among operator replicas: ``grstack operator --peering``)."""
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{plural}.kopf.dev"},
+        "spec": {
+            "group": "kopf.dev",
+            "scope": scope,
+            "names": {"kind": kind, "listKind": f"{kind}List", "plural": plural, "singular": plural[:-1]},
+            "versions": [{
+                "name": "v1", "served": True, "storage": True,
+                "schema": {"openAPIV3Schema": {"type": "object", "properties": {
+                    "status": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}}},
+            }],
+        },
+    }
+
+
+PEERING = (("ClusterKopfPeering", "clusterkopfpeerings", "Cluster"), ("KopfPeering", "kopfpeerings", "Namespaced"))
+
+
 def rendered_files() -> dict[str, str]:
-    """File name -> YAML text for every CRD (what ``grstack crds --out DIR`` writes)."""
-    return {f"{r.plural}.{GROUP}.yaml": render(r) for r in RESOURCES}
+    """File name -> YAML text for every CRD (what ``grstack crds --out DIR`` writes): the two grstack.io
+    resources and kopf's two peering resources (operator replicas elect a leader through them)."""
+    out = {f"{r.plural}.{GROUP}.yaml": render(r) for r in RESOURCES}
+    for kind, plural, scope in PEERING:
+        out[f"{plural}.kopf.dev.yaml"] = HEADER.replace("grstack.operator.models", "kopf's peering") + \
+            yaml.safe_dump(peering_crd(kind, plural, scope), sort_keys=False, width=100)
+    return out

@@ -16,6 +16,9 @@ import contextlib
 import copy
 import datetime as dt
 import logging
+import os
+import random
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -35,7 +38,24 @@ log = logging.getLogger("grstack.operator")
 class OperatorConfig:
     server: str | None = None  # talk to this API server without credentials (tests, kubectl proxy)
     resync_seconds: float = 10.0
-    error_backoff_seconds: float = 5.0
+    # After a failed pass: base * 2**(failures - 1), capped, with +-20% jitter; reset by a good pass.
+    error_backoff_seconds: float = 1.0
+    error_backoff_max_seconds: float = 300.0
+    # Leader election through kopf peering: the name of the (Cluster)KopfPeering object; None = standalone.
+    peering: str | None = None
+    priority: int = 0  # this replica's peering priority (the highest live one leads)
+    namespaced_peering: bool = False  # KopfPeering in the watched namespaces instead of ClusterKopfPeering
+    peering_namespace: str | None = None
+    readiness_port: int = 0  # /readyz (CRDs found; leader or standby in the body); 0 = off
+
+
+TERMINAL_STATES = frozenset({"Succeeded", "Failed"})
+
+
+def error_backoff(config: OperatorConfig, failures: int, jitter: float = 0.0) -> float:
+    """Seconds to wait after ``failures`` consecutive failed passes; ``jitter`` in [-1, 1] scales +-20%."""
+    base = config.error_backoff_seconds * 2 ** min(max(failures - 1, 0), 30)
+    return min(base, config.error_backoff_max_seconds) * (1 + 0.2 * jitter)
 
 
 @dataclass
@@ -44,16 +64,20 @@ class Runtime:
     metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
     client: KubeClient | None = None
     wakeups: dict[tuple[str, str, str], asyncio.Event] = field(default_factory=dict)
+    hit_rates: dict[tuple[str, str], serving.HitRateWindow] = field(default_factory=dict)
+    identity: str = field(default_factory=lambda: os.environ.get("POD_ID") or socket.gethostname())
+    readiness_runner: Any = None
 
     def wake(self, key: tuple[str, str, str]) -> None:
         event = self.wakeups.get(key)
         if event is not None:
             event.set()
 
-    async def sleep(self, key: tuple[str, str, str], seconds: float) -> None:
+    async def sleep(self, key: tuple[str, str, str], seconds: float | None) -> None:
+        """Until woken, or ``seconds`` (None: until woken)."""
         event = self.wakeups.setdefault(key, asyncio.Event())
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(event.wait(), timeout=max(0.05, seconds))
+            await asyncio.wait_for(event.wait(), timeout=None if seconds is None else max(0.05, seconds))
         event.clear()
 
     def kube(self) -> KubeClient:
@@ -168,7 +192,7 @@ async def reconcile_training_once(rt: Runtime, namespace: str, name: str) -> flo
 # --------------------------------------------------------------------------------------------- serving
 
 _CHILD_KINDS = (("apps/v1", "StatefulSet"), ("apps/v1", "Deployment"), ("autoscaling/v2", "HorizontalPodAutoscaler"),
-                ("v1", "Service"))
+                ("v1", "Service"), ("policy/v1", "PodDisruptionBudget"))
 
 
 async def reconcile_serving_once(rt: Runtime, namespace: str, name: str) -> float | None:
@@ -187,7 +211,8 @@ async def reconcile_serving_once(rt: Runtime, namespace: str, name: str) -> floa
                 observed[(kind, obj["metadata"]["name"])] = obj
     pods = await client.list("v1", "Pod", namespace, {names.LABEL_SERVICE: name})
     stats = await fetch_stats(serving.stats_targets(svc, pods))
-    plan = serving.reconcile_serving(svc, observed, stats, now())
+    window = rt.hit_rates.setdefault(key, serving.HitRateWindow())
+    plan = serving.reconcile_serving(svc, observed, stats, now(), window)
 
     for child in plan.children:
         await ensure(client, child, update=True)
@@ -218,28 +243,111 @@ async def fetch_stats(urls: list[str], timeout: float = 1.0) -> list[dict[str, A
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as http:
         answers = await asyncio.gather(*(one(http, u) for u in urls))
-    return [a for a in answers if isinstance(a, dict)]
+    return [{**a, "_target": u} for u, a in zip(urls, answers, strict=True) if isinstance(a, dict)]
 
 
 # ---------------------------------------------------------------------------------------------- registry
+
+
+def next_wait(rt: Runtime, kind: str, namespace: str, name: str, wait: float | None) -> float | None:
+    """How long the loop sleeps after a good pass: a finished training job sleeps until an event wakes it
+    (a spec change, one of its pods) unless it asked to come back (TTL); None = no timeout."""
+    if wait is None and kind == "GRTrainingJob" and rt.metrics.job_state_of((namespace, name)) in TERMINAL_STATES:
+        return None
+    return rt.config.resync_seconds if wait is None else min(wait, rt.config.resync_seconds)
 
 
 async def _loop(rt: Runtime, kind: str, namespace: str, name: str, stopped: Any,
                 once: Callable[[Runtime, str, str], Awaitable[float | None]]) -> None:
     key = (kind, namespace, name)
     rt.wakeups.setdefault(key, asyncio.Event())
+    failures = 0
     try:
         while not stopped:
             try:
-                wait = await once(rt, namespace, name)
+                wait = next_wait(rt, kind, namespace, name, await once(rt, namespace, name))
                 rt.metrics.reconciles.labels(kind, "ok").inc()
+                failures = 0
             except (TimeoutError, ApiError, OSError, kopf.TemporaryError) as exc:
                 rt.metrics.reconciles.labels(kind, "error").inc()
-                log.warning("reconcile of %s %s/%s failed, retrying: %s", kind, namespace, name, exc)
-                wait = rt.config.error_backoff_seconds
-            await rt.sleep(key, rt.config.resync_seconds if wait is None else min(wait, rt.config.resync_seconds))
+                failures += 1
+                wait = error_backoff(rt.config, failures, random.uniform(-1, 1))
+                log.warning("reconcile of %s %s/%s failed (%d in a row), retrying in %.1f s: %s", kind, namespace,
+                            name, failures, wait, exc)
+            await rt.sleep(key, wait)
     finally:
         rt.wakeups.pop(key, None)
+
+
+# ------------------------------------------------------------------------------------------- readiness
+
+
+async def crds_found(client: KubeClient) -> bool:
+    try:
+        payload = await client.request("GET", f"/apis/{names.GROUP}/{names.VERSION}")
+    except (ApiError, OSError, TimeoutError):
+        return False
+    found = {r.get("name") for r in payload.get("resources") or []}
+    return {names.TRAINING_PLURAL, names.SERVING_PLURAL} <= found
+
+
+def leads(peering_status: dict[str, Any], identity: str, now_: dt.datetime) -> bool:
+    """Whether ``identity`` leads in a kopf peering object's status: it is there, alive, and no other live
+    peer has its priority or a higher one (kopf pauses an operator in both cases)."""
+    def alive(info: dict[str, Any]) -> bool:
+        seen = info.get("lastseen")
+        try:
+            last = dt.datetime.fromisoformat(str(seen).replace("Z", "+00:00"))
+        except ValueError:
+            return False
+        if last.tzinfo is None:
+            last = last.replace(tzinfo=dt.UTC)
+        return (now_ - last).total_seconds() <= float(info.get("lifetime") or 60)
+
+    mine = peering_status.get(identity)
+    if not isinstance(mine, dict) or not alive(mine):
+        return False
+    prio = int(mine.get("priority") or 0)
+    return not any(isinstance(info, dict) and alive(info) and int(info.get("priority") or 0) >= prio
+                   for peer, info in peering_status.items() if peer != identity)
+
+
+async def readiness(rt: Runtime) -> tuple[bool, dict[str, Any]]:
+    """Ready once logged in and the CRDs are served; with leader election the body says whether this
+    replica leads (a standby stays ready: it takes over when the leader's peering lease lapses, and an
+    unready standby would stall rolling updates)."""
+    if rt.client is None:
+        return False, {"reason": "not logged in"}
+    if not await crds_found(rt.client):
+        return False, {"reason": f"the {names.GROUP} CRDs are not installed"}
+    body: dict[str, Any] = {"crds": True}
+    cfg = rt.config
+    if cfg.peering:
+        path = (f"/apis/kopf.dev/v1/namespaces/{cfg.peering_namespace}/kopfpeerings/{cfg.peering}"
+                if cfg.namespaced_peering else f"/apis/kopf.dev/v1/clusterkopfpeerings/{cfg.peering}")
+        try:
+            peering = await rt.client.request("GET", path)
+        except (ApiError, OSError, TimeoutError) as exc:
+            return False, {"reason": f"peering object {cfg.peering}: {exc}"}
+        leader = leads(peering.get("status") or {}, rt.identity, now())
+        rt.metrics.leader.set(1 if leader else 0)
+        body.update(leader=leader, identity=rt.identity, priority=cfg.priority)
+    return True, body
+
+
+async def start_readiness_server(rt: Runtime, port: int, host: str = "0.0.0.0") -> aiohttp.web.AppRunner:
+    from aiohttp import web
+
+    async def readyz(_: web.Request) -> web.Response:
+        ok, body = await readiness(rt)
+        return web.json_response({"ready": ok, **body}, status=200 if ok else 503)
+
+    app = web.Application()
+    app.router.add_get("/readyz", readyz)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner
 
 
 def build_registry(config: OperatorConfig | None = None) -> tuple[kopf.OperatorRegistry, Runtime]:
@@ -255,6 +363,22 @@ def build_registry(config: OperatorConfig | None = None) -> tuple[kopf.OperatorR
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
             prefix=names.GROUP, key="last-handled-configuration")
         settings.posting.level = logging.WARNING  # kopf's own chatter stays in the log, not in Events
+        # Server-side label selectors: the API server sends only our children, not every pod/StatefulSet/
+        # Deployment in the watched namespaces (the handlers' labels= filters stay as a second check).
+        settings.watching.label_selectors["v1", "pods"] = names.LABEL_JOB
+        settings.watching.label_selectors["apps", "v1", "statefulsets"] = names.LABEL_SERVICE
+        settings.watching.label_selectors["apps", "v1", "deployments"] = names.LABEL_SERVICE
+        if rt.config.peering:
+            settings.peering.name = rt.config.peering
+            settings.peering.priority = rt.config.priority
+            settings.peering.mandatory = True
+            settings.peering.standalone = False
+            settings.peering.clusterwide = not rt.config.namespaced_peering
+
+    @kopf.on.startup(registry=registry)
+    async def readiness_server(**_: Any) -> None:
+        if rt.config.readiness_port:
+            rt.readiness_runner = await start_readiness_server(rt, rt.config.readiness_port)
 
     @kopf.on.login(registry=registry)
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -269,6 +393,8 @@ def build_registry(config: OperatorConfig | None = None) -> tuple[kopf.OperatorR
 
     @kopf.on.cleanup(registry=registry)
     async def close(**_: Any) -> None:
+        if rt.readiness_runner is not None:
+            await rt.readiness_runner.cleanup()
         if rt.client is not None:
             await rt.client.close()
 
@@ -317,6 +443,7 @@ def build_registry(config: OperatorConfig | None = None) -> tuple[kopf.OperatorR
     @kopf.on.delete(G, V, names.SERVING_PLURAL, optional=True, registry=registry)
     def service_deleted(namespace: str, name: str, **_: Any) -> None:
         rt.metrics.service_ready((namespace, name), None)
+        rt.hit_rates.pop((namespace, name), None)
 
     for resource in ("statefulsets", "deployments"):
         @kopf.on.event(resource, labels={names.LABEL_SERVICE: kopf.PRESENT}, registry=registry,

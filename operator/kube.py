@@ -29,6 +29,7 @@ PLURALS = {
     ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
     ("scheduling.x-k8s.io/v1alpha1", "PodGroup"): "podgroups",
     ("scheduling.volcano.sh/v1beta1", "PodGroup"): "podgroups",
+    ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("grstack.io/v1alpha1", "GRTrainingJob"): "grtrainingjobs",
     ("grstack.io/v1alpha1", "GRRankingService"): "grrankingservices",
 }

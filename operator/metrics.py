@@ -22,6 +22,9 @@ class OperatorMetrics:
                           registry=self.registry)
         self.services_ready = Gauge("grstack_operator_ranking_services_ready",
                                     "Ranking services whose Ready condition is True", registry=self.registry)
+        self.leader = Gauge("grstack_operator_leader", "1 while this replica leads (always 1 when standalone)",
+                            registry=self.registry)
+        self.leader.set(1)
         self._job_states: dict[tuple[str, str], str] = {}
         self._services: dict[tuple[str, str], bool] = {}
 
@@ -35,6 +38,9 @@ class OperatorMetrics:
             counts[value] = counts.get(value, 0) + 1
         for state_name in ("Created", "Running", "Restarting", "Succeeded", "Failed", "Suspended"):
             self.jobs.labels(state_name).set(counts.get(state_name, 0))
+
+    def job_state_of(self, key: tuple[str, str]) -> str | None:
+        return self._job_states.get(key)
 
     def service_ready(self, key: tuple[str, str], ready: bool | None) -> None:
         if ready is None:

@@ -261,6 +261,51 @@ class ServingCheckpoint(_Model):
     mount_path: str = "/models"
 
 
+# A checkpoint given as a storage URI, as KServe's ``storageUri``: ``pvc://CLAIM/PATH`` is mounted read-only;
+# ``s3://``, ``gs://`` and ``http(s)://`` are fetched into ``spec.storage.mountPath`` by an init container.
+STORAGE_URI_PATTERN = r"^(pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?|(s3|gs)://[^/\s]+(/\S*)?|https?://\S+)$"
+StorageUri = Annotated[str, Field(pattern=STORAGE_URI_PATTERN)]
+# Either form in one structural schema (a field cannot have two types): no type, and value validations that
+# tell the forms apart without one: an object needs ``path`` (and is no string: minLength 1 and maxLength 0
+# together fail every string), a string needs the URI pattern (and is no object: ``required`` of a key an
+# object form never has).
+CHECKPOINT_SCHEMA = {
+    "description": "the exported model the rankers load: {path, claimName, mountPath}, or a storage URI "
+                   "string (pvc://CLAIM/PATH, s3://BUCKET/KEY, gs://BUCKET/KEY, https://...)",
+    "x-kubernetes-preserve-unknown-fields": True,
+    "allOf": [
+        {"not": {"enum": [True, False]}},  # typeless keywords below cannot tell booleans apart
+        {"anyOf": [
+            {"required": ["path"], "minLength": 1, "maxLength": 0, "minimum": 0, "maximum": -1,
+             "minItems": 1, "maxItems": 0},
+            {"pattern": STORAGE_URI_PATTERN, "required": ["storageUri"], "minimum": 0, "maximum": -1,
+             "minItems": 1, "maxItems": 0},
+        ]},
+    ],
+}
+Checkpoint = Annotated[ServingCheckpoint | StorageUri, WithJsonSchema(CHECKPOINT_SCHEMA)]
+
+
+class Storage(_Model):
+    """How a storage-URI checkpoint is fetched (unused with the object form or ``pvc://``)."""
+
+    secret_name: str | None = Field(
+        None, description="Secret with the credentials: its keys become the init container's environment "
+                          "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, ...); it is also mounted "
+                          "at /var/run/secrets/grstack-storage (gs://: a gcloud-application-credentials.json key)")
+    initializer_image: str = Field("kserve/storage-initializer:v0.14.1",
+                                   description="image that fetches URI into DIR when run with args [URI, DIR]")
+    mount_path: str = Field("/mnt/models", description="where the fetched model lands in the ranker")
+    size_limit: Quantity | None = Field(None, description="emptyDir size limit of the fetched model")
+
+
+class DisruptionBudget(_Model):
+    """A PodDisruptionBudget for rankers and one for routers (voluntary evictions: drains, upgrades)."""
+
+    enabled: bool = True
+    max_unavailable: Quantity = Field(1, description="pods of each component that may be evicted at once")
+
+
 class Autoscaling(_Model):
     """A HorizontalPodAutoscaler on the GRRankingService scale subresource (ranker replicas)."""
 
@@ -313,10 +358,16 @@ class Etcd(_Model):
 
 
 class GRRankingServiceSpec(_Model):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [{
+        "rule": "!has(self.autoscaling) || (has(self.ranker) && has(self.ranker.resources) && "
+                "has(self.ranker.resources.requests) && 'cpu' in self.ranker.resources.requests)",
+        "message": "autoscaling needs ranker.resources.requests.cpu"}]})
+
     image: str = Field(min_length=1)
     image_pull_policy: PullPolicy = "IfNotPresent"
     image_pull_secrets: list[str] = Field(default_factory=list)
-    checkpoint: ServingCheckpoint
+    checkpoint: Checkpoint
+    storage: Storage = Field(default_factory=Storage)
     replicas: int = Field(1, ge=1, description="ranker replicas (the scale subresource)")
     autoscaling: Autoscaling | None = None
     ranker: Ranker = Field(default_factory=Ranker)
@@ -325,11 +376,17 @@ class GRRankingServiceSpec(_Model):
     trigger: Trigger = Field(default_factory=Trigger)
     etcd: Etcd = Field(default_factory=Etcd)
     scheduling: Scheduling = Field(default_factory=Scheduling)
+    disruption_budget: DisruptionBudget = Field(default_factory=DisruptionBudget)
+    hit_rate_window_seconds: int = Field(300, ge=10, description="window of status.cacheHitRate")
 
     @model_validator(mode="after")
     def _etcd(self) -> GRRankingServiceSpec:
         if self.etcd.managed and self.etcd.endpoints:
             raise ValueError("etcd: set either managed or endpoints, not both")
+        if self.autoscaling is not None and "cpu" not in self.ranker.resources.requests:
+            # The HPA's CPU utilization is relative to the request: without one it never scales.
+            raise ValueError("autoscaling needs ranker.resources.requests.cpu (the HPA's CPU utilization is a "
+                             "share of the request)")
         return self
 
 
@@ -341,6 +398,8 @@ class GRRankingServiceStatus(_Model):
     ready_replicas: int = 0
     router_ready_replicas: int = 0
     url: str | None = None
-    cache_hit_rate: float | None = None
+    cache_hit_rate: float | None = Field(None, description="prefix-cache hit rate over the last "
+                                                           "spec.hitRateWindowSeconds (all rankers)")
+    updated_replicas: int = Field(0, description="ranker replicas at the current revision")
     selector: str | None = Field(None, description="ranker pod selector (scale subresource)")
     observed_generation: int | None = None

@@ -7,15 +7,22 @@ Children (all owned by the GRRankingService, re-applied every pass so spec chang
   placements point at it);
 - routers (``grstack serve router``): a Deployment behind the Service named like the GRRankingService (its
   URL goes to the status);
+- PodDisruptionBudgets for rankers and routers;
 - optionally a one-member etcd StatefulSet + Service, and a HorizontalPodAutoscaler on the scale
   subresource.
+
+The checkpoint is a path (optionally on a PVC) or a storage URI: ``pvc://`` is mounted, ``s3://``,
+``gs://`` and ``http(s)://`` are fetched into an emptyDir by an init container. Nothing in the router's pod
+template depends on the ranker count (routers discover rankers through etcd or the headless Service), so
+scaling rankers never rolls the routers.
 
 Rankers and routers need no Kubernetes API access (no service-account token). Cache budgets and trigger
 settings become their command-line flags; with etcd, each service keeps its placements under its own key
 prefix, so several services can share one etcd.
 
-Status: ``Ready`` rolls up rankers, routers and the managed etcd; ready replicas; URL; the prefix-cache hit
-rate over the rankers' ``GET /v1/stats`` (polled by the operator); the selector for the scale subresource.
+Status: ``Ready`` follows the rollout of rankers and routers (current spec, generation observed, replicas
+updated and available) and the managed etcd; ready replicas; URL; the prefix-cache hit rate over a window
+(the rankers' ``GET /v1/stats`` counters, polled by the operator); the selector for the scale subresource.
 """
 
 from __future__ import annotations
@@ -28,12 +35,13 @@ from typing import Any
 from pydantic import ValidationError
 
 from grstack.operator import names, objects
-from grstack.operator.models import GRRankingServiceSpec
+from grstack.operator.models import GRRankingServiceSpec, ServingCheckpoint
 
 ETCD_CLIENT_PORT = 2379
 ETCD_PEER_PORT = 2380
 MB = 1 << 20
 DEVICE_FLAGS = {"cpu": "cpu", "nvidia": "cuda", "ascend": "npu"}
+STORAGE_SECRET_PATH = "/var/run/secrets/grstack-storage"
 
 
 @dataclass
@@ -80,13 +88,64 @@ def url(service: str, namespace: str, spec: GRRankingServiceSpec) -> str:
     return f"http://{service}.{namespace}.svc:{spec.router.port}"
 
 
+@dataclass
+class ModelSource:
+    """Where the rankers find the checkpoint: the --checkpoint path, its volume and mount, init containers."""
+
+    path: str
+    volumes: list[dict[str, Any]] = field(default_factory=list)
+    mounts: list[dict[str, Any]] = field(default_factory=list)
+    init_containers: list[dict[str, Any]] = field(default_factory=list)
+
+
+def model_source(spec: GRRankingServiceSpec) -> ModelSource:
+    ckpt = spec.checkpoint
+    if isinstance(ckpt, ServingCheckpoint):
+        if not ckpt.claim_name:
+            return ModelSource(ckpt.path)
+        return ModelSource(
+            ckpt.path, [{"name": "model", "persistentVolumeClaim": {"claimName": ckpt.claim_name, "readOnly": True}}],
+            [{"name": "model", "mountPath": ckpt.mount_path, "readOnly": True}])
+    st = spec.storage
+    scheme, _, rest = ckpt.partition("://")
+    mount = {"name": "model", "mountPath": st.mount_path, "readOnly": True}
+    if scheme == "pvc":  # mounted, as KServe does: pvc://CLAIM/PATH -> MOUNT/PATH
+        claim, _, sub = rest.partition("/")
+        return ModelSource(f"{st.mount_path.rstrip('/')}/{sub}" if sub else st.mount_path,
+                           [{"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}],
+                           [mount])
+    # s3/gs/http(s): fetched into an emptyDir before the ranker starts. A URI naming a file lands under its
+    # base name; a prefix's contents land in the directory (the ranker finds model.pt in it).
+    base = rest.split("?", 1)[0].rstrip("/").rpartition("/")[2]
+    path = f"{st.mount_path.rstrip('/')}/{base}" if "/" in rest.strip("/") and "." in base else st.mount_path
+    empty: dict[str, Any] = {"sizeLimit": st.size_limit} if st.size_limit is not None else {}
+    volumes = [{"name": "model", "emptyDir": empty}]
+    init: dict[str, Any] = {
+        "name": "storage-initializer",
+        "image": st.initializer_image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "args": [ckpt, st.mount_path],
+        "env": [{"name": "HOME", "value": "/tmp"}],
+        "volumeMounts": [{"name": "model", "mountPath": st.mount_path}, {"name": "tmp", "mountPath": "/tmp"}],
+        "securityContext": objects.container_security_context(),
+    }
+    if st.secret_name:
+        init["envFrom"] = [{"secretRef": {"name": st.secret_name}}]
+        volumes.append({"name": "storage-secret", "secret": {"secretName": st.secret_name}})
+        init["volumeMounts"].append({"name": "storage-secret", "mountPath": STORAGE_SECRET_PATH, "readOnly": True})
+        if scheme == "gs":
+            init["env"].append({"name": "GOOGLE_APPLICATION_CREDENTIALS",
+                                "value": f"{STORAGE_SECRET_PATH}/gcloud-application-credentials.json"})
+    return ModelSource(path, volumes, [mount], [init])
+
+
 def _mb(n: int) -> str:
     return f"{n / MB:g}"
 
 
 def ranker_args(service: str, namespace: str, spec: GRRankingServiceSpec) -> list[str]:
     sts, c = names.ranker_name(service), spec.cache
-    args = ["serve", "ranker", "--checkpoint", spec.checkpoint.path, "--host", "0.0.0.0",
+    args = ["serve", "ranker", "--checkpoint", model_source(spec).path, "--host", "0.0.0.0",
             "--port", str(spec.ranker.port), "--device", DEVICE_FLAGS[spec.ranker.accelerator],
             "--device-cache-mb", _mb(c.device_bytes), "--dram-cache-mb", _mb(c.dram_bytes),
             "--dram-ttl-s", str(c.ttl_seconds)]
@@ -99,14 +158,17 @@ def ranker_args(service: str, namespace: str, spec: GRRankingServiceSpec) -> lis
 
 
 def router_args(service: str, namespace: str, spec: GRRankingServiceSpec) -> list[str]:
+    """Nothing here depends on the ranker count, so scaling rankers never rolls the routers: they find the
+    rankers in etcd or as the addresses of the rankers' headless Service (ready pods only), and the budgets
+    are per ranker (the router multiplies them by the rankers it sees up)."""
     endpoint = etcd_endpoint(service, spec)
     source = ["--etcd", endpoint, "--etcd-root", etcd_root(namespace, service)] if endpoint else \
-        ["--rankers", ",".join(ranker_urls(service, spec))]
+        ["--rankers-dns", f"{names.ranker_name(service)}:{spec.ranker.port}"]
     t, c = spec.trigger, spec.cache
     args = ["serve", "router", *source, "--host", "0.0.0.0", "--port", str(spec.router.port),
             "--slo-ms", f"{t.slo_ms:g}", "--prefill-budget-ms", f"{1000 * t.pre_infer_budget:g}",
             # Admitted prefixes must fit the rankers' device caches together.
-            "--cache-budget-mb", _mb(c.device_bytes * spec.replicas), "--footprint-ttl-s", str(c.ttl_seconds)]
+            "--cache-budget-per-replica-mb", _mb(c.device_bytes), "--footprint-ttl-s", str(c.ttl_seconds)]
     if t.length_threshold is not None:
         args += ["--length-threshold", str(t.length_threshold)]
     return args
@@ -120,7 +182,8 @@ def _probes(port: int) -> dict[str, Any]:
     }
 
 
-def _pod_spec(spec: GRRankingServiceSpec, container: dict[str, Any], volumes: list[dict[str, Any]]) -> dict[str, Any]:
+def _pod_spec(spec: GRRankingServiceSpec, container: dict[str, Any], volumes: list[dict[str, Any]],
+              init_containers: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     pod: dict[str, Any] = {
         "enableServiceLinks": False,
         "automountServiceAccountToken": False,
@@ -128,6 +191,8 @@ def _pod_spec(spec: GRRankingServiceSpec, container: dict[str, Any], volumes: li
         "containers": [container],
         "volumes": volumes,
     }
+    if init_containers:
+        pod["initContainers"] = init_containers
     if spec.image_pull_secrets:
         pod["imagePullSecrets"] = objects.pull_secrets(spec.image_pull_secrets)
     objects.apply_scheduling(pod, spec.scheduling)
@@ -162,12 +227,8 @@ def children(svc: dict[str, Any], spec: GRRankingServiceSpec) -> list[dict[str, 
                   objects.field_env("GRSTACK_POD_NAMESPACE", "metadata.namespace"), *objects.SCRATCH_ENV]
 
     # Rankers.
-    ckpt = spec.checkpoint
-    r_volumes, r_mounts = list(volumes), list(mounts)
-    if ckpt.claim_name:
-        r_volumes.append({"name": "model",
-                          "persistentVolumeClaim": {"claimName": ckpt.claim_name, "readOnly": True}})
-        r_mounts.append({"name": "model", "mountPath": ckpt.mount_path, "readOnly": True})
+    source = model_source(spec)
+    r_volumes, r_mounts = volumes + source.volumes, mounts + source.mounts
     r_container = _container(spec, "ranker", ranker_args(name, namespace, spec), spec.ranker.port,
                              [*common_env, *objects.env_list(spec.ranker.env)], r_mounts,
                              objects.resources(spec.ranker.resources, spec.ranker.accelerator))
@@ -186,7 +247,8 @@ def children(svc: dict[str, Any], spec: GRRankingServiceSpec) -> list[dict[str, 
             "serviceName": ranker,
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": selector(name, "ranker")},
-            "template": {"metadata": {"labels": r_labels}, "spec": _pod_spec(spec, r_container, r_volumes)},
+            "template": {"metadata": {"labels": r_labels},
+                         "spec": _pod_spec(spec, r_container, r_volumes, source.init_containers)},
         },
     })
 
@@ -211,6 +273,14 @@ def children(svc: dict[str, Any], spec: GRRankingServiceSpec) -> list[dict[str, 
                  "ports": [{"name": "http", "port": spec.router.port, "targetPort": spec.router.port}]},
     })
 
+    if spec.disruption_budget.enabled:
+        for component, obj_name, obj_labels in (("ranker", ranker, r_labels), ("router", router, t_labels)):
+            out.append({
+                "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+                "metadata": objects.metadata(svc, obj_name, obj_labels),
+                "spec": {"maxUnavailable": spec.disruption_budget.max_unavailable,
+                         "selector": {"matchLabels": selector(name, component)}},
+            })
     if spec.etcd.managed:
         out += _etcd(svc, spec)
     if spec.autoscaling:
@@ -301,14 +371,95 @@ def hit_rate(stats: list[dict[str, Any]]) -> float | None:
     return round(hits / lookups, 4) if lookups else None
 
 
+Counters = dict[str, tuple[int, int]]  # ranker -> (hits, lookups) since that ranker started
+
+
+def counters(stats: list[dict[str, Any]]) -> Counters:
+    """Per-ranker cumulative counters; a ranker is named by the ``_target`` the operator polled (else its index)."""
+    out: Counters = {}
+    for i, s in enumerate(stats):
+        try:
+            h = int(s.get("device_hits", 0)) + int(s.get("dram_hits", 0))
+            m = int(s.get("misses", 0))
+        except (TypeError, ValueError, AttributeError):
+            continue
+        out[str(s.get("_target", i))] = (h, h + m)
+    return out
+
+
+@dataclass
+class HitRateWindow:
+    """The hit rate over the last ``seconds``: the counters now minus those at the window's start, per ranker.
+    A ranker whose counters went down restarted; one that is new has no baseline: its counters since start
+    count (they all fall in the window or a little before)."""
+
+    seconds: float = 300.0
+    samples: list[tuple[float, Counters]] = field(default_factory=list)
+
+    def add(self, t: float, current: Counters) -> tuple[bool, float | None]:
+        """(known, rate): known is False until a baseline exists; rate is None when nothing was looked up."""
+        self.samples.append((t, current))
+        # Keep the newest sample at or before the window's start as the baseline.
+        while len(self.samples) > 2 and self.samples[1][0] <= t - self.seconds:
+            self.samples.pop(0)
+        if len(self.samples) < 2:
+            return False, None
+        base = self.samples[0][1]
+        hits = lookups = 0
+        for key, (h, n) in current.items():
+            h0, n0 = base.get(key, (0, 0))
+            if h < h0 or n < n0:
+                h0 = n0 = 0
+            hits += h - h0
+            lookups += n - n0
+        return True, (round(hits / lookups, 4) if lookups > 0 else None)
+
+
+def _status(obj: dict[str, Any] | None) -> dict[str, Any]:
+    return (obj or {}).get("status") or {}
+
+
 def _ready(obj: dict[str, Any] | None) -> int:
-    return int(((obj or {}).get("status") or {}).get("readyReplicas") or 0)
+    return int(_status(obj).get("readyReplicas") or 0)
+
+
+def _covers(desired: Any, live: Any) -> bool:
+    if isinstance(desired, dict):
+        return isinstance(live, dict) and all(_covers(v, live.get(k)) for k, v in desired.items())
+    if isinstance(desired, list):
+        return isinstance(live, list) and len(desired) == len(live) and all(map(_covers, desired, live))
+    return desired == live or (desired is not None and live is not None and str(desired) == str(live))
+
+
+def rollout(desired: dict[str, Any], live: dict[str, Any] | None, want: int) -> tuple[bool, str]:
+    """Whether a StatefulSet/Deployment has rolled out ``desired``: its live spec is the desired one, the
+    controller has seen the current generation, and ``want`` replicas are updated and available with no old
+    ones left."""
+    kind = desired["kind"]
+    if live is None:
+        return False, f"{kind} not created yet"
+    if "spec" in live and not _covers(desired["spec"], live["spec"]):
+        return False, f"{kind} being updated"
+    st = _status(live)
+    generation = (live.get("metadata") or {}).get("generation")
+    if generation is not None and int(st.get("observedGeneration") or 0) < int(generation):
+        return False, f"{kind} generation {generation} not observed yet"
+    updated = int(st.get("updatedReplicas") or 0)
+    available = int(st.get("availableReplicas", st.get("readyReplicas")) or 0)
+    total = int(st.get("replicas") or 0)
+    if updated < want or available < want or total > want:
+        return False, f"{min(updated, available)}/{want} updated and available" + (
+            f", {total - updated} old" if total > updated else "")
+    return True, ""
 
 
 def reconcile_serving(svc: dict[str, Any], observed: dict[tuple[str, str], dict[str, Any]],
-                      stats: list[dict[str, Any]], now: dt.datetime) -> ServingPlan:
+                      stats: list[dict[str, Any]], now: dt.datetime,
+                      window: HitRateWindow | None = None) -> ServingPlan:
     """``observed`` maps (kind, name) of existing children to their live objects (with status); ``stats``
-    holds the rankers' ``/v1/stats`` answers."""
+    holds the rankers' ``/v1/stats`` answers (with ``_target``: the URL polled); ``window`` the earlier
+    samples of this service (the caller keeps it between passes; without one there is no baseline and
+    ``cacheHitRate`` stays as it was)."""
     meta = svc["metadata"]
     name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")
     status: dict[str, Any] = json.loads(json.dumps(svc.get("status") or {}))
@@ -329,33 +480,44 @@ def reconcile_serving(svc: dict[str, Any], observed: dict[tuple[str, str], dict[
     plan.children = children(svc, spec)
     if not spec.autoscaling and ("HorizontalPodAutoscaler", names.ranker_name(name)) in observed:
         plan.delete.append(("autoscaling/v2", "HorizontalPodAutoscaler", names.ranker_name(name)))
+    if not spec.disruption_budget.enabled:
+        for child in (names.ranker_name(name), names.router_name(name)):
+            if ("PodDisruptionBudget", child) in observed:
+                plan.delete.append(("policy/v1", "PodDisruptionBudget", child))
     if not spec.etcd.managed:
         for kind, api in (("StatefulSet", "apps/v1"), ("Service", "v1")):
             if (kind, names.etcd_name(name)) in observed:
                 plan.delete.append((api, kind, names.etcd_name(name)))
 
-    rankers = observed.get(("StatefulSet", names.ranker_name(name)))
-    routers = observed.get(("Deployment", names.router_name(name)))
+    desired = {(c["kind"], c["metadata"]["name"]): c for c in plan.children}
+    r_key, t_key = ("StatefulSet", names.ranker_name(name)), ("Deployment", names.router_name(name))
+    rankers, routers = observed.get(r_key), observed.get(t_key)
     ready_rankers, ready_routers = _ready(rankers), _ready(routers)
-    status["replicas"] = int(((rankers or {}).get("status") or {}).get("replicas") or 0)
+    status["replicas"] = int(_status(rankers).get("replicas") or 0)
     status["readyReplicas"] = ready_rankers
+    status["updatedReplicas"] = int(_status(rankers).get("updatedReplicas") or 0)
     status["routerReadyReplicas"] = ready_routers
     status["url"] = url(name, namespace, spec)
     status["selector"] = selector_string(name, "ranker")
-    rate = hit_rate(stats)
-    if rate is not None:
-        status["cacheHitRate"] = rate
+    if window is not None:
+        window.seconds = spec.hit_rate_window_seconds
+        known, rate = window.add(now.timestamp(), counters(stats))
+        if known and rate is None:
+            status.pop("cacheHitRate", None)  # nothing looked up in the window
+        elif known:
+            status["cacheHitRate"] = rate
 
-    missing = []
-    if ready_rankers < spec.replicas:
-        missing.append(f"{ready_rankers}/{spec.replicas} rankers ready")
-    if ready_routers < spec.router.replicas:
-        missing.append(f"{ready_routers}/{spec.router.replicas} routers ready")
+    missing, reason = [], ""
+    for key, want, label, why in ((r_key, spec.replicas, "rankers", "RankersNotReady"),
+                                  (t_key, spec.router.replicas, "routers", "RoutersNotReady")):
+        done, message = rollout(desired[key], observed.get(key), want)
+        if not done:
+            missing.append(f"{label}: {message}")
+            reason = reason or why
     if spec.etcd.managed and _ready(observed.get(("StatefulSet", names.etcd_name(name)))) < 1:
         missing.append("etcd not ready")
+        reason = reason or "EtcdNotReady"
     if missing:
-        reason = "RankersNotReady" if ready_rankers < spec.replicas else (
-            "RoutersNotReady" if ready_routers < spec.router.replicas else "EtcdNotReady")
         status["conditions"] = objects.set_condition(conds, "Ready", False, reason, "; ".join(missing), now,
                                                      generation)
     else:

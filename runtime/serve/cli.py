@@ -38,6 +38,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     src = ro.add_mutually_exclusive_group(required=True)
     src.add_argument("--rankers", help="comma-separated ranker URLs (static replicas, in-memory placements)")
     src.add_argument("--etcd", metavar="URL", help="discover replicas and keep placements in etcd")
+    src.add_argument("--rankers-dns", metavar="HOST:PORT",
+                     help="discover replicas as the addresses HOST resolves to (a headless Service of the "
+                          "rankers), re-resolved every few seconds; in-memory placements")
     ro.add_argument("--etcd-root", default="/grstack/ranking/default")
     _server_args(ro, 8080)
     _router_args(ro)
@@ -84,6 +87,9 @@ def _router_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--length-threshold", type=int, default=None,
                    help="admit prefixes of at least this many tokens (overrides the latency model)")
     g.add_argument("--cache-budget-mb", type=float, default=1024, help="footprint of admitted prefixes")
+    g.add_argument("--cache-budget-per-replica-mb", type=float, default=None,
+                   help="footprint of admitted prefixes per up replica (overrides --cache-budget-mb; follows "
+                        "the replica count)")
     g.add_argument("--footprint-ttl-s", type=float, default=600)
     g.add_argument("--prefill-budget-ms", type=float, default=500,
                    help="predicted pre-infer compute admitted per replica per second (averaged over 10 s)")
@@ -132,7 +138,12 @@ def router_config(args: argparse.Namespace, rankers: tuple[str, ...] = ()) -> An
     trig = TriggerConfig(slo_ms=args.slo_ms, risk_fraction=args.risk_fraction,
                          length_threshold=args.length_threshold,
                          cache_budget_bytes=int(args.cache_budget_mb * MB), footprint_ttl_s=args.footprint_ttl_s)
-    return RouterConfig(rankers=rankers, relay=not args.no_relay, trigger=trig,
+    per_replica = getattr(args, "cache_budget_per_replica_mb", None)
+    dns = getattr(args, "rankers_dns", None)
+    if dns is not None and (dns.rpartition(":")[0] == "" or not dns.rpartition(":")[2].isdigit()):
+        raise UserError(f"--rankers-dns {dns}: expected HOST:PORT")
+    return RouterConfig(rankers=rankers, rankers_dns=dns, relay=not args.no_relay, trigger=trig,
+                        cache_budget_per_replica_bytes=None if per_replica is None else int(per_replica * MB),
                         prefill_budget_per_replica_ms=args.prefill_budget_ms,
                         rank_timeout_s=args.rank_timeout_ms / 1e3)
 

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,6 +63,13 @@ LOCAL = -1  # revision of a placement known only to this router (written while t
 @dataclass
 class RouterConfig:
     rankers: tuple[str, ...] = ()  # static replicas (embedded mode); empty: discover them in the store
+    # "HOST:PORT" of a headless Service: its A/AAAA records (the ready rankers) are the replicas, re-resolved
+    # every dns_interval_s, so the ranker count is not baked into the router's arguments.
+    rankers_dns: str | None = None
+    dns_interval_s: float = 5.0
+    # Admitted-prefix footprint per up replica (the trigger's cache budget follows the ranker count); None
+    # keeps trigger.cache_budget_bytes as given.
+    cache_budget_per_replica_bytes: int | None = None
     relay: bool = True  # False: prefill signals are ignored (the baseline)
     trigger: TriggerConfig = field(default_factory=TriggerConfig)
     prefill_budget_per_replica_ms: float = 500.0  # predicted pre-infer ms per replica per second
@@ -109,6 +117,7 @@ class Router:
         self._tasks: list[asyncio.Task[Any]] = []
         self._background: set[asyncio.Task[Any]] = set()
         self._session: aiohttp.ClientSession | None = None
+        self._dns_urls: set[str] = set()
 
     # -- lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -118,6 +127,9 @@ class Router:
             await self.store.register(Replica(url, url), ttl_s=0)
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._watch_loop()), loop.create_task(self._health_loop())]
+        if self.config.rankers_dns:
+            await self.resolve_rankers()
+            self._tasks.append(loop.create_task(self._dns_loop()))
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.synced.wait(), 5.0)
         await self._load_profile()
@@ -158,10 +170,39 @@ class Router:
 
     def _update_budget(self) -> None:
         if self.trigger is not None:
-            budget = (self.config.prefill_budget_per_replica_ms * max(1, len(self.up_replicas()))
-                      * self.trigger.config.window_s)
-            if budget != self.trigger.config.prefill_budget_ms:
-                self.trigger.config = dataclasses.replace(self.trigger.config, prefill_budget_ms=budget)
+            up = max(1, len(self.up_replicas()))
+            budget = self.config.prefill_budget_per_replica_ms * up * self.trigger.config.window_s
+            cache = self.trigger.config.cache_budget_bytes
+            if self.config.cache_budget_per_replica_bytes is not None:
+                cache = self.config.cache_budget_per_replica_bytes * up
+            if budget != self.trigger.config.prefill_budget_ms or cache != self.trigger.config.cache_budget_bytes:
+                self.trigger.config = dataclasses.replace(self.trigger.config, prefill_budget_ms=budget,
+                                                          cache_budget_bytes=cache)
+
+    # -- DNS discovery (a headless Service of the rankers) -------------------------------------------
+    async def resolve_rankers(self) -> None:
+        """Registers the addresses the Service name resolves to and unregisters those it no longer does
+        (a failed lookup changes nothing: a DNS hiccup must not empty the ring)."""
+        host, _, port = (self.config.rankers_dns or "").rpartition(":")
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        except (OSError, ValueError) as exc:
+            log.warning("cannot resolve rankers at %s: %s", self.config.rankers_dns, exc)
+            return
+        urls = set()
+        for family, *_, sockaddr in infos:
+            ip = sockaddr[0]
+            urls.add(f"http://[{ip}]:{port}" if family == socket.AF_INET6 else f"http://{ip}:{port}")
+        for url in sorted(urls - set(self._dns_urls)):
+            await self.store.register(Replica(url, url), ttl_s=0)
+        for url in sorted(set(self._dns_urls) - urls):
+            await self.store.unregister(url)
+        self._dns_urls = urls
+
+    async def _dns_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.dns_interval_s)
+            await self.resolve_rankers()
 
     def _http(self) -> aiohttp.ClientSession:
         assert self._session is not None, "Router.start() was not called"

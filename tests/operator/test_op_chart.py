@@ -28,7 +28,16 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "etcd-persistent": {"etcd": {"enabled": True, "persistence": {"enabled": True, "storageClassName": "fast"}},
                         "imagePullSecrets": ["regcred"], "operator": {"metrics": {"enabled": False}}},
     "serving-release": SERVING_VALUES,
+    "extras": {"networkPolicy": {"enabled": True, "metricsFrom": [{"namespaceSelector": {"matchLabels": {
+        "name": "monitoring"}}}]}, "operator": {"metrics": {"serviceMonitor": {"enabled": True}}}},
+    "serving-uri-netpol": {"operator": {"enabled": False}, "networkPolicy": {"enabled": True},
+                           "rankingService": {"enabled": True, "spec": {"checkpoint": "s3://models/hstu/model.pt",
+                                                                        "storage": {"secretName": "s3"}}}},
+    "single-operator": {"operator": {"leaderElection": {"enabled": False}}},
 }
+# Kinds of other APIs' CRDs (kopf's peering, prometheus-operator): checked here by shape, not by the
+# Kubernetes schemas.
+FOREIGN = {"ClusterKopfPeering", "KopfPeering", "ServiceMonitor"}
 
 
 def render(values: dict[str, Any], release: str = "grstack") -> list[dict[str, Any]]:
@@ -65,6 +74,9 @@ def test_rendered_manifests_validate(scenario: str, version: str) -> None:
             assert errors == [], errors
             GRRankingServiceSpec.model_validate(stored["spec"])
             continue
+        if doc["kind"] in FOREIGN:
+            assert doc["apiVersion"] in ("kopf.dev/v1", "monitoring.coreos.com/v1") and doc["metadata"]["name"]
+            continue
         try:
             kubernetes_validate.validate(doc, version, strict=True)
         except kubernetes_validate.ValidationError as exc:
@@ -80,12 +92,24 @@ def kinds(docs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
 
 def test_operator_deployment() -> None:
     docs = kinds(render({}))
-    assert sorted(docs) == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount"]
+    assert sorted(docs) == ["ClusterKopfPeering", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service",
+                            "ServiceAccount"]
     deploy = docs["Deployment"][0]["spec"]
-    assert deploy["replicas"] == 1 and deploy["strategy"] == {"type": "Recreate"}
+    # Two replicas, one leader: kopf peering through the ClusterKopfPeering the chart creates.
+    assert deploy["replicas"] == 2 and deploy["strategy"]["type"] == "RollingUpdate"
+    assert deploy["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    assert docs["ClusterKopfPeering"][0]["metadata"]["name"] == "grstack"
     container = deploy["template"]["spec"]["containers"][0]
     assert container["command"] == ["grstack"] and container["args"][:2] == ["operator", "--all-namespaces"]
+    assert "--peering=grstack" in container["args"] and "--readiness-port=8081" in container["args"]
+    assert {"name": "POD_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in container["env"]
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "ready"}
+    anti = deploy["template"]["spec"]["affinity"]["podAntiAffinity"]
+    assert anti["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]["topologyKey"] == \
+        "kubernetes.io/hostname"
+    crd_rules = next(r for r in docs["ClusterRole"] if r["metadata"]["name"] == "grstack-crds")["rules"]
+    assert _allowed(crd_rules, "kopf.dev", "clusterkopfpeerings", "patch")
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     assert deploy["template"]["spec"]["serviceAccountName"] == "grstack"
 
@@ -112,7 +136,8 @@ def test_rbac_is_least_privilege_and_sufficient() -> None:
     created = plan.children + plan.create_pods + reconcile_serving(svc, {}, [], now).children
     plurals = {"Pod": "pods", "Service": "services", "ConfigMap": "configmaps", "ServiceAccount": "serviceaccounts",
                "Role": "roles", "RoleBinding": "rolebindings", "StatefulSet": "statefulsets",
-               "Deployment": "deployments", "HorizontalPodAutoscaler": "horizontalpodautoscalers"}
+               "Deployment": "deployments", "HorizontalPodAutoscaler": "horizontalpodautoscalers",
+               "PodDisruptionBudget": "poddisruptionbudgets"}
     for obj in created:
         group = obj["apiVersion"].rpartition("/")[0]
         for verb in ("get", "create", "patch", "delete"):
@@ -133,6 +158,11 @@ def test_namespaced_operator_uses_roles() -> None:
     assert [r["metadata"]["name"] for r in docs["ClusterRole"]] == ["grstack-crds"]
     args = docs["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--namespace=team-a" in args and "--namespace=team-b" in args and "--all-namespaces" not in args
+    assert [(p["metadata"]["namespace"], p["metadata"]["name"]) for p in docs["KopfPeering"]] == [
+        ("team-a", "grstack"), ("team-b", "grstack")]
+    assert "ClusterKopfPeering" not in docs
+    rules = docs["Role"][0]["rules"]
+    assert _allowed(rules, "kopf.dev", "kopfpeerings", "patch") and _allowed(rules, "kopf.dev", "kopfpeerings", "watch")
 
 
 def test_serving_release_creates_a_ranking_service() -> None:
@@ -150,3 +180,57 @@ def test_serving_release_creates_a_ranking_service() -> None:
 def test_serving_release_requires_a_checkpoint() -> None:
     with pytest.raises(helm.HelmError, match=r"checkpoint\.path is required"):
         render({"operator": {"enabled": False}, "rankingService": {"enabled": True}})
+    docs = kinds(render(SCENARIOS["serving-uri-netpol"], release="ranker"))
+    assert docs["GRRankingService"][0]["spec"]["checkpoint"] == "s3://models/hstu/model.pt"
+
+
+BAD_VALUES = {
+    "namespace glob": ({"operator": {"watchNamespaces": ["team-*"]}}, "watchNamespaces/0"),
+    "namespace with a capital": ({"operator": {"watchNamespaces": ["Team"]}}, "watchNamespaces/0"),
+    "zero replicas": ({"operator": {"replicas": 0}}, "replicas"),
+    "unknown operator key": ({"operator": {"replica": 2}}, "replica"),
+    "port out of range": ({"operator": {"metrics": {"port": 70000}}}, "port"),
+    "pull policy": ({"image": {"pullPolicy": "Sometimes"}}, "pullPolicy"),
+    "typo at the top": ({"netwrokPolicy": {"enabled": True}}, "netwrokPolicy"),
+    "ranking replicas": ({"rankingService": {"enabled": True, "spec": {"replicas": 0, "checkpoint": "s3://b/m"}}},
+                         "replicas"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_VALUES)
+def test_values_schema_refuses_bad_values(case: str) -> None:
+    """values.schema.json: a bad value fails `helm install` (and lint) before anything reaches the cluster."""
+    values, where = BAD_VALUES[case]
+    with pytest.raises(helm.HelmError, match="schema") as exc:
+        render(values)
+    assert where in str(exc.value)
+    report = helm.lint(CHART, values, strict=True, kube_version="v1.30.0")
+    assert report["errors"], report
+
+
+def test_single_operator_without_leader_election() -> None:
+    docs = kinds(render(SCENARIOS["single-operator"]))
+    deploy = docs["Deployment"][0]["spec"]
+    assert deploy["replicas"] == 1 and deploy["strategy"] == {"type": "Recreate"}
+    assert not any(a.startswith("--peering") for a in deploy["template"]["spec"]["containers"][0]["args"])
+    assert "ClusterKopfPeering" not in docs
+
+
+def test_network_policies_and_service_monitor() -> None:
+    docs = kinds(render(SCENARIOS["extras"]))
+    (policy,) = docs["NetworkPolicy"]
+    assert policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "operator"
+    metrics = next(rule for rule in policy["spec"]["ingress"] if rule["ports"] == [{"port": 9090}])
+    assert metrics["from"] == [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]
+    (monitor,) = docs["ServiceMonitor"]
+    assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
+    metrics_service = next(s for s in docs["Service"] if s["metadata"]["name"].endswith("-operator-metrics"))
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= metrics_service["metadata"]["labels"].items()
+    assert "ServiceMonitor" not in kinds(render({}))  # optional
+    assert "NetworkPolicy" not in kinds(render({}))
+    serving = kinds(render(SCENARIOS["serving-uri-netpol"], release="ranker"))
+    ranker = next(p for p in serving["NetworkPolicy"] if p["metadata"]["name"] == "ranker-ranker")
+    sources = ranker["spec"]["ingress"][0]["from"]
+    assert sources[0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "router"
+    assert sources[1]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "grstack-system"}
+    assert ranker["spec"]["ingress"][0]["ports"] == [{"port": 8000}]

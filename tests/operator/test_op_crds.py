@@ -54,9 +54,25 @@ def _walk(node: dict[str, Any], path: str = "") -> list[tuple[str, dict[str, Any
 
 @pytest.mark.parametrize("resource", crds.RESOURCES, ids=lambda r: r.kind)
 def test_schema_is_structural(resource: crds.Resource) -> None:
-    """Kubernetes' structural-schema rules: a type everywhere, no references, anyOf only as int-or-string."""
+    """Kubernetes' structural-schema rules: a type everywhere, no references, anyOf only as int-or-string at a
+    node; junctors (allOf/anyOf/not, as in the checkpoint's two forms) only as value validations: no type,
+    description, default, nullable, additionalProperties, properties or items inside them."""
+    def junctor_free(node: Any, path: str) -> None:
+        if isinstance(node, dict):
+            assert not {"type", "description", "default", "nullable", "additionalProperties", "properties",
+                        "items", "$ref"} & node.keys(), path
+            for key in ("allOf", "anyOf", "oneOf"):
+                for branch in node.get(key, []):
+                    junctor_free(branch, path)
+            if "not" in node:
+                junctor_free(node["not"], path)
+
     for path, node in _walk(schema(resource)):
-        assert not {"$ref", "$defs", "allOf", "oneOf", "not", "title"} & node.keys(), path
+        assert not {"$ref", "$defs", "oneOf", "title"} & node.keys(), path
+        for branch in node.get("allOf", []):
+            junctor_free(branch, path)
+        if "not" in node:
+            junctor_free(node["not"], path)
         if node.get("x-kubernetes-int-or-string"):
             assert node["anyOf"] == [{"type": "integer"}, {"type": "string"}], path
             continue

@@ -200,18 +200,28 @@ async def stats_server(counters: dict[str, int]) -> tuple[web.AppRunner, int]:
 
 async def test_ranking_service_children_readiness_scaling_and_hit_rate(cluster: Cluster) -> None:
     cluster.kubelet.enabled = False  # rankers/routers are not run here; their controllers are simulated
-    runner, port = await stats_server({"device_hits": 6, "dram_hits": 2, "misses": 2})
-    await create(cluster, ranking_service("rank", replicas=2, ranker={"port": port}))
+    counters = {"device_hits": 6, "dram_hits": 2, "misses": 2}
+    runner, port = await stats_server(counters)
+    await create(cluster, ranking_service("rank", replicas=2, ranker={"port": port}, hitRateWindowSeconds=10))
     await cluster.wait_for("StatefulSet", lambda: cluster.get("apps/v1/statefulsets", "rank-ranker"))
     await cluster.wait_for("not ready", lambda: condition(cluster, "rank", "Ready", SERVICES).get("reason")
                            == "RankersNotReady")
     assert status(cluster, "rank", SERVICES)["url"] == "http://rank.default.svc:8080"
     assert cluster.get("apps/v1/deployments", "rank-router") and cluster.get("v1/services", "rank")
-    # What the StatefulSet and Deployment controllers would report:
+    assert cluster.get("policy/v1/poddisruptionbudgets", "rank-ranker")
+    assert cluster.get("policy/v1/poddisruptionbudgets", "rank-router")
+    # What the StatefulSet and Deployment controllers would report: ready but not rolled out is not Ready.
     await cluster.patch("apps/v1/statefulsets", "rank-ranker", {"status": {"replicas": 2, "readyReplicas": 2}},
                         sub="status")
     await cluster.patch("apps/v1/deployments", "rank-router", {"status": {"replicas": 1, "readyReplicas": 1}},
                         sub="status")
+    await cluster.wait_for("not rolled out", lambda: "generation 1 not observed" in condition(
+        cluster, "rank", "Ready", SERVICES).get("message", ""))
+    for path, name, n in (("apps/v1/statefulsets", "rank-ranker", 2), ("apps/v1/deployments", "rank-router", 1)):
+        generation = cluster.get(path, name)["metadata"].get("generation", 1)
+        await cluster.patch(path, name, {"status": {"observedGeneration": generation, "replicas": n,
+                                                    "readyReplicas": n, "updatedReplicas": n,
+                                                    "availableReplicas": n}}, sub="status")
     await cluster.wait_for("Ready", lambda: condition(cluster, "rank", "Ready", SERVICES).get("status") == "True")
     assert status(cluster, "rank", SERVICES)["readyReplicas"] == 2
     # A running ranker pod (as the StatefulSet controller and kubelet would make it): the hit rate appears.
@@ -222,6 +232,10 @@ async def test_ranking_service_children_readiness_scaling_and_hit_rate(cluster: 
     await create(cluster, pod)
     await cluster.patch("v1/pods", "rank-ranker-0", {"status": {"phase": "Running", "podIP": "127.0.0.1"}}, sub="status")
     await cluster.wait_for("hit rate", lambda: status(cluster, "rank", SERVICES).get("cacheHitRate") == 0.8)
+    # The rate is windowed (10 s here): once the window has moved past, only the new lookups count.
+    counters.update({"device_hits": 7, "dram_hits": 2, "misses": 12})  # 1 hit, 10 misses since
+    await cluster.wait_for("windowed hit rate",
+                           lambda: status(cluster, "rank", SERVICES).get("cacheHitRate") == 0.0909)
     await runner.cleanup()
     await cluster.patch(SERVICES, "rank", {"spec": {"replicas": 3}}, sub="scale")  # e.g. kubectl scale / HPA
     await cluster.wait_for("scaled", lambda: cluster.get("apps/v1/statefulsets", "rank-ranker")["spec"]["replicas"]

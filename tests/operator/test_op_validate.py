@@ -43,10 +43,13 @@ SERVING_SPECS = {
     "managed-etcd-autoscaling-gpu": {
         "image": "grstack:cuda", "checkpoint": {"path": "run/best.pt", "claimName": "models"}, "replicas": 3,
         "autoscaling": {"minReplicas": 2, "maxReplicas": 8}, "etcd": {"managed": True},
-        "ranker": {"accelerator": "nvidia", "resources": {"limits": {"memory": "32Gi"}}},
+        "ranker": {"accelerator": "nvidia", "resources": {"requests": {"cpu": "4"}, "limits": {"memory": "32Gi"}}},
         "router": {"replicas": 2, "serviceType": "LoadBalancer"},
         "scheduling": {"nodeSelector": {"pool": "serving"}},
     },
+    "storage-uri": {"image": "grstack:cpu", "checkpoint": "s3://models/run/model.pt",
+                    "storage": {"secretName": "s3-creds", "sizeLimit": "20Gi"}, "disruptionBudget": {"maxUnavailable": "50%"}},
+    "pvc-uri": {"image": "grstack:cpu", "checkpoint": "pvc://models/run/model.pt"},
     "external-etcd": {"image": "grstack:cpu", "checkpoint": {"path": "/m"},
                       "etcd": {"endpoints": ["http://etcd-0.etcd:2379", "http://etcd-1.etcd:2379"]}},
 }

@@ -18,6 +18,18 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- printf "%s:%s" .Values.image.repository (default (printf "%s-cpu" .Chart.AppVersion) .Values.image.tag) -}}
 {{- end -}}
 
+{{- define "grstack.operatorImage" -}}
+{{- if .Values.image.operatorTag -}}
+{{- printf "%s:%s" .Values.image.repository .Values.image.operatorTag -}}
+{{- else -}}
+{{- include "grstack.image" . -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "grstack.peeringName" -}}
+{{- default (include "grstack.fullname" .) .Values.operator.leaderElection.peeringName -}}
+{{- end -}}
+
 {{- define "grstack.serviceAccountName" -}}
 {{- default (include "grstack.fullname" .) .Values.serviceAccount.name -}}
 {{- end -}}
@@ -53,6 +65,13 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 - apiGroups: ["autoscaling"]
   resources: ["horizontalpodautoscalers"]
   verbs: ["get", "list", "create", "patch", "delete"]
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "list", "create", "patch", "delete"]
+# Leader election (kopf peering): the replicas keep their heartbeats in the peering object's status.
+- apiGroups: ["kopf.dev"]
+  resources: ["kopfpeerings"]
+  verbs: ["get", "list", "watch", "patch"]
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]

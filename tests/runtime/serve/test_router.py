@@ -240,3 +240,20 @@ async def test_routing_continues_on_the_hash_ring_while_etcd_is_down(kit: Simple
         for r in rankers:
             await r.runner.cleanup()
 
+
+
+async def test_rankers_found_through_dns(kit: SimpleNamespace) -> None:
+    """``--rankers-dns``: the router takes the addresses a name resolves to (a headless Service in a cluster;
+    localhost here) as its rankers and ranks through them, with no ranker list in its arguments."""
+    (ranker,) = await start_rankers(kit, 1)
+    port = ranker.url.rsplit(":", 1)[1]
+    router = Router(router_config(rankers_dns=f"localhost:{port}", dns_interval_s=0.2))
+    runner, url = await start_router(router)
+    try:
+        await eventually(lambda: f"http://127.0.0.1:{port}" in router.up_replicas(), what="ranker discovered")
+        async with aiohttp.ClientSession() as http:
+            status, out, _ = await post(http, url + "/v1/rank", rank_body("dns-user", 3))
+        assert status == 200 and out["replica"] == f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+        await ranker.runner.cleanup()
