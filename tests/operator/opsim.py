@@ -88,6 +88,19 @@ REPLACE = "X-Opsim-Replace"  # marks a PUT handed to KMock as a PATCH
 # ------------------------------------------------------------------------------------ CRD schema handling
 
 
+ROOT_FIELDS = {"apiVersion": {"type": "string"}, "kind": {"type": "string"},
+               "metadata": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}
+
+
+def with_root_fields(schema: dict[str, Any]) -> dict[str, Any]:
+    """The schema as the API server applies it: ``apiVersion``, ``kind`` and ``metadata`` are always known
+    at the root, whether the CRD lists them or not (kopf's peering CRDs do not)."""
+    props = schema.get("properties")
+    if props is None or schema.get("x-kubernetes-preserve-unknown-fields"):
+        return schema
+    return {**schema, "properties": {**ROOT_FIELDS, **props}}
+
+
 def prune(obj: Any, schema: dict[str, Any]) -> Any:
     """Structural pruning: drop fields the schema does not know (unless it preserves unknown fields)."""
     if isinstance(obj, dict):
@@ -462,7 +475,7 @@ class ApiServer(kmock.KubernetesEmulator):
                 singular=names_.get("singular") or names_["kind"].lower(), shortnames=set(names_.get("shortNames") or ()),
                 categories=set(names_.get("categories") or ()), subresources=subresources)
             res = kmock.resource(key)
-            self.custom[res] = (names_["kind"], version["schema"]["openAPIV3Schema"])
+            self.custom[res] = (names_["kind"], with_root_fields(version["schema"]["openAPIV3Schema"]))
             self.columns[res] = list(version.get("additionalPrinterColumns") or [])
 
     def _info(self, res: Any) -> Any:

@@ -215,6 +215,8 @@ async def test_readme_kubernetes_section_with_kubectl(emulated: tuple[Cluster, S
             if cmd.startswith("kubectl delete"):
                 states = c.states(JOBS, job)
                 assert "Suspended" in states and states[-1] == "Succeeded", (states, status(c, job))
+                # resuming is not a restart: no lost worker read into the empty gang, no backoff spent
+                assert status(c, job).get("restarts", 0) == 0, status(c, job)
             out = await sh.run(cmd2)
             await after(cmd2, job, out)
 
