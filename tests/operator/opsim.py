@@ -822,6 +822,7 @@ class ApiServer(kmock.KubernetesEmulator):
             raise _bad(422, "Invalid", f"the JSON patch could not be applied: {exc}") from exc
         if not isinstance(new, dict):
             raise _bad(422, "Invalid", "the patched object is not an object")
+        new = copy.deepcopy(new)  # a merge patch shares the parts it leaves alone with ``current``
         cur_meta = current.get("metadata") or {}
         meta = new.get("metadata") if isinstance(new.get("metadata"), dict) else {}
         expected = ((body.get("metadata") or {}) if isinstance(body, dict) else {}).get("uid")
@@ -843,7 +844,8 @@ class ApiServer(kmock.KubernetesEmulator):
             if "status" in current:
                 new["status"] = current["status"]
         if custom:
-            new = self._admit_custom(request, new, current)
+            new = self._admit_custom(request, new, current)  # a new object: its metadata is a copy
+            meta = new["metadata"]
         if request.resource == kmock.resource(CRD_KEY) and request.subresource is None:
             self.register_crd(new)
         changed = {k: v for k, v in new.items() if k not in ("metadata", "status")} != \
