@@ -134,10 +134,14 @@ def test_rbac_is_least_privilege_and_sufficient() -> None:
                     "autoscaling": {"maxReplicas": 3}}}
     plan = reconcile_training(job, [], now)
     created = plan.children + plan.create_pods + reconcile_serving(svc, {}, [], now).children
+    for scheduler in ("Coscheduling", "Volcano"):  # gang-scheduled jobs also create their PodGroup
+        gang = {**job, "spec": {"image": "i", "runPolicy": {"schedulingPolicy": {"gangScheduler": scheduler}}}}
+        created += [c for c in reconcile_training(gang, [], now).children if c["kind"] == "PodGroup"]
+    assert sum(c["kind"] == "PodGroup" for c in created) == 2
     plurals = {"Pod": "pods", "Service": "services", "ConfigMap": "configmaps", "ServiceAccount": "serviceaccounts",
                "Role": "roles", "RoleBinding": "rolebindings", "StatefulSet": "statefulsets",
                "Deployment": "deployments", "HorizontalPodAutoscaler": "horizontalpodautoscalers",
-               "PodDisruptionBudget": "poddisruptionbudgets"}
+               "PodDisruptionBudget": "poddisruptionbudgets", "PodGroup": "podgroups"}
     for obj in created:
         group = obj["apiVersion"].rpartition("/")[0]
         for verb in ("get", "create", "patch", "delete"):

@@ -68,6 +68,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["get", "list", "create", "patch", "delete"]
+# Gang scheduling (spec.runPolicy.schedulingPolicy): the job's PodGroup for the coscheduler or Volcano.
+- apiGroups: ["scheduling.x-k8s.io", "scheduling.volcano.sh"]
+  resources: ["podgroups"]
+  verbs: ["get", "list", "create", "patch", "delete"]
 # Leader election (kopf peering): the replicas keep their heartbeats in the peering object's status.
 - apiGroups: ["kopf.dev"]
   resources: ["kopfpeerings"]
