@@ -48,12 +48,22 @@ class RankerProcess:
                 await self.proc.wait()
 
 
-def _die_with_parent() -> None:
-    """Linux: the child gets SIGTERM when the process that started it dies (no orphaned rankers)."""
-    with contextlib.suppress(Exception):
-        import ctypes
+# Started between the (v)fork and the ranker: sets PR_SET_PDEATHSIG (kept across execve), exits if the
+# parent has already gone, then execs the ranker. Running in a fresh interpreter (-I -S: no site, no grstack,
+# no gRPC), it replaces a ``preexec_fn``; see ``spawn_ranker`` for why that matters.
+_DIE_WITH_PARENT = (
+    "import ctypes,os,signal,sys\n"
+    "try:\n ctypes.CDLL(None,use_errno=True).prctl(1,signal.SIGTERM)\n"
+    "except Exception:\n pass\n"
+    "if os.getppid()!=int(sys.argv[1]):\n sys.exit(70)\n"
+    "os.execv(sys.argv[2],sys.argv[2:])\n")
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+def die_with_parent(cmd: list[str]) -> list[str]:
+    """Linux: ``cmd`` behind a launcher so that it gets SIGTERM when this process dies (no orphaned rankers)."""
+    if sys.platform != "linux":
+        return cmd
+    return [sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd]
 
 
 def ranker_command(checkpoint: str | Path, args: list[str] | None = None) -> list[str]:
@@ -65,9 +75,13 @@ async def spawn_ranker(checkpoint: str | Path, args: list[str] | None = None, *,
                        stderr: IO[Any] | int | None = None, env: dict[str, str] | None = None) -> RankerProcess:
     """Starts ``grstack serve ranker`` and waits until it reports ready."""
     full_env = {**os.environ, **(env or {})}
-    proc = await asyncio.create_subprocess_exec(*ranker_command(checkpoint, args), stdout=asyncio.subprocess.PIPE,
-                                                stderr=stderr, env=full_env,
-                                                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+    # No ``preexec_fn`` (nor uid/gid/groups): with one, CPython forks with fork(), which runs gRPC's
+    # pthread_atfork handlers and Python's at-fork hooks in a copy of a process whose gRPC threads (an aetcd
+    # client's lease keep-alive and watch) may be mid-call; the child then aborts or crashes before exec
+    # ("skipping fork() handlers", "epoll_wait error: Bad file descriptor", status -6). Without one it uses
+    # vfork(), or posix_spawn(), which run no at-fork handlers and no Python code: the child only execs.
+    proc = await asyncio.create_subprocess_exec(*die_with_parent(ranker_command(checkpoint, args)),
+                                                stdout=asyncio.subprocess.PIPE, stderr=stderr, env=full_env)
     assert proc.stdout is not None
     try:
         while True:
