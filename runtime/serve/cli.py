@@ -30,6 +30,7 @@ def register(parser: argparse.ArgumentParser) -> None:
                                                          "(default: the listen URL)")
     r.add_argument("--etcd", default=None, metavar="URL", help="register in etcd under a lease")
     r.add_argument("--etcd-root", default="/grstack/ranking/default")
+    _etcd_client_args(r)
     r.add_argument("--lease-ttl-s", type=float, default=5.0)
     r.set_defaults(func=run_ranker)
 
@@ -42,6 +43,7 @@ def register(parser: argparse.ArgumentParser) -> None:
                      help="discover replicas as the addresses HOST resolves to (a headless Service of the "
                           "rankers), re-resolved every few seconds; in-memory placements")
     ro.add_argument("--etcd-root", default="/grstack/ranking/default")
+    _etcd_client_args(ro)
     _server_args(ro, 8080)
     _router_args(ro)
     ro.set_defaults(func=run_router)
@@ -54,6 +56,38 @@ def register(parser: argparse.ArgumentParser) -> None:
     _ranker_args(lo)
     _router_args(lo)
     lo.set_defaults(func=run_local)
+
+
+def _etcd_client_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("etcd TLS and auth (with --etcd)")
+    g.add_argument("--etcd-ca", metavar="PEM", help="CA bundle that signed etcd's server certificate (turns TLS "
+                                                     "on; an https:// URL alone uses the system roots)")
+    g.add_argument("--etcd-cert", metavar="PEM", help="client certificate (with --etcd-key)")
+    g.add_argument("--etcd-key", metavar="PEM", help="client private key (with --etcd-cert)")
+    g.add_argument("--etcd-user", metavar="NAME", help="etcd user (password auth)")
+    g.add_argument("--etcd-password-file", metavar="PATH",
+                   help="file holding the etcd user's password (default: $GRSTACK_ETCD_PASSWORD)")
+
+
+def etcd_auth(args: argparse.Namespace) -> Any:
+    """The ``EtcdAuth`` of ``args``, validated (a missing file or half-given pair is a ``UserError``)."""
+    import os
+    from pathlib import Path
+
+    from grstack.runtime.errors import UserError
+    from grstack.runtime.serve.etcd_store import PASSWORD_ENV, EtcdAuth
+
+    password = None
+    if args.etcd_password_file:
+        try:
+            password = Path(args.etcd_password_file).read_text().rstrip("\r\n")
+        except OSError as exc:
+            raise UserError(f"--etcd-password-file {args.etcd_password_file}: {exc.strerror}") from exc
+    elif args.etcd_user:
+        password = os.environ.get(PASSWORD_ENV)
+    auth = EtcdAuth(args.etcd_ca, args.etcd_cert, args.etcd_key, args.etcd_user, password)
+    auth.validate()
+    return auth
 
 
 def _server_args(p: argparse.ArgumentParser, port: int) -> None:
@@ -167,6 +201,7 @@ def run_ranker(args: argparse.Namespace) -> int:
     from grstack.runtime.serve.ranker import RankerService, start_ranker
 
     _logging(args.log_level)
+    auth = etcd_auth(args) if args.etcd else None  # a bad TLS/auth option fails before the model loads
     model, tasks = load_ranking_model(args.checkpoint)
     cfg = ranker_config(args, int(model.max_len))
 
@@ -175,7 +210,7 @@ def run_ranker(args: argparse.Namespace) -> int:
         if args.etcd:
             from grstack.runtime.serve.etcd_store import EtcdPlacementStore
 
-            store = EtcdPlacementStore(args.etcd, args.etcd_root)
+            store = EtcdPlacementStore(args.etcd, args.etcd_root, auth=auth)
         service = RankerService(model, tasks, cfg, store=store)
         from grstack.runtime.serve.http import start_site
         from grstack.runtime.serve.ranker import make_ranker_app
@@ -205,13 +240,14 @@ def run_router(args: argparse.Namespace) -> int:
     _logging(args.log_level)
     rankers = tuple(u.strip().rstrip("/") for u in (args.rankers or "").split(",") if u.strip())
     cfg = router_config(args, rankers)
+    auth = etcd_auth(args) if args.etcd else None
 
     async def main() -> None:
         store = None
         if args.etcd:
             from grstack.runtime.serve.etcd_store import EtcdPlacementStore
 
-            store = EtcdPlacementStore(args.etcd, args.etcd_root)
+            store = EtcdPlacementStore(args.etcd, args.etcd_root, auth=auth)
         router = Router(cfg, store)
         runner, url = await start_router(router, args.host, args.port)
         print(json.dumps({"event": "ready", "url": url, "replicas": router.up_replicas()}), flush=True)

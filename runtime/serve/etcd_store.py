@@ -17,13 +17,20 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 import aetcd
+import aetcd.client
 import aetcd.exceptions
+import aetcd.rpc
+import grpc
 
+from grstack.runtime.errors import UserError
 from grstack.runtime.serve.placement import Event, Placement, PlacementStore, Replica, StoreUnavailable
 
 log = logging.getLogger(__name__)
@@ -48,13 +55,84 @@ def parse_etcd_url(url: str) -> tuple[str, int]:
     return u.hostname, u.port or 2379
 
 
+PASSWORD_ENV = "GRSTACK_ETCD_PASSWORD"
+
+
+@dataclass(frozen=True)
+class EtcdAuth:
+    """TLS and authentication for the etcd client. TLS is on when the URL is ``https://`` or any of ``ca_cert``,
+    ``cert``, ``key`` is given (server verified against ``ca_cert``, else the system roots; ``cert`` + ``key``
+    for client-certificate auth). ``user`` + ``password``: etcd's password auth (a token fetched on connect)."""
+
+    ca_cert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    user: str | None = None
+    password: str | None = None
+
+    @property
+    def tls_files(self) -> bool:
+        return any((self.ca_cert, self.cert, self.key))
+
+    def validate(self) -> None:
+        """Raises :class:`UserError` naming the option for a missing or unreadable file or a half-given pair."""
+        if bool(self.cert) != bool(self.key):
+            raise UserError("etcd client certificate needs both --etcd-cert and --etcd-key")
+        if bool(self.user) != (self.password is not None):
+            raise UserError(f"etcd auth needs both --etcd-user and a password (--etcd-password-file or "
+                            f"${PASSWORD_ENV})")
+        for flag, path in (("--etcd-ca", self.ca_cert), ("--etcd-cert", self.cert), ("--etcd-key", self.key)):
+            if path and not os.access(path, os.R_OK):
+                why = "does not exist" if not Path(path).exists() else "is not readable"
+                raise UserError(f"{flag} {path} {why}")
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        def read(path: str | None) -> bytes | None:
+            return Path(path).read_bytes() if path else None
+
+        return grpc.ssl_channel_credentials(read(self.ca_cert), read(self.key), read(self.cert))
+
+
+class _Client(aetcd.Client):
+    """aetcd's client with an optional TLS channel (aetcd 1.x only opens insecure channels)."""
+
+    def __init__(self, *args: Any, credentials: grpc.ChannelCredentials | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._credentials = credentials
+
+    @aetcd.client._handle_errors
+    async def connect(self) -> None:
+        if self._credentials is None:
+            return await aetcd.Client.connect.__wrapped__(self)  # type: ignore[attr-defined]
+        real = aetcd.rpc.insecure_channel
+        creds = self._credentials
+
+        def secure(target: str, options: Any = None) -> Any:
+            aetcd.rpc.insecure_channel = real
+            return aetcd.rpc.secure_channel(target, creds, options=options)
+
+        # aetcd.Client.connect opens its channel with rpc.insecure_channel(target, options=...) before its first
+        # await, then sets up auth and stubs; for TLS the same steps run with a secure channel in its place.
+        # The swap is undone on that call (and in ``finally``), so no other coroutine ever sees it.
+        aetcd.rpc.insecure_channel = secure
+        try:
+            await aetcd.Client.connect.__wrapped__(self)  # type: ignore[attr-defined]
+        finally:
+            aetcd.rpc.insecure_channel = real
+
+
 class EtcdPlacementStore(PlacementStore):
-    def __init__(self, url: str, root: str = "/grstack/ranking/default", timeout_s: float = 2.0) -> None:
+    def __init__(self, url: str, root: str = "/grstack/ranking/default", timeout_s: float = 2.0,
+                 auth: EtcdAuth | None = None) -> None:
         host, port = parse_etcd_url(url)
+        auth = auth or EtcdAuth()
+        auth.validate()
         self.url = url
         self.root = root.rstrip("/")
         self.timeout_s = timeout_s
-        self._client = aetcd.Client(host=host, port=port, timeout=timeout_s)
+        tls = auth.tls_files or url.startswith("https://")
+        self._client = _Client(host=host, port=port, timeout=timeout_s, username=auth.user,
+                               password=auth.password, credentials=auth.credentials() if tls else None)
         self._keepalive: dict[str, asyncio.Task[None]] = {}
 
     # -- keys ---------------------------------------------------------------------------------------
