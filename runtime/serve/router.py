@@ -131,7 +131,7 @@ class RetryBudget:
     def try_retry(self) -> bool:
         now = self.clock()
         self._prune(now)
-        if len(self._retries) >= self.ratio * len(self._requests) + self.minimum:
+        if len(self._retries) + 1 > self.ratio * len(self._requests) + self.minimum:
             return False
         self._retries.append(now)
         return True
