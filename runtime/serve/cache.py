@@ -126,26 +126,29 @@ class TieredKVCache:
         return n
 
     # -- lookup -------------------------------------------------------------------------------------
-    async def lookup(self, user: str, version: str) -> tuple[PrefixKV | None, Tier | None]:
-        """The user's prefix K/V on the device (promoting it from DRAM if needed), and where it was."""
+    async def lookup(self, user: str, version: str, *, count: bool = True) -> tuple[PrefixKV | None, Tier | None]:
+        """The user's prefix K/V on the device (promoting it from DRAM if needed), and where it was.
+
+        ``count=False`` leaves the hit/miss counters alone: a pre-infer signal that finds its prefix
+        cached is not a cache hit (the hit rate is over rank lookups only)."""
         e = self._device.get(user)
         if e is not None and e.version == version:
             self._device.move_to_end(user)
-            self.stats.device_hits += 1
+            self.stats.device_hits += count
             return e.kv, "device"
         key = (user, version)
         pending = self._promoting.get(key)
         if pending is not None:
             kv = await asyncio.shield(pending)
             if kv is not None:
-                self.stats.dram_hits += 1
+                self.stats.dram_hits += count
                 return kv, "dram"
-            self.stats.misses += 1
+            self.stats.misses += count
             return None, None
         self.expire()
         e = self._dram.get(user)
         if e is None or e.version != version:
-            self.stats.misses += 1
+            self.stats.misses += count
             return None, None
         fut: asyncio.Future[PrefixKV | None] = asyncio.get_running_loop().create_future()
         self._promoting[key] = fut
@@ -157,11 +160,11 @@ class TieredKVCache:
             fut.set_result(None)
             del self._promoting[key]
             if isinstance(exc, Exception):
-                self.stats.misses += 1
+                self.stats.misses += count
                 return None, None
             raise
         self.stats.promotions += 1
-        self.stats.dram_hits += 1
+        self.stats.dram_hits += count
         current = self._device.get(user) or self._dram.get(user)
         if current is None:  # nobody stored a newer version while we were copying
             self.put(user, version, kv)

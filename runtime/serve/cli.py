@@ -110,7 +110,11 @@ def _ranker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-batch", type=int, default=32, help="rank requests per compute step")
     g.add_argument("--chunk", type=int, default=256, help="prefill chunk (tokens per compute step)")
     g.add_argument("--prefill-wait-ms", type=float, default=200,
-                   help="how long a rank waits for its in-flight prefill before full inference")
+                   help="unused (a rank now joins its in-flight prefill); kept for old command lines")
+    g.add_argument("--max-queue", type=int, default=256,
+                   help="queued rank requests per ranker; beyond it 503 + Retry-After (0 = unbounded)")
+    g.add_argument("--max-prefill-queue", type=int, default=1024,
+                   help="queued prefills per ranker; beyond it 503 + Retry-After (0 = unbounded)")
 
 
 def _router_args(p: argparse.ArgumentParser) -> None:
@@ -128,7 +132,16 @@ def _router_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-budget-ms", type=float, default=500,
                    help="predicted pre-infer compute admitted per replica per second (averaged over 10 s)")
     g.add_argument("--no-relay", action="store_true", help="ignore prefill signals (full inference only)")
-    g.add_argument("--rank-timeout-ms", type=float, default=2000)
+    g.add_argument("--rank-timeout-ms", type=float, default=2000, help="timeout of one rank attempt")
+    g.add_argument("--rank-budget-ms", type=float, default=None,
+                   help="deadline budget of a rank, sent to the ranker as X-Grstack-Deadline-Ms (default: the "
+                        "rank timeout); work past it is dropped and answered 504")
+    g.add_argument("--retry-budget-ratio", type=float, default=0.1,
+                   help="retries allowed as a fraction of requests over 10 s (plus 3)")
+    g.add_argument("--outlier-failures", type=int, default=5,
+                   help="consecutive 5xx/timeouts that eject a replica (outlier detection)")
+    g.add_argument("--outlier-ejection-s", type=float, default=5.0,
+                   help="base ejection time; x the replica's ejection count, at most 60 s")
 
 
 def ranker_config(args: argparse.Namespace, max_len: int) -> Any:
@@ -147,6 +160,8 @@ def ranker_config(args: argparse.Namespace, max_len: int) -> Any:
                         device_cache_bytes=int(args.device_cache_mb * MB), dram_cache_bytes=int(args.dram_cache_mb * MB),
                         dram_ttl_s=args.dram_ttl_s, max_suffix=max_suffix, max_candidates=args.max_candidates,
                         max_batch=args.max_batch, chunk=args.chunk, prefill_wait_ms=args.prefill_wait_ms,
+                        max_queue=getattr(args, "max_queue", 256) or None,
+                        max_prefill_queue=getattr(args, "max_prefill_queue", 1024) or None,
                         lease_ttl_s=getattr(args, "lease_ttl_s", 5.0), num_threads=args.threads)
 
 
@@ -156,6 +171,8 @@ def ranker_flags(args: argparse.Namespace) -> list[str]:
            "--dram-cache-mb", str(args.dram_cache_mb), "--dram-ttl-s", str(args.dram_ttl_s),
            "--max-candidates", str(args.max_candidates), "--max-batch", str(args.max_batch),
            "--chunk", str(args.chunk), "--prefill-wait-ms", str(args.prefill_wait_ms),
+           "--max-queue", str(getattr(args, "max_queue", 256)),
+           "--max-prefill-queue", str(getattr(args, "max_prefill_queue", 1024)),
            "--log-level", args.log_level]
     if args.max_suffix is not None:
         out += ["--max-suffix", str(args.max_suffix)]
@@ -179,7 +196,11 @@ def router_config(args: argparse.Namespace, rankers: tuple[str, ...] = ()) -> An
     return RouterConfig(rankers=rankers, rankers_dns=dns, relay=not args.no_relay, trigger=trig,
                         cache_budget_per_replica_bytes=None if per_replica is None else int(per_replica * MB),
                         prefill_budget_per_replica_ms=args.prefill_budget_ms,
-                        rank_timeout_s=args.rank_timeout_ms / 1e3)
+                        rank_timeout_s=args.rank_timeout_ms / 1e3,
+                        rank_budget_ms=getattr(args, "rank_budget_ms", None),
+                        retry_budget_ratio=getattr(args, "retry_budget_ratio", 0.1),
+                        outlier_consecutive_failures=getattr(args, "outlier_failures", 5),
+                        outlier_base_ejection_s=getattr(args, "outlier_ejection_s", 5.0))
 
 
 def _logging(level: str) -> None:

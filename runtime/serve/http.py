@@ -33,9 +33,24 @@ class RequestError(Exception):
         self.message = message
 
 
-def error_response(status: int, message: str) -> web.Response:
-    return web.Response(status=status, content_type="application/json",
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(status=status, content_type="application/json", headers=headers,
                         text=ErrorResponse(error=message, status=status).model_dump_json())
+
+
+def route_template(request: web.Request) -> str:
+    """The matched route's template (``/v1/rank``), never the raw path: a metric label of bounded
+    cardinality. Unmatched paths are ``unmatched``."""
+    info = request.match_info
+    route = getattr(info, "route", None)
+    resource = getattr(route, "resource", None)
+    if resource is None or getattr(info, "http_exception", None) is not None:
+        return "unmatched"
+    return resource.canonical
+
+
+def status_class(status: int) -> str:
+    return f"{status // 100}xx"
 
 
 def model_response(model: BaseModel, status: int = 200) -> web.Response:

@@ -2,8 +2,13 @@
 
 ``POST /v1/prefill`` computes (or finds) the K/V of a user's long-term prefix and caches it;
 ``POST /v1/rank`` ranks candidates against the cached prefix when it is there (device or DRAM tier, or
-a prefill for it is in flight and finishes within ``prefill_wait_ms``) and by full inference otherwise —
-a miss is never an error. ``GET /v1/profile`` returns the latency profile measured at start-up (the
+a prefill for it is in flight: the rank joins that prefill and raises its priority, it never recomputes
+the same prefix) and by full inference otherwise — a miss is never an error.
+
+Overload: the compute queues are bounded (``max_queue`` ranks, ``max_prefill_queue`` prefills); a request
+beyond the bound is answered 503 with ``Retry-After`` at once. A request may carry
+``X-Grstack-Deadline-Ms`` (milliseconds left of its budget when sent; the router sets it): work whose
+deadline has passed is dropped before it is computed and answered 504 with the reason. ``GET /v1/profile`` returns the latency profile measured at start-up (the
 router's trigger fits its latency model to it); ``/healthz`` is liveness, ``/readyz`` readiness (model
 loaded, warmed up, profiled), ``/metrics`` Prometheus, ``/openapi.json`` the API.
 """
@@ -30,15 +35,17 @@ from grstack.runtime.serve.engine import PrefixKV, RankItem, RelayEngine, prefix
 from grstack.runtime.serve.http import (
     MAX_BODY,
     RequestError,
+    error_response,
     json_errors,
     metrics_handler,
     model_response,
     openapi_document,
     openapi_handler,
     parse_body,
+    route_template,
 )
 from grstack.runtime.serve.placement import PlacementStore, Replica
-from grstack.runtime.serve.scheduler import ComputeScheduler, Timing
+from grstack.runtime.serve.scheduler import ComputeScheduler, DeadlineExceeded, QueueFull, Timing
 from grstack.runtime.serve.schemas import (
     MAX_BODY_BYTES,
     CacheStatsModel,
@@ -51,6 +58,7 @@ from grstack.runtime.serve.schemas import (
 )
 
 log = logging.getLogger(__name__)
+DEADLINE_HEADER = "X-Grstack-Deadline-Ms"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -65,7 +73,10 @@ class RankerConfig:
     max_candidates: int = 1024
     max_batch: int = 32
     chunk: int = 256
-    prefill_wait_ms: float = 200.0
+    prefill_wait_ms: float = 200.0  # unused: a rank joins an in-flight prefill (kept for old command lines)
+    max_queue: int | None = 256  # queued rank requests; beyond it 503 + Retry-After (None: unbounded)
+    max_prefill_queue: int | None = 1024  # queued prefills; beyond it 503 + Retry-After
+    retry_after_s: float = 1.0
     profile_candidates: int = 64
     profile_short: int = 16
     profile_cap_ms: float = 400.0
@@ -84,6 +95,13 @@ class _Metrics:
                                ["result"], registry=r)
         self.prefills = Counter("grstack_ranker_prefills", "prefill signals by outcome", ["status"], registry=r)
         self.prefill_tokens = Counter("grstack_ranker_prefill_tokens", "prefix tokens computed", registry=r)
+        self.queue_wait = Histogram("grstack_ranker_queue_wait_seconds",
+                                    "time from enqueue to the start of compute", ["kind"],
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill_seconds = Histogram("grstack_ranker_prefill_seconds", "prefill compute time",
+                                         buckets=LATENCY_BUCKETS, registry=r)
+        self.shed = Counter("grstack_ranker_shed", "requests refused or dropped under overload", ["reason"],
+                            registry=r)
         self.batch = Histogram("grstack_ranker_batch_size", "requests per compute step",
                                buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
         cache_bytes = Gauge("grstack_ranker_cache_bytes", "bytes held by the prefix cache", ["tier"], registry=r)
@@ -120,13 +138,16 @@ class RankerService:
                                    to_host=to_host, to_device=self._to_device if device.type != "cpu" else None)
         self.metrics = _Metrics(self)
         self.scheduler = ComputeScheduler(self.engine, max_batch=cfg.max_batch,
-                                          on_batch=self.metrics.batch.observe)
+                                          on_batch=self.metrics.batch.observe, max_queue=cfg.max_queue,
+                                          max_prefill_queue=cfg.max_prefill_queue,
+                                          retry_after_s=cfg.retry_after_s)
         self.store = store
         self.replica_id = cfg.replica_id or ""
         self.url = ""
         self.profile: Profile | None = None
         self.ready = False
         self._inflight: dict[tuple[str, str], asyncio.Task[tuple[PrefixKV, float]]] = {}
+        self._inflight_jobs: dict[tuple[str, str], asyncio.Future[Any]] = {}
         self._prefills_computed = 0
         self._ranks = 0
 
@@ -208,7 +229,15 @@ class RankerService:
     # -- prefill ------------------------------------------------------------------------------------
     async def _compute_prefix(self, user: str, version: str, items: np.ndarray,
                               ts: np.ndarray) -> tuple[PrefixKV, float]:
-        kv, timing = await self.scheduler.prefill(items, ts)
+        key = (user, version)
+        fut = self.scheduler.submit_prefill(items, ts)
+        self._inflight_jobs[key] = fut
+        try:
+            kv, timing = await fut
+        finally:
+            self._inflight_jobs.pop(key, None)
+        self.metrics.queue_wait.labels("prefill").observe(timing.queue_ms / 1e3)
+        self.metrics.prefill_seconds.observe(timing.compute_ms / 1e3)
         self.cache.put(user, version, kv)
         self._prefills_computed += 1
         self.metrics.prefill_tokens.inc(len(items))
@@ -223,7 +252,7 @@ class RankerService:
         compute_ms = 0.0
         kv: PrefixKV | None = None
         if self.cache.tier_of(user, version) is not None:
-            kv, tier = await self.cache.lookup(user, version)
+            kv, tier = await self.cache.lookup(user, version, count=False)  # a signal is not a cache hit
             status = "cached" if tier == "device" else "promoted"
         if kv is None:
             task = self._inflight.get(key)
@@ -233,13 +262,17 @@ class RankerService:
                 task = asyncio.get_running_loop().create_task(self._compute_prefix(user, version, items, ts))
                 self._inflight[key] = task
                 task.add_done_callback(lambda _t, key=key: self._inflight.pop(key, None))
+                await asyncio.sleep(0)  # let it submit: a full prefill queue is answered now (503)
+                if task.done() and task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
             kv, compute_ms = await asyncio.shield(task)
         self.metrics.prefills.labels(status).inc()
         return PrefillResponse(user_id=user, replica=self.replica_id, prefix_hash=version, prefix_len=len(items),
                                status=status, kv_bytes=kv.nbytes, compute_ms=compute_ms)
 
     # -- rank ---------------------------------------------------------------------------------------
-    async def rank(self, req: RankRequest) -> RankResponse:
+    async def rank(self, req: RankRequest, deadline: float | None = None) -> RankResponse:
+        """``deadline``: the scheduler clock's time by which the answer is due (None: no deadline)."""
         if len(req.candidates) > self.config.max_candidates:
             raise RequestError(422, f"candidates: {len(req.candidates)} candidates, this ranker accepts at most "
                                     f"{self.config.max_candidates}")
@@ -253,21 +286,33 @@ class RankerService:
         truncated = (len(req.long_term.items) - len(item.long_items)
                      + len(req.short_term.items) - len(item.short_items))
         version = prefix_hash(item.long_items, item.long_ts)
-        kv, tier = None, None
+        kv, tier, joined = None, None, False
         if len(item.long_items):
             kv, tier = await self.cache.lookup(req.user_id, version)
-            task = self._inflight.get((req.user_id, version)) if kv is None else None
+            key = (req.user_id, version)
+            task = self._inflight.get(key) if kv is None else None
             if task is not None:
-                with contextlib.suppress(TimeoutError):
-                    kv, _ = await asyncio.wait_for(asyncio.shield(task), self.config.prefill_wait_ms / 1e3)
-                    tier = "device"
-                self.metrics.lookups.labels("waited" if kv is not None else "wait-timeout").inc()
-        self.metrics.lookups.labels(tier or "miss").inc()
+                # Join the in-flight prefill (never recompute the same prefix) and raise its priority.
+                job = self._inflight_jobs.get(key)
+                if job is not None:
+                    self.scheduler.boost(job)
+                timeout = None if deadline is None else max(0.0, deadline - self.scheduler.clock())
+                try:
+                    kv, _ = await asyncio.wait_for(asyncio.shield(task), timeout)
+                except TimeoutError:
+                    self.metrics.shed.labels("deadline").inc()
+                    raise DeadlineExceeded("deadline passed while waiting for the in-flight prefill") from None
+                except Exception:  # the prefill failed: rank by full inference
+                    kv = None
+                tier = "device" if kv is not None else None
+                joined = kv is not None
+        self.metrics.lookups.labels("joined" if joined else (tier or "miss")).inc()
         timing: Timing
         if kv is not None:
-            logits, timing = await self.scheduler.rank_cached(kv, item)
+            logits, timing = await self.scheduler.rank_cached(kv, item, deadline)
         else:
-            logits, timing = await self.scheduler.rank_full(item)
+            logits, timing = await self.scheduler.rank_full(item, deadline)
+        self.metrics.queue_wait.labels("hit" if kv is not None else "miss").observe(timing.queue_ms / 1e3)
         self._ranks += 1
         cache = tier or "miss"
         self.metrics.latency.labels(cache).observe(time.perf_counter() - t0)
@@ -306,11 +351,24 @@ def make_ranker_app(service: RankerService) -> web.Application:
     @web.middleware
     async def count(request: web.Request, handler: Any) -> web.StreamResponse:
         resp = await handler(request)
-        service.metrics.requests.labels(request.path if request.path.startswith("/v1/") else "other",
-                                        str(resp.status)).inc()
+        service.metrics.requests.labels(route_template(request), str(resp.status)).inc()
         return resp
 
-    app = web.Application(client_max_size=service.config.max_body_bytes, middlewares=[count, json_errors])
+    @web.middleware
+    async def overload(request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except QueueFull as exc:
+            service.metrics.shed.labels("queue-full").inc()
+            retry = max(1, round(exc.retry_after_s))
+            return error_response(503, f"overloaded: {exc}; retry after {retry} s",
+                                  headers={"Retry-After": str(retry), "X-Grstack-Shed": "queue-full"})
+        except DeadlineExceeded as exc:
+            service.metrics.shed.labels("deadline").inc()
+            return error_response(504, f"deadline exceeded: {exc}", headers={"X-Grstack-Shed": "deadline"})
+
+    app = web.Application(client_max_size=service.config.max_body_bytes,
+                          middlewares=[count, json_errors, overload])
     app[MAX_BODY] = service.config.max_body_bytes
 
     async def prefill(request: web.Request) -> web.Response:
@@ -319,9 +377,21 @@ def make_ranker_app(service: RankerService) -> web.Application:
         return model_response(await service.prefill(await parse_body(request, PrefillRequest)))
 
     async def rank(request: web.Request) -> web.Response:
+        arrived = service.scheduler.clock()
         if not service.ready:
             raise RequestError(503, "ranker is starting")
-        return model_response(await service.rank(await parse_body(request, RankRequest)))
+        deadline = None
+        raw = request.headers.get(DEADLINE_HEADER)
+        if raw is not None:
+            try:
+                deadline = arrived + float(raw) / 1e3
+            except ValueError:
+                raise RequestError(400, f"{DEADLINE_HEADER}: not a number of milliseconds: {raw!r}") from None
+        req = await parse_body(request, RankRequest)
+        if deadline is not None and service.scheduler.clock() >= deadline:
+            service.metrics.shed.labels("deadline").inc()
+            raise DeadlineExceeded("deadline passed on arrival; dropped before compute")
+        return model_response(await service.rank(req, deadline))
 
     async def profile(_: web.Request) -> web.Response:
         if service.profile is None:

@@ -4,9 +4,19 @@ Routing of a user: the placement recorded in the store (if its replica is up), e
 with bounded load over the replicas that are up. The router keeps a local view of replicas and
 placements fed by the store's watch, so no store round trip sits on the request path; when the store
 (etcd) is unreachable the view keeps its last state, new placements are kept locally, and routing goes on
-over the hash ring. A rank whose replica fails (connection error, timeout, 5xx) is retried on the next
-replica in ring order, where it is a cache miss and runs full inference: a lost replica costs latency,
-never a failed request.
+over the hash ring. A rank whose replica fails (connection error, timeout, 5xx, a full queue) is retried
+on the next replica in ring order, where it is a cache miss and runs full inference.
+
+Overload and deadlines: every rank gets a deadline from its budget (``rank_budget_ms``, or less if the
+client sends ``X-Grstack-Deadline-Ms``); the remaining budget travels to the ranker in the same header
+and bounds each attempt, and a rank past its deadline is answered 504, never retried. Retries are capped
+by a retry budget (``retry_budget_ratio`` of the requests over ``retry_budget_window_s``, plus
+``retry_budget_min``), so retries cannot multiply the load of an overloaded service. A replica that
+cannot be connected to is marked down until its ``/readyz`` answers; a slow or failing one is ejected by
+outlier detection (``outlier_consecutive_failures`` consecutive 5xx/timeouts, or a median latency
+``outlier_latency_factor`` times the other replicas'), for ``outlier_base_ejection_s`` times the number
+of its ejections (at most ``outlier_max_ejection_s``), never more than ``outlier_max_ejected_fraction`` of
+the replicas at once — one timeout ejects nothing.
 """
 
 from __future__ import annotations
@@ -16,7 +26,9 @@ import contextlib
 import dataclasses
 import logging
 import socket
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,12 +39,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from grstack.runtime.serve.http import (
     MAX_BODY,
     RequestError,
+    error_response,
     json_errors,
     metrics_handler,
     model_response,
     openapi_document,
     openapi_handler,
     parse_body,
+    route_template,
+    status_class,
 )
 from grstack.runtime.serve.placement import (
     Event,
@@ -57,6 +72,7 @@ from grstack.runtime.serve.schemas import (
 from grstack.runtime.serve.trigger import LatencyModel, SequenceAwareTrigger, TriggerConfig
 
 log = logging.getLogger(__name__)
+DEADLINE_HEADER = "X-Grstack-Deadline-Ms"
 LOCAL = -1  # revision of a placement known only to this router (written while the store was down)
 
 
@@ -80,15 +96,61 @@ class RouterConfig:
     health_interval_s: float = 1.0
     startup_timeout_s: float = 60.0
     max_body_bytes: int = MAX_BODY_BYTES
+    # deadline budget of a rank (ms; None: rank_timeout_s); a client's X-Grstack-Deadline-Ms can only shorten it
+    rank_budget_ms: float | None = None
+    retry_budget_ratio: float = 0.1  # retries allowed per request over the window
+    retry_budget_min: int = 3  # retries allowed per window regardless of traffic
+    retry_budget_window_s: float = 10.0
+    outlier_consecutive_failures: int = 5  # consecutive 5xx/timeouts that eject a replica
+    outlier_base_ejection_s: float = 5.0  # ejection time = base x ejections so far (capped)
+    outlier_max_ejection_s: float = 60.0
+    outlier_max_ejected_fraction: float = 0.5  # at most this share of replicas ejected (always at least one)
+    outlier_latency_factor: float | None = 5.0  # median latency this many times the others' ejects; None: off
+    outlier_latency_min_samples: int = 20
+    outlier_latency_floor_ms: float = 20.0  # a replica faster than this is never a latency outlier
+
+
+class RetryBudget:
+    """Retries allowed: ``ratio`` x requests + ``minimum`` over a sliding window of ``window_s``."""
+
+    def __init__(self, ratio: float, minimum: int, window_s: float, clock: Any = time.monotonic) -> None:
+        self.ratio, self.minimum, self.window_s, self.clock = ratio, minimum, window_s, clock
+        self._requests: deque[float] = deque()
+        self._retries: deque[float] = deque()
+
+    def _prune(self, now: float) -> None:
+        for q in (self._requests, self._retries):
+            while q and q[0] <= now - self.window_s:
+                q.popleft()
+
+    def request(self) -> None:
+        now = self.clock()
+        self._prune(now)
+        self._requests.append(now)
+
+    def try_retry(self) -> bool:
+        now = self.clock()
+        self._prune(now)
+        if len(self._retries) + 1 > self.ratio * len(self._requests) + self.minimum:
+            return False
+        self._retries.append(now)
+        return True
 
 
 class _Metrics:
     def __init__(self, router: Router) -> None:
         self.registry = r = CollectorRegistry()
         self.requests = Counter("grstack_router_requests", "HTTP requests", ["endpoint", "status"], registry=r)
-        self.latency = Histogram("grstack_router_rank_seconds", "rank latency through the router",
+        self.latency = Histogram("grstack_router_request_seconds", "request latency through the router, every "
+                                 "status", ["route", "outcome"],
                                  buckets=(0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5,
                                           1.0, 2.5, 5.0), registry=r)
+        self.retries_denied = Counter("grstack_router_retries_denied", "retries refused by the retry budget",
+                                      registry=r)
+        self.ejections = Counter("grstack_router_ejections", "replicas ejected by outlier detection",
+                                 ["reason"], registry=r)
+        self.shed = Counter("grstack_router_shed", "ranks answered 503/504 under overload", ["reason"],
+                            registry=r)
         self.routes = Counter("grstack_router_routes", "rank routing decisions", ["kind"], registry=r)
         self.retries = Counter("grstack_router_retries", "rank attempts retried on another replica", registry=r)
         self.trigger = Counter("grstack_router_trigger", "prefill signals by trigger decision", ["reason"],
@@ -97,7 +159,8 @@ class _Metrics:
         store_up.set_function(lambda: float(router.store_up))
         reps = Gauge("grstack_router_replicas", "ranker replicas known to the router", ["state"], registry=r)
         reps.labels("up").set_function(lambda: len(router.up_replicas()))
-        reps.labels("down").set_function(lambda: len(router.replicas) - len(router.up_replicas()))
+        reps.labels("down").set_function(lambda: len(router.down))
+        reps.labels("ejected").set_function(lambda: len(router.ejected))
 
 
 class Router:
@@ -108,6 +171,12 @@ class Router:
         self.placements: dict[str, Placement] = {}
         self.down: set[str] = set()
         self.inflight: dict[str, int] = {}
+        self.ejected: dict[str, float] = {}  # replica -> monotonic time its ejection ends
+        self._ejections: dict[str, int] = {}
+        self._failures: dict[str, int] = {}
+        self._latencies: dict[str, deque[float]] = {}
+        self.retry_budget = RetryBudget(config.retry_budget_ratio, config.retry_budget_min,
+                                        config.retry_budget_window_s)
         self.ring = HashRing()
         self.store_up = False
         self.synced = asyncio.Event()
@@ -210,7 +279,60 @@ class Router:
 
     # -- the view -----------------------------------------------------------------------------------
     def up_replicas(self) -> list[str]:
-        return sorted(r for r in self.replicas if r not in self.down)
+        return sorted(r for r in self.replicas if r not in self.down and r not in self.ejected)
+
+    # -- outlier detection --------------------------------------------------------------------------
+    def _release_ejections(self) -> None:
+        now = time.monotonic()
+        back = [r for r, until in self.ejected.items() if until <= now]
+        for rid in back:
+            del self.ejected[rid]
+            self._failures[rid] = 0
+            self._latencies.pop(rid, None)
+            log.info("ranker %s returns after its ejection", rid)
+        if back:
+            self._refresh_ring()
+
+    def eject(self, rid: str, reason: str) -> bool:
+        cfg = self.config
+        if rid in self.ejected or rid not in self.replicas:
+            return False
+        cap = max(1, int(cfg.outlier_max_ejected_fraction * len(self.replicas)))
+        if len(self.ejected) + 1 > cap:
+            return False
+        n = self._ejections.get(rid, 0) + 1
+        self._ejections[rid] = n
+        period = min(cfg.outlier_base_ejection_s * n, cfg.outlier_max_ejection_s)
+        self.ejected[rid] = time.monotonic() + period
+        self._failures[rid] = 0
+        self.metrics.ejections.labels(reason).inc()
+        log.warning("ranker %s ejected for %.1f s (%s)", rid, period, reason)
+        self._refresh_ring()
+        return True
+
+    def record_failure(self, rid: str) -> None:
+        n = self._failures.get(rid, 0) + 1
+        self._failures[rid] = n
+        if n >= self.config.outlier_consecutive_failures:
+            self.eject(rid, "consecutive-failures")
+
+    def record_success(self, rid: str, seconds: float) -> None:
+        cfg = self.config
+        self._failures[rid] = 0
+        if cfg.outlier_latency_factor is None:
+            return
+        lat = self._latencies.setdefault(rid, deque(maxlen=max(cfg.outlier_latency_min_samples, 50)))
+        lat.append(seconds)
+        if len(lat) < cfg.outlier_latency_min_samples:
+            return
+        others = [statistics.median(v) for r, v in self._latencies.items()
+                  if r != rid and r in self.replicas and r not in self.ejected
+                  and len(v) >= cfg.outlier_latency_min_samples]
+        if not others:
+            return
+        mine, theirs = statistics.median(lat), statistics.median(others)
+        if mine * 1e3 > cfg.outlier_latency_floor_ms and mine > cfg.outlier_latency_factor * theirs:
+            self.eject(rid, "latency")
 
     def _refresh_ring(self) -> None:
         self.ring.set_nodes(self.up_replicas())
@@ -281,6 +403,8 @@ class Router:
     # -- routing ------------------------------------------------------------------------------------
     def route(self, user: str) -> tuple[list[str], str]:
         """Replicas to try for ``user`` in order, and how the first was chosen (affinity | ring)."""
+        if self.ejected:
+            self._release_ejections()
         up = self.up_replicas()
         placed = self.placements.get(user)
         if placed is not None and placed.replica in up:
@@ -292,38 +416,83 @@ class Router:
         rest = [r for r in self.ring.order(user) if r != first]
         return [first, *rest][: self.config.max_attempts], kind
 
-    async def _post(self, rid: str, path: str, body: bytes, timeout_s: float) -> tuple[int, bytes]:
+    async def _post(self, rid: str, path: str, body: bytes, timeout_s: float,
+                    headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+        status, payload, _ = await self._post_full(rid, path, body, timeout_s, headers)
+        return status, payload
+
+    async def _post_full(self, rid: str, path: str, body: bytes, timeout_s: float,
+                         headers: dict[str, str] | None = None) -> tuple[int, bytes, dict[str, str]]:
         url = self.replicas[rid].url + path
         self.inflight[rid] = self.inflight.get(rid, 0) + 1
         try:
-            async with self._http().post(url, data=body, headers={"Content-Type": "application/json"},
+            async with self._http().post(url, data=body,
+                                         headers={"Content-Type": "application/json", **(headers or {})},
                                          timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-                return resp.status, await resp.read()
+                return resp.status, await resp.read(), dict(resp.headers)
         finally:
             self.inflight[rid] -= 1
 
-    async def rank(self, body: bytes, req: RankRequest) -> web.Response:
+    async def rank(self, body: bytes, req: RankRequest, client_budget_ms: float | None = None) -> web.Response:
+        start = time.monotonic()
+        budget_ms = self.config.rank_budget_ms
+        if budget_ms is None:
+            budget_ms = self.config.rank_timeout_s * 1e3
+        if client_budget_ms is not None:
+            budget_ms = min(budget_ms, client_budget_ms)
+        deadline = start + budget_ms / 1e3
         order, kind = self.route(req.user_id)
         if not order:
             raise RequestError(503, "no ranker replica is available")
         self.metrics.routes.labels(kind).inc()
-        last_error = ""
+        self.retry_budget.request()
+        last_error, shed_retry_after = "", None
         for attempt, rid in enumerate(order):
             if rid not in self.replicas:
                 continue
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self.metrics.shed.labels("deadline").inc()
+                return error_response(504, f"deadline exceeded after {attempt} attempt(s) ({last_error})",
+                                      headers={"X-Grstack-Shed": "deadline"})
             if attempt:
+                if not self.retry_budget.try_retry():
+                    self.metrics.retries_denied.inc()
+                    last_error += "; retry budget exhausted"
+                    break
                 self.metrics.retries.inc()
+            t0 = time.monotonic()
             try:
-                status, payload = await self._post(rid, "/v1/rank", body, self.config.rank_timeout_s)
+                status, payload, headers = await self._post_full(
+                    rid, "/v1/rank", body, min(self.config.rank_timeout_s, remaining),
+                    {DEADLINE_HEADER: f"{remaining * 1e3:.1f}"})
+            except aiohttp.ClientConnectorError as exc:
+                last_error = f"{rid}: {type(exc).__name__}"
+                self.mark_down(rid)  # nothing listens: down until /readyz answers
+                continue
             except (aiohttp.ClientError, TimeoutError) as exc:
                 last_error = f"{rid}: {type(exc).__name__}"
-                self.mark_down(rid)
+                self.record_failure(rid)  # slow is not down: outlier detection decides
                 continue
+            if status == 504:  # the ranker dropped it at its deadline: nobody waits for a retry
+                self.metrics.shed.labels("deadline").inc()
+                return web.Response(status=status, body=payload, content_type="application/json",
+                                    headers={"X-Grstack-Shed": "deadline", "X-Grstack-Attempts": str(attempt + 1)})
+            if status == 503 and headers.get("X-Grstack-Shed") == "queue-full":
+                last_error = f"{rid}: queue full"
+                shed_retry_after = headers.get("Retry-After", "1")
+                continue  # overload is not a fault: no outlier count
             if status >= 500:
                 last_error = f"{rid}: HTTP {status}"
+                self.record_failure(rid)
                 continue
+            self.record_success(rid, time.monotonic() - t0)
             return web.Response(status=status, body=payload, content_type="application/json",
                                 headers={"X-Grstack-Route": kind, "X-Grstack-Attempts": str(attempt + 1)})
+        if shed_retry_after is not None:
+            self.metrics.shed.labels("queue-full").inc()
+            return error_response(503, f"overloaded: every ranker tried is full ({last_error})",
+                                  headers={"Retry-After": shed_retry_after, "X-Grstack-Shed": "queue-full"})
         raise RequestError(503, f"every ranker replica failed ({last_error})")
 
     # -- prefill ------------------------------------------------------------------------------------
@@ -417,10 +586,9 @@ def make_router_app(router: Router) -> web.Application:
     async def count(request: web.Request, handler: Any) -> web.StreamResponse:
         t0 = time.perf_counter()
         resp = await handler(request)
-        endpoint = request.path if request.path.startswith("/v1/") else "other"
-        router.metrics.requests.labels(endpoint, str(resp.status)).inc()
-        if endpoint == "/v1/rank" and resp.status == 200:
-            router.metrics.latency.observe(time.perf_counter() - t0)
+        route = route_template(request)
+        router.metrics.requests.labels(route, str(resp.status)).inc()
+        router.metrics.latency.labels(route, status_class(resp.status)).observe(time.perf_counter() - t0)
         return resp
 
     app = web.Application(client_max_size=router.config.max_body_bytes, middlewares=[count, json_errors])
@@ -432,10 +600,16 @@ def make_router_app(router: Router) -> web.Application:
 
     async def rank(request: web.Request) -> web.Response:
         req = await parse_body(request, RankRequest)
-        return await router.rank(await request.read(), req)
+        raw = request.headers.get(DEADLINE_HEADER)
+        try:
+            client_budget = None if raw is None else float(raw)
+        except ValueError:
+            raise RequestError(400, f"{DEADLINE_HEADER}: not a number of milliseconds: {raw!r}") from None
+        return await router.rank(await request.read(), req, client_budget)
 
     def view() -> dict[str, Any]:
         return {"store_up": router.store_up, "up": router.up_replicas(), "down": sorted(router.down),
+                "ejected": sorted(router.ejected),
                 "replicas": {r.id: r.url for r in router.replicas.values()}, "placements": len(router.placements),
                 "profile": router.profile is not None}
 

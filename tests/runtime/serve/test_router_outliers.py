@@ -1,0 +1,57 @@
+"""The router's retry budget and outlier ejection (no network: the router's view only)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from grstack.runtime.serve.placement import Event, Replica
+from grstack.runtime.serve.router import RetryBudget, Router, RouterConfig
+
+pytestmark = pytest.mark.unit
+
+
+def test_retry_budget_caps_retries_over_the_window() -> None:
+    now = [0.0]
+    budget = RetryBudget(ratio=0.1, minimum=0, window_s=10.0, clock=lambda: now[0])
+    for _ in range(20):
+        budget.request()
+    allowed = sum(budget.try_retry() for _ in range(10))
+    assert allowed == 2  # 10% of 20 requests
+    now[0] = 11.0  # the window slides: the old requests and retries are gone
+    budget.request()
+    assert not budget.try_retry()  # 10% of 1 request is less than one retry
+    assert RetryBudget(0.0, 3, 10.0).try_retry()  # the minimum allows a few at low traffic
+
+
+async def test_one_timeout_does_not_eject_consecutive_failures_do_and_it_returns() -> None:
+    router = Router(RouterConfig(outlier_consecutive_failures=3, outlier_base_ejection_s=0.2,
+                                 outlier_latency_factor=None))
+    router.apply(Event("snapshot", replicas=[Replica("a", "http://a"), Replica("b", "http://b")], placements=[]))
+    router.record_failure("a")
+    assert "a" in router.up_replicas() and not router.ejected
+    router.record_success("a", 0.01)  # a success resets the count
+    router.record_failure("a")
+    router.record_failure("a")
+    assert "a" in router.up_replicas()
+    router.record_failure("a")
+    assert router.up_replicas() == ["b"] and "a" in router.ejected
+    router.record_failure("b")
+    router.record_failure("b")
+    router.record_failure("b")
+    assert "b" not in router.ejected  # never more than half the replicas ejected
+    await asyncio.sleep(0.25)
+    order, _ = router.route("user")
+    assert "a" in order and not router.ejected  # back after the backoff
+
+
+async def test_latency_outlier_is_ejected() -> None:
+    router = Router(RouterConfig(outlier_latency_min_samples=5, outlier_latency_factor=3.0,
+                                 outlier_latency_floor_ms=1.0))
+    router.apply(Event("snapshot", replicas=[Replica("a", "http://a"), Replica("b", "http://b")], placements=[]))
+    for _ in range(5):
+        router.record_success("b", 0.005)
+    for _ in range(5):
+        router.record_success("a", 0.1)
+    assert "a" in router.ejected
