@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import random
 import socket
 import statistics
 import time
@@ -87,6 +88,9 @@ class RouterConfig:
     # keeps trigger.cache_budget_bytes as given.
     cache_budget_per_replica_bytes: int | None = None
     relay: bool = True  # False: prefill signals are ignored (the baseline)
+    # False: every rank and prefill goes to a uniformly random up replica, placements are ignored (an ablation
+    # that measures what cache affinity is worth; a prefix is then found only by chance)
+    affinity: bool = True
     trigger: TriggerConfig = field(default_factory=TriggerConfig)
     prefill_budget_per_replica_ms: float = 500.0  # predicted pre-infer ms per replica per second
     rank_timeout_s: float = 2.0
@@ -402,10 +406,13 @@ class Router:
 
     # -- routing ------------------------------------------------------------------------------------
     def route(self, user: str) -> tuple[list[str], str]:
-        """Replicas to try for ``user`` in order, and how the first was chosen (affinity | ring)."""
+        """Replicas to try for ``user`` in order, and how the first was chosen (affinity | ring | random)."""
         if self.ejected:
             self._release_ejections()
         up = self.up_replicas()
+        if not self.config.affinity:
+            shuffled = random.sample(up, len(up))
+            return shuffled[: self.config.max_attempts], "random"
         placed = self.placements.get(user)
         if placed is not None and placed.replica in up:
             first, kind = placed.replica, "affinity"

@@ -99,6 +99,8 @@ class TriggerConfig:
     prefill_budget_ms: float = 5000.0  # per window: 50% of one replica's compute over 10 s
     window_s: float = 10.0  # long enough that one long prefill fits in the budget
     footprint_ttl_s: float = 600.0
+    # True: every signal is admitted, with no risk check and no budgets (an ablation: pre-infer every visit)
+    admit_all: bool = False
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,8 @@ class SequenceAwareTrigger:
         nbytes = self.model.kv_bytes(prefix_len)
         if not self.enabled:
             return Decision(False, "disabled", full, prefill, nbytes)
+        if self.config.admit_all:
+            return Decision(True, "admitted", full, prefill, nbytes)
         live = self._live.get(user)
         if live is not None and live[0] == version:
             self._live[user] = (version, live[1], now + self.config.footprint_ttl_s)

@@ -55,3 +55,21 @@ async def test_latency_outlier_is_ejected() -> None:
     for _ in range(5):
         router.record_success("a", 0.1)
     assert "a" in router.ejected
+
+
+def test_without_affinity_routes_ignore_placements_and_spread_over_replicas() -> None:
+    from grstack.runtime.serve.placement import Placement
+
+    replicas = [Replica(r, f"http://{r}") for r in ("a", "b", "c")]
+    placed = [Placement("user", "a", "v", 1)]
+    pinned = Router(RouterConfig())
+    pinned.apply(Event("snapshot", replicas=replicas, placements=placed))
+    assert {pinned.route("user")[0][0] for _ in range(30)} == {"a"}
+    spread = Router(RouterConfig(affinity=False))
+    spread.apply(Event("snapshot", replicas=replicas, placements=placed))
+    firsts = set()
+    for _ in range(60):
+        order, kind = spread.route("user")
+        assert kind == "random" and len(set(order)) == len(order) == 3
+        firsts.add(order[0])
+    assert firsts == {"a", "b", "c"}  # 60 draws miss a replica with probability about 3 * (2/3)**60

@@ -107,3 +107,11 @@ def test_latency_model_interpolates_and_extrapolates() -> None:
     assert LatencyModel.from_json(m.to_json()) == m
     with pytest.raises(ValueError, match="increasing"):
         LatencyModel.from_profile([64, 32], [1, 2], [1, 2], [1, 2], 8)
+
+
+def test_admit_all_admits_every_signal_without_checks_or_charges() -> None:
+    t = trigger(admit_all=True, cache_budget_bytes=0, prefill_budget_ms=0.0)
+    for user in range(5):  # short (not at risk) and over both budgets: admitted all the same
+        d = t.decide(f"u{user}", "v", 10)
+        assert d.admitted and d.reason == "admitted"
+    assert t.live_bytes == 0 and t.window_load_ms == 0.0
