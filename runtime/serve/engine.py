@@ -130,6 +130,37 @@ class RelayEngine:
                                              backend=self.backend)
         return PrefixKV(keys, values, torch.cat([prefix.timestamps, ts_t]))
 
+    @torch.no_grad()
+    def extend_many(self, prefixes: Sequence[PrefixKV], items: Sequence[np.ndarray],
+                    ts: Sequence[np.ndarray]) -> list[PrefixKV]:
+        """:meth:`extend` of several users' prefixes at once: one model call jagged over the sequences (the
+        model returns the new tokens' K/V of all sequences in order; they are split per sequence here).
+        A single non-empty sequence goes through :meth:`extend` itself."""
+        out = list(prefixes)
+        live = [b for b in range(len(prefixes)) if len(items[b])]
+        if len(live) == 1:
+            b = live[0]
+            out[b] = self.extend(prefixes[b], items[b], ts[b])
+        if len(live) <= 1:
+            return out
+        lens = [len(items[b]) for b in live]
+        ids_t = self._tensor(np.concatenate([items[b] for b in live]))
+        ts_t = self._tensor(np.concatenate([ts[b] for b in live]))
+        offsets = self._tensor(np.concatenate([[0], np.cumsum(lens)]))
+        _, new_k, new_v = self.model.encode_with_prefix(
+            ids_t, ts_t, offsets, [prefixes[b].keys for b in live], [prefixes[b].values for b in live],
+            [prefixes[b].timestamps for b in live], return_kv=True, backend=self.backend)
+        layout = self.model.prefix_layout(self.backend)
+        split_k = [torch.split(k, lens, dim=layout.seq_dim) for k in new_k]
+        split_v = [torch.split(v, lens, dim=layout.seq_dim) for v in new_v]
+        split_ts = torch.split(ts_t, lens)
+        for j, b in enumerate(live):
+            p = prefixes[b]
+            out[b] = PrefixKV([layout.cat([k, parts[j]]) for k, parts in zip(p.keys, split_k, strict=True)],
+                              [layout.cat([v, parts[j]]) for v, parts in zip(p.values, split_v, strict=True)],
+                              torch.cat([p.timestamps, split_ts[j]]))
+        return out
+
     def prefill_steps(self, items: np.ndarray, ts: np.ndarray) -> Iterator[PrefixKV]:
         """Yields the growing prefix after each chunk; the last value is the whole prefix's K/V."""
         prefix = self.empty_prefix()
