@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,6 +43,7 @@ class PrefixKV:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     timestamps: torch.Tensor
+    ready: Any = None  # a torch.cuda.Event the tensors' contents wait on (a copy still running), or None
 
     @property
     def length(self) -> int:
@@ -57,8 +59,29 @@ class PrefixKV:
         return self.timestamps.device
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PrefixKV:
+        if self.ready is not None:  # the copy that fills these tensors must finish before they are read
+            target = torch.device(device)
+            if target.type == "cuda":
+                torch.cuda.current_stream(target).wait_event(self.ready)
+            else:
+                self.ready.synchronize()
         move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
         return PrefixKV([move(k) for k in self.keys], [move(v) for v in self.values], move(self.timestamps))
+
+    def to_host_async(self, stream: Any) -> PrefixKV:
+        """A copy in pinned host memory made on the CUDA side ``stream`` without blocking the caller (the event
+        loop): the copy waits for the work that produced the tensors, the sources stay allocated until it has
+        run (``record_stream``), and :meth:`to` waits for the result's ``ready`` event before reading it."""
+        src = [*self.keys, *self.values, self.timestamps]
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            dst = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in src]
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        for t in src:
+            t.record_stream(stream)
+        n = len(self.keys)
+        return PrefixKV(dst[:n], dst[n:2 * n], dst[-1], ready)
 
     def pin_memory(self) -> PrefixKV:
         return PrefixKV([k.pin_memory() for k in self.keys], [v.pin_memory() for v in self.values],

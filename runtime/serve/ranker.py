@@ -140,7 +140,9 @@ class RankerService:
             # One replica per core: more threads than cores makes small ops spin (10-100x slower under load).
             torch.set_num_threads(cfg.num_threads)
         self.engine = RelayEngine(model, device=device, max_suffix=cfg.max_suffix, chunk=cfg.chunk)
-        to_host = (lambda kv: kv.to("cpu").pin_memory()) if device.type == "cuda" else (lambda kv: kv.to("cpu"))
+        # On CUDA an eviction's device-to-host copy runs on a side stream, so the event loop never blocks on it.
+        copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        to_host = (lambda kv: kv.to_host_async(copy_stream)) if copy_stream is not None else (lambda kv: kv.to("cpu"))
         self.cache = TieredKVCache(cfg.device_cache_bytes, cfg.dram_cache_bytes, cfg.dram_ttl_s,
                                    to_host=to_host, to_device=self._to_device if device.type != "cpu" else None)
         self.metrics = _Metrics(self)
