@@ -3,7 +3,11 @@
 ``POST /v1/prefill`` computes (or finds) the K/V of a user's long-term prefix and caches it;
 ``POST /v1/rank`` ranks candidates against the cached prefix when it is there (device or DRAM tier, or
 a prefill for it is in flight: the rank joins that prefill and raises its priority, it never recomputes
-the same prefix) and by full inference otherwise — a miss is never an error.
+the same prefix) and by full inference otherwise — a miss is never an error. When the user's cached
+prefix (either tier) is an older version that is a prefix of the new one, both endpoints compute only the
+new events against it (incremental prefill; a rank miss then caches the new version); ``reused_len`` in the
+answers says how many tokens were reused, ``GET /v1/stats`` counts the tokens computed against those a
+from-scratch prefill would have computed, and the compute-thread time by kind.
 
 Overload: the compute queues are bounded (``max_queue`` ranks, ``max_prefill_queue`` prefills); a request
 beyond the bound is answered 503 with ``Retry-After`` at once. A request may carry
