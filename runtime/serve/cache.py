@@ -15,7 +15,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
+
 from grstack.runtime.serve.engine import PrefixKV
+from grstack.runtime.serve.prefix import prefix_hash
 
 Tier = Literal["device", "dram"]
 
@@ -67,6 +70,21 @@ class TieredKVCache:
         e = self._dram.get(user)
         if e is not None and e.version == version and e.expires > self.clock():
             return "dram"
+        return None
+
+    def extendable(self, user: str, items: np.ndarray, timestamps: np.ndarray) -> str | None:
+        """The version of ``user``'s cached prefix (either tier) when it is a strict prefix of ``items``/
+        ``timestamps`` (decided exactly: the hash of the new history's first ``P`` events equals the cached
+        version, ``P`` the cached prefix's length), else None. Such an entry can be extended by the new events
+        instead of prefilling from scratch."""
+        now = self.clock()
+        for tier in (self._device, self._dram):
+            e = tier.get(user)
+            if e is None or (tier is self._dram and e.expires <= now):
+                continue
+            p = e.kv.length
+            if 0 < p < len(items) and prefix_hash(items[:p], timestamps[:p]) == e.version:
+                return e.version
         return None
 
     def entries(self, tier: Tier) -> int:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,6 +43,7 @@ class PrefixKV:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     timestamps: torch.Tensor
+    ready: Any = None  # a torch.cuda.Event the tensors' contents wait on (a copy still running), or None
 
     @property
     def length(self) -> int:
@@ -57,8 +59,29 @@ class PrefixKV:
         return self.timestamps.device
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PrefixKV:
+        if self.ready is not None:  # the copy that fills these tensors must finish before they are read
+            target = torch.device(device)
+            if target.type == "cuda":
+                torch.cuda.current_stream(target).wait_event(self.ready)
+            else:
+                self.ready.synchronize()
         move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
         return PrefixKV([move(k) for k in self.keys], [move(v) for v in self.values], move(self.timestamps))
+
+    def to_host_async(self, stream: Any) -> PrefixKV:
+        """A copy in pinned host memory made on the CUDA side ``stream`` without blocking the caller (the event
+        loop): the copy waits for the work that produced the tensors, the sources stay allocated until it has
+        run (``record_stream``), and :meth:`to` waits for the result's ``ready`` event before reading it."""
+        src = [*self.keys, *self.values, self.timestamps]
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            dst = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in src]
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        for t in src:
+            t.record_stream(stream)
+        n = len(self.keys)
+        return PrefixKV(dst[:n], dst[n:2 * n], dst[-1], ready)
 
     def pin_memory(self) -> PrefixKV:
         return PrefixKV([k.pin_memory() for k in self.keys], [v.pin_memory() for v in self.values],
@@ -129,6 +152,37 @@ class RelayEngine:
         keys, values = self.model.prefill_kv(ids_t, ts_t, prefix.keys, prefix.values, prefix.timestamps,
                                              backend=self.backend)
         return PrefixKV(keys, values, torch.cat([prefix.timestamps, ts_t]))
+
+    @torch.no_grad()
+    def extend_many(self, prefixes: Sequence[PrefixKV], items: Sequence[np.ndarray],
+                    ts: Sequence[np.ndarray]) -> list[PrefixKV]:
+        """:meth:`extend` of several users' prefixes at once: one model call jagged over the sequences (the
+        model returns the new tokens' K/V of all sequences in order; they are split per sequence here).
+        A single non-empty sequence goes through :meth:`extend` itself."""
+        out = list(prefixes)
+        live = [b for b in range(len(prefixes)) if len(items[b])]
+        if len(live) == 1:
+            b = live[0]
+            out[b] = self.extend(prefixes[b], items[b], ts[b])
+        if len(live) <= 1:
+            return out
+        lens = [len(items[b]) for b in live]
+        ids_t = self._tensor(np.concatenate([items[b] for b in live]))
+        ts_t = self._tensor(np.concatenate([ts[b] for b in live]))
+        offsets = self._tensor(np.concatenate([[0], np.cumsum(lens)]))
+        _, new_k, new_v = self.model.encode_with_prefix(
+            ids_t, ts_t, offsets, [prefixes[b].keys for b in live], [prefixes[b].values for b in live],
+            [prefixes[b].timestamps for b in live], return_kv=True, backend=self.backend)
+        layout = self.model.prefix_layout(self.backend)
+        split_k = [torch.split(k, lens, dim=layout.seq_dim) for k in new_k]
+        split_v = [torch.split(v, lens, dim=layout.seq_dim) for v in new_v]
+        split_ts = torch.split(ts_t, lens)
+        for j, b in enumerate(live):
+            p = prefixes[b]
+            out[b] = PrefixKV([layout.cat([k, parts[j]]) for k, parts in zip(p.keys, split_k, strict=True)],
+                              [layout.cat([v, parts[j]]) for v, parts in zip(p.values, split_v, strict=True)],
+                              torch.cat([p.timestamps, split_ts[j]]))
+        return out
 
     def prefill_steps(self, items: np.ndarray, ts: np.ndarray) -> Iterator[PrefixKV]:
         """Yields the growing prefix after each chunk; the last value is the whole prefix's K/V."""

@@ -3,7 +3,11 @@
 ``POST /v1/prefill`` computes (or finds) the K/V of a user's long-term prefix and caches it;
 ``POST /v1/rank`` ranks candidates against the cached prefix when it is there (device or DRAM tier, or
 a prefill for it is in flight: the rank joins that prefill and raises its priority, it never recomputes
-the same prefix) and by full inference otherwise — a miss is never an error.
+the same prefix) and by full inference otherwise — a miss is never an error. When the user's cached
+prefix (either tier) is an older version that is a prefix of the new one, both endpoints compute only the
+new events against it (incremental prefill; a rank miss then caches the new version); ``reused_len`` in the
+answers says how many tokens were reused, ``GET /v1/stats`` counts the tokens computed against those a
+from-scratch prefill would have computed, and the compute-thread time by kind.
 
 Overload: the compute queues are bounded (``max_queue`` ranks, ``max_prefill_queue`` prefills); a request
 beyond the bound is answered 503 with ``Retry-After`` at once. A request may carry
@@ -73,6 +77,7 @@ class RankerConfig:
     max_candidates: int = 1024
     max_batch: int = 32
     chunk: int = 256
+    max_step_tokens: int | None = 1024  # new tokens of one batched prefill/miss step (bounds a rank's wait)
     prefill_wait_ms: float = 200.0  # unused: a rank joins an in-flight prefill (kept for old command lines)
     max_queue: int | None = 256  # queued rank requests; beyond it 503 + Retry-After (None: unbounded)
     max_prefill_queue: int | None = 1024  # queued prefills; beyond it 503 + Retry-After
@@ -94,7 +99,13 @@ class _Metrics:
         self.lookups = Counter("grstack_ranker_cache_lookups", "prefix cache lookups by rank requests",
                                ["result"], registry=r)
         self.prefills = Counter("grstack_ranker_prefills", "prefill signals by outcome", ["status"], registry=r)
-        self.prefill_tokens = Counter("grstack_ranker_prefill_tokens", "prefix tokens computed", registry=r)
+        self.prefill_tokens = Counter("grstack_ranker_prefill_tokens",
+                                      "prefix tokens computed by prefill/extend (cache-miss prefixes included)",
+                                      registry=r)
+        self.prefill_tokens_full = Counter("grstack_ranker_prefill_tokens_without_incremental",
+                                           "prefix tokens a from-scratch prefill would have computed", registry=r)
+        self.compute_seconds = Counter("grstack_ranker_compute_seconds", "compute-thread time by kind", ["kind"],
+                                       registry=r)
         self.queue_wait = Histogram("grstack_ranker_queue_wait_seconds",
                                     "time from enqueue to the start of compute", ["kind"],
                                     buckets=LATENCY_BUCKETS, registry=r)
@@ -133,23 +144,42 @@ class RankerService:
             # One replica per core: more threads than cores makes small ops spin (10-100x slower under load).
             torch.set_num_threads(cfg.num_threads)
         self.engine = RelayEngine(model, device=device, max_suffix=cfg.max_suffix, chunk=cfg.chunk)
-        to_host = (lambda kv: kv.to("cpu").pin_memory()) if device.type == "cuda" else (lambda kv: kv.to("cpu"))
+        # On CUDA an eviction's device-to-host copy runs on a side stream, so the event loop never blocks on it.
+        copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        to_host = (lambda kv: kv.to_host_async(copy_stream)) if copy_stream is not None else (lambda kv: kv.to("cpu"))
         self.cache = TieredKVCache(cfg.device_cache_bytes, cfg.dram_cache_bytes, cfg.dram_ttl_s,
                                    to_host=to_host, to_device=self._to_device if device.type != "cpu" else None)
         self.metrics = _Metrics(self)
         self.scheduler = ComputeScheduler(self.engine, max_batch=cfg.max_batch,
                                           on_batch=self.metrics.batch.observe, max_queue=cfg.max_queue,
                                           max_prefill_queue=cfg.max_prefill_queue,
-                                          retry_after_s=cfg.retry_after_s)
+                                          retry_after_s=cfg.retry_after_s, max_step_tokens=cfg.max_step_tokens,
+                                          on_tokens=self._on_tokens, on_compute=self._on_compute)
         self.store = store
         self.replica_id = cfg.replica_id or ""
         self.url = ""
         self.profile: Profile | None = None
         self.ready = False
-        self._inflight: dict[tuple[str, str], asyncio.Task[tuple[PrefixKV, float]]] = {}
+        self._inflight: dict[tuple[str, str], asyncio.Task[tuple[PrefixKV, float, int]]] = {}
         self._inflight_jobs: dict[tuple[str, str], asyncio.Future[Any]] = {}
         self._prefills_computed = 0
         self._ranks = 0
+
+    def _on_tokens(self, computed: int, without: int) -> None:
+        self.metrics.prefill_tokens.inc(computed)
+        self.metrics.prefill_tokens_full.inc(without)
+
+    def _on_compute(self, kind: str, seconds: float) -> None:
+        self.metrics.compute_seconds.labels(kind).inc(seconds)
+
+    async def _base(self, user: str, items: np.ndarray, ts: np.ndarray) -> PrefixKV | None:
+        """The user's cached older prefix when it is a prefix of ``items``/``ts`` (promoted to the device if it
+        was in DRAM), for an incremental prefill; None otherwise. Not a rank lookup: no hit/miss counted."""
+        old = self.cache.extendable(user, items, ts)
+        if old is None:
+            return None
+        kv, _ = await self.cache.lookup(user, old, count=False)
+        return kv
 
     async def _to_device(self, kv: PrefixKV) -> PrefixKV:
         return await self.scheduler.run_sync(lambda: kv.to(self.engine.device, non_blocking=True))
@@ -228,9 +258,10 @@ class RankerService:
 
     # -- prefill ------------------------------------------------------------------------------------
     async def _compute_prefix(self, user: str, version: str, items: np.ndarray,
-                              ts: np.ndarray) -> tuple[PrefixKV, float]:
+                              ts: np.ndarray) -> tuple[PrefixKV, float, int]:
         key = (user, version)
-        fut = self.scheduler.submit_prefill(items, ts)
+        base = await self._base(user, items, ts)
+        fut = self.scheduler.submit_prefill(items, ts, base)
         self._inflight_jobs[key] = fut
         try:
             kv, timing = await fut
@@ -240,8 +271,7 @@ class RankerService:
         self.metrics.prefill_seconds.observe(timing.compute_ms / 1e3)
         self.cache.put(user, version, kv)
         self._prefills_computed += 1
-        self.metrics.prefill_tokens.inc(len(items))
-        return kv, timing.compute_ms
+        return kv, timing.compute_ms, 0 if base is None else base.length
 
     async def prefill(self, req: PrefillRequest) -> PrefillResponse:
         _check_items("long_term.items", req.long_term.items, self.num_items)
@@ -249,7 +279,7 @@ class RankerService:
         version = prefix_hash(items, ts)
         user = req.user_id
         key = (user, version)
-        compute_ms = 0.0
+        compute_ms, reused = 0.0, 0
         kv: PrefixKV | None = None
         if self.cache.tier_of(user, version) is not None:
             kv, tier = await self.cache.lookup(user, version, count=False)  # a signal is not a cache hit
@@ -265,10 +295,10 @@ class RankerService:
                 await asyncio.sleep(0)  # let it submit: a full prefill queue is answered now (503)
                 if task.done() and task.exception() is not None:
                     raise task.exception()  # type: ignore[misc]
-            kv, compute_ms = await asyncio.shield(task)
+            kv, compute_ms, reused = await asyncio.shield(task)
         self.metrics.prefills.labels(status).inc()
         return PrefillResponse(user_id=user, replica=self.replica_id, prefix_hash=version, prefix_len=len(items),
-                               status=status, kv_bytes=kv.nbytes, compute_ms=compute_ms)
+                               status=status, kv_bytes=kv.nbytes, compute_ms=compute_ms, reused_len=reused)
 
     # -- rank ---------------------------------------------------------------------------------------
     async def rank(self, req: RankRequest, deadline: float | None = None) -> RankResponse:
@@ -298,7 +328,7 @@ class RankerService:
                     self.scheduler.boost(job)
                 timeout = None if deadline is None else max(0.0, deadline - self.scheduler.clock())
                 try:
-                    kv, _ = await asyncio.wait_for(asyncio.shield(task), timeout)
+                    kv, _, _ = await asyncio.wait_for(asyncio.shield(task), timeout)
                 except TimeoutError:
                     self.metrics.shed.labels("deadline").inc()
                     raise DeadlineExceeded("deadline passed while waiting for the in-flight prefill") from None
@@ -308,8 +338,14 @@ class RankerService:
                 joined = kv is not None
         self.metrics.lookups.labels("joined" if joined else (tier or "miss")).inc()
         timing: Timing
+        base = None if kv is not None or not len(item.long_items) else await self._base(
+            req.user_id, item.long_items, item.long_ts)
         if kv is not None:
             logits, timing = await self.scheduler.rank_cached(kv, item, deadline)
+        elif base is not None:
+            # An older prefix of this one is cached: extend it by the new events, rank, keep the new version.
+            logits, new_kv, timing = await self.scheduler.rank_extend(item, base, deadline)
+            self.cache.put(req.user_id, version, new_kv)
         else:
             logits, timing = await self.scheduler.rank_full(item, deadline)
         self.metrics.queue_wait.labels("hit" if kv is not None else "miss").observe(timing.queue_ms / 1e3)
@@ -319,7 +355,8 @@ class RankerService:
         return RankResponse(user_id=req.user_id, replica=self.replica_id, tasks=self.tasks,
                             scores=logits.cpu().tolist(), cache=cache, prefix_hash=version,
                             prefix_len=len(item.long_items), short_len=len(item.short_items), truncated=truncated,
-                            queue_ms=timing.queue_ms, compute_ms=timing.compute_ms)
+                            queue_ms=timing.queue_ms, compute_ms=timing.compute_ms,
+                            reused_len=0 if base is None else base.length)
 
     def stats(self) -> CacheStatsModel:
         s = self.cache.stats
@@ -328,7 +365,14 @@ class RankerService:
                                dram_bytes=self.cache.dram_used, device_entries=self.cache.entries("device"),
                                dram_entries=self.cache.entries("dram"),
                                prefills_computed=self._prefills_computed, ranks=self._ranks,
-                               queued=sum(self.scheduler.depth().values()))
+                               queued=sum(self.scheduler.depth().values()),
+                               device_capacity_bytes=self.cache.device_bytes,
+                               dram_capacity_bytes=self.cache.dram_bytes, queue_depth=self.scheduler.depth(),
+                               prefill_backlog_tokens=self.scheduler.backlog_tokens(),
+                               compute_ms_total={k: v * 1e3 for k, v in self.scheduler.compute_s.items()},
+                               prefill_tokens_computed=self.scheduler.tokens_computed,
+                               prefill_tokens_without_incremental=self.scheduler.tokens_without_incremental,
+                               incremental_prefills=self.scheduler.incremental_prefills)
 
 
 # -- HTTP ---------------------------------------------------------------------------------------------

@@ -4,20 +4,30 @@ Work is done in steps on a single executor thread (torch releases the GIL, so th
 accepting requests meanwhile). Each step is one of, in priority order:
 
 1. a batch of **cached ranks** — every queued request whose prefix K/V is at hand, up to ``max_batch``;
-2. one step of a **full rank** (a cache miss): a chunk of its history, or its final ranking; several
-   queued misses with short histories are ranked together in one step;
-3. one chunk of a **prefill**.
+2. a step of the **rank misses** (and prefills a rank joined): queued unstarted misses with short
+   histories are ranked together by full inference; otherwise the next chunk of up to ``max_batch`` queued
+   misses is computed in one model call jagged over the users, and those whose prefix is then complete are
+   ranked in one cached-prefix call;
+3. the next chunk of up to ``max_batch`` **prefills**, in one model call likewise.
 
-Ranks are latency-critical and prefills are not, but a prefill must not starve: after ``prefill_every``
-consecutive rank steps with prefills waiting, one prefill chunk runs. Chunking keeps any rank from
-waiting behind more than one chunk of a long prefill.
+A prefill or miss may start from a **base**: a cached older version of the user's prefix that is a prefix of
+the new one (incremental prefill); only the tokens after it are computed. Ranks are latency-critical and
+prefills are not, but a prefill must not starve: after ``prefill_every`` consecutive rank steps with
+prefills waiting, one prefill step runs. Chunking (and ``max_step_tokens``, a bound on the tokens of one
+batched step) keeps any rank from waiting behind more than one step of long prefills.
 
 Overload: the rank queues (hits and misses together) hold at most ``max_queue`` requests and the prefill
 queue ``max_prefill_queue``; beyond that a submission raises :class:`QueueFull` at once (the ranker answers
 503 with ``Retry-After``), nothing already queued is touched. A rank may carry a deadline (scheduler
-clock): a request whose deadline has passed is dropped before any of its compute runs (and a full rank
+clock): a request whose deadline has passed is dropped before any of its compute runs (and a miss
 between its chunks) with :class:`DeadlineExceeded`. A rank that needs a prefix being prefilled joins that
-prefill: :meth:`boost` moves the prefill into the rank queue, ahead of the remaining prefills.
+prefill: :meth:`boost` moves the prefill into the rank queue, ahead of the remaining prefills. When one
+member of a batched step fails, the members are retried one by one so that only the failing one's request
+fails.
+
+Accounting (read by ``GET /v1/stats``): prefix tokens computed, tokens a from-scratch prefill would have
+computed for the same work, incremental prefills, and compute-thread time by kind (``prefill``,
+``rank_cached``, ``rank_full``; a batched chunk step's time is split over its members by tokens).
 """
 
 from __future__ import annotations
@@ -26,14 +36,17 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from grstack.runtime.serve.engine import PrefixKV, RankItem, RelayEngine
+
+COMPUTE_KINDS = ("prefill", "rank_cached", "rank_full")
 
 
 class QueueFull(Exception):
@@ -58,13 +71,30 @@ class Timing:
 
 @dataclass
 class _Job:
-    gen: Generator[None, None, Any]
+    """A prefill (``item`` None) or a rank miss: ``items``/``ts`` is the whole prefix, ``kv`` what is computed
+    of it so far (starting from the base, ``base_len`` tokens)."""
+
     future: asyncio.Future[tuple[Any, Timing]]
     enqueued: float
-    started: float | None = None
-    tokens: int = 0
+    items: np.ndarray
+    ts: np.ndarray
+    kv: PrefixKV
+    base_len: int = 0
     item: RankItem | None = None
     deadline: float | None = None
+    started: float | None = None
+
+    @property
+    def tokens(self) -> int:
+        return len(self.items)
+
+    @property
+    def remaining(self) -> int:
+        return len(self.items) - self.kv.length
+
+    def next_chunk(self, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+        p = self.kv.length
+        return self.items[p:p + chunk], self.ts[p:p + chunk]
 
 
 @dataclass
@@ -74,14 +104,6 @@ class _Hit:
     future: asyncio.Future[tuple[torch.Tensor, Timing]]
     enqueued: float
     deadline: float | None = None
-
-
-def _advance(gen: Generator[None, None, Any]) -> tuple[bool, Any]:
-    try:
-        next(gen)
-    except StopIteration as stop:
-        return True, stop.value
-    return False, None
 
 
 @dataclass
@@ -94,6 +116,9 @@ class ComputeScheduler:
     max_queue: int | None = None  # queued ranks (hits + misses); None: unbounded
     max_prefill_queue: int | None = None  # queued prefills; None: unbounded
     retry_after_s: float = 1.0
+    max_step_tokens: int | None = None  # new tokens of one batched chunk step (at least one job); None: no bound
+    on_tokens: Callable[[int, int], None] | None = None  # (computed, without incremental) per step
+    on_compute: Callable[[str, float], None] | None = None  # (kind, seconds) per step
     _hits: deque[_Hit] = field(default_factory=deque)
     _misses: deque[_Job] = field(default_factory=deque)
     _prefills: deque[_Job] = field(default_factory=deque)
@@ -104,6 +129,10 @@ class ComputeScheduler:
         self._task: asyncio.Task[None] | None = None
         self._critical_streak = 0
         self.dropped_expired = 0
+        self.tokens_computed = 0
+        self.tokens_without_incremental = 0
+        self.incremental_prefills = 0
+        self.compute_s: dict[str, float] = dict.fromkeys(COMPUTE_KINDS, 0.0)
 
     # -- public API (event loop) --------------------------------------------------------------------
     def start(self) -> None:
@@ -123,6 +152,10 @@ class ComputeScheduler:
     def depth(self) -> dict[str, int]:
         return {"hits": len(self._hits), "misses": len(self._misses), "prefills": len(self._prefills)}
 
+    def backlog_tokens(self) -> int:
+        """Prefix tokens still to compute for the queued misses and prefills."""
+        return sum(j.remaining for j in self._misses) + sum(j.remaining for j in self._prefills)
+
     def _admit_rank(self) -> None:
         depth = len(self._hits) + len(self._misses)
         if self.max_queue is not None and depth >= self.max_queue:
@@ -136,6 +169,15 @@ class ComputeScheduler:
         if not fut.done():
             fut.set_exception(DeadlineExceeded("deadline passed while queued; dropped before compute"))
 
+    def _job(self, items: Any, ts: Any, base: PrefixKV | None, item: RankItem | None = None,
+             deadline: float | None = None) -> _Job:
+        items, ts = np.asarray(items, dtype=np.int64), np.asarray(ts, dtype=np.int64)
+        kv = base if base is not None else self.engine.empty_prefix()
+        if kv.length > len(items):
+            raise ValueError(f"the base prefix ({kv.length} tokens) is longer than the prefix ({len(items)})")
+        fut = asyncio.get_running_loop().create_future()
+        return _Job(fut, self.clock(), items, ts, kv, kv.length, item, deadline)
+
     async def rank_cached(self, kv: PrefixKV, item: RankItem,
                           deadline: float | None = None) -> tuple[torch.Tensor, Timing]:
         self._admit_rank()
@@ -145,25 +187,39 @@ class ComputeScheduler:
         return await fut
 
     async def rank_full(self, item: RankItem, deadline: float | None = None) -> tuple[torch.Tensor, Timing]:
-        self._admit_rank()
-        fut = asyncio.get_running_loop().create_future()
-        self._misses.append(_Job(self._full_gen(item), fut, self.clock(), tokens=len(item.long_items),
-                                 item=item, deadline=deadline))
-        self._wake.set()
-        return await fut
+        """Ranks a cache miss: its whole prefix is computed on the critical path."""
+        (logits, _), timing = await self._submit_miss(item, None, deadline)
+        return logits, timing
 
-    def submit_prefill(self, items: Any, ts: Any) -> asyncio.Future[tuple[PrefixKV, Timing]]:
-        """Queues a prefill and returns its future (a handle for :meth:`boost`)."""
+    async def rank_extend(self, item: RankItem, base: PrefixKV,
+                          deadline: float | None = None) -> tuple[torch.Tensor, PrefixKV, Timing]:
+        """Ranks a miss whose cached older prefix ``base`` is a prefix of ``item``'s: only the tokens after
+        it are computed. Returns the logits and the whole new prefix's K/V (for the cache)."""
+        (logits, kv), timing = await self._submit_miss(item, base, deadline)
+        return logits, kv, timing
+
+    async def _submit_miss(self, item: RankItem, base: PrefixKV | None,
+                           deadline: float | None) -> tuple[tuple[torch.Tensor, PrefixKV | None], Timing]:
+        self._admit_rank()
+        job = self._job(item.long_items, item.long_ts, base, item, deadline)
+        self._misses.append(job)
+        self._wake.set()
+        return await job.future
+
+    def submit_prefill(self, items: Any, ts: Any,
+                       base: PrefixKV | None = None) -> asyncio.Future[tuple[PrefixKV, Timing]]:
+        """Queues a prefill of the prefix ``items``/``ts`` (continuing ``base``, the K/V of its first
+        ``base.length`` tokens, when given) and returns its future (a handle for :meth:`boost`)."""
         depth = len(self._prefills)
         if self.max_prefill_queue is not None and depth >= self.max_prefill_queue:
             raise QueueFull("prefill", depth, self.retry_after_s)
-        fut: asyncio.Future[tuple[PrefixKV, Timing]] = asyncio.get_running_loop().create_future()
-        self._prefills.append(_Job(self._prefill_gen(items, ts), fut, self.clock(), tokens=len(items)))
+        job = self._job(items, ts, base)
+        self._prefills.append(job)
         self._wake.set()
-        return fut
+        return job.future
 
-    async def prefill(self, items: Any, ts: Any) -> tuple[PrefixKV, Timing]:
-        return await self.submit_prefill(items, ts)
+    async def prefill(self, items: Any, ts: Any, base: PrefixKV | None = None) -> tuple[PrefixKV, Timing]:
+        return await self.submit_prefill(items, ts, base)
 
     def boost(self, fut: asyncio.Future[Any]) -> bool:
         """A rank waits on this prefill: it moves from the prefill queue to the rank queue (behind the
@@ -178,20 +234,6 @@ class ComputeScheduler:
                 self._wake.set()
                 return True
         return False
-
-    # -- generators (compute thread) ----------------------------------------------------------------
-    def _prefill_gen(self, items: Any, ts: Any) -> Generator[None, None, PrefixKV]:
-        prefix = self.engine.empty_prefix()
-        for start in range(0, len(items), self.engine.chunk):
-            if start:
-                yield
-            prefix = self.engine.extend(prefix, items[start:start + self.engine.chunk],
-                                        ts[start:start + self.engine.chunk])
-        return prefix
-
-    def _full_gen(self, item: RankItem) -> Generator[None, None, torch.Tensor]:
-        prefix = yield from self._prefill_gen(item.long_items, item.long_ts)
-        return self.engine.rank_cached([prefix], [item])[0]
 
     # -- the loop -----------------------------------------------------------------------------------
     async def _run(self) -> None:
@@ -210,7 +252,18 @@ class ComputeScheduler:
                 self._critical_streak += 1
             else:
                 self._critical_streak = 0
-                await self._step_job(loop, self._prefills)
+                await self._step_chunks(loop, self._prefills)
+
+    def _account(self, kind: str, seconds: float) -> None:
+        self.compute_s[kind] += seconds
+        if self.on_compute is not None:
+            self.on_compute(kind, seconds)
+
+    def _count_tokens(self, computed: int, without: int) -> None:
+        self.tokens_computed += computed
+        self.tokens_without_incremental += without
+        if self.on_tokens is not None:
+            self.on_tokens(computed, without)
 
     async def _step_hits(self, loop: asyncio.AbstractEventLoop) -> None:
         batch = [self._hits.popleft() for _ in range(min(self.max_batch, len(self._hits)))]
@@ -224,6 +277,7 @@ class ComputeScheduler:
         start = self.clock()
         if self.on_batch is not None:
             self.on_batch(len(batch))
+        t0 = time.perf_counter()
         try:
             out = await loop.run_in_executor(self._executor, self.engine.rank_cached,
                                              [h.kv for h in batch], [h.item for h in batch])
@@ -232,68 +286,139 @@ class ComputeScheduler:
                 if not h.future.done():
                     h.future.set_exception(exc)
             return
+        finally:
+            self._account("rank_cached", time.perf_counter() - t0)
         end = self.clock()
         for h, logits in zip(batch, out, strict=True):
             if not h.future.done():
                 h.future.set_result((logits, Timing((start - h.enqueued) * 1e3, (end - start) * 1e3)))
 
-    async def _step_misses(self, loop: asyncio.AbstractEventLoop) -> None:
-        head = self._misses[0]
-        if head.item is not None and head.started is None and head.tokens <= self.engine.chunk:
-            # Unstarted short misses are ranked together: one chunk each, one batched ranking.
-            batch: list[_Job] = []
-            now = self.clock()
-            while (self._misses and len(batch) < self.max_batch and self._misses[0].started is None
-                   and self._misses[0].item is not None and self._misses[0].tokens <= self.engine.chunk):
-                job = self._misses.popleft()
-                if self._expired(job.deadline, now):
-                    self._drop(job.future)
-                elif not job.future.cancelled():
-                    batch.append(job)
-            if not batch:
-                return
-            start = self.clock()
-            if self.on_batch is not None:
-                self.on_batch(len(batch))
-            try:
-                out = await loop.run_in_executor(self._executor, self.engine.rank_full,
-                                                 [j.item for j in batch])
-            except Exception as exc:
-                for j in batch:
-                    if not j.future.done():
-                        j.future.set_exception(exc)
-                return
-            end = self.clock()
-            for j, logits in zip(batch, out, strict=True):
-                if not j.future.done():
-                    j.future.set_result((logits, Timing((start - j.enqueued) * 1e3, (end - start) * 1e3)))
-            return
-        await self._step_job(loop, self._misses)
+    def _short_miss(self, job: _Job) -> bool:
+        """An unstarted miss with no base whose history fits one chunk: ranked by full inference."""
+        return job.item is not None and job.started is None and job.base_len == 0 \
+            and job.tokens <= self.engine.chunk
 
-    async def _step_job(self, loop: asyncio.AbstractEventLoop, queue: deque[_Job]) -> None:
-        job = queue[0]
-        if job.future.cancelled():
-            queue.popleft()
+    async def _step_misses(self, loop: asyncio.AbstractEventLoop) -> None:
+        if not self._short_miss(self._misses[0]):
+            await self._step_chunks(loop, self._misses)
             return
-        if self._expired(job.deadline):  # before its first chunk, or between chunks
-            queue.popleft()
-            self._drop(job.future)
+        # Unstarted short misses are ranked together: one batched full inference.
+        batch: list[_Job] = []
+        now = self.clock()
+        while self._misses and len(batch) < self.max_batch and self._short_miss(self._misses[0]):
+            job = self._misses.popleft()
+            if self._expired(job.deadline, now):
+                self._drop(job.future)
+            elif not job.future.cancelled():
+                batch.append(job)
+        if not batch:
             return
-        if job.started is None:
-            job.started = self.clock()
+        start = self.clock()
+        if self.on_batch is not None:
+            self.on_batch(len(batch))
+        t0 = time.perf_counter()
         try:
-            done, value = await loop.run_in_executor(self._executor, _advance, job.gen)
+            out = await loop.run_in_executor(self._executor, self.engine.rank_full, [j.item for j in batch])
         except Exception as exc:
-            self._remove(job)
-            if not job.future.done():
-                job.future.set_exception(exc)
+            for j in batch:
+                if not j.future.done():
+                    j.future.set_exception(exc)
             return
+        finally:
+            self._account("rank_full", time.perf_counter() - t0)
+        tokens = sum(j.tokens for j in batch)
+        self._count_tokens(tokens, tokens)
+        end = self.clock()
+        for j, logits in zip(batch, out, strict=True):
+            if not j.future.done():
+                j.future.set_result(((logits, None), Timing((start - j.enqueued) * 1e3, (end - start) * 1e3)))
+
+    def _collect(self, queue: deque[_Job]) -> list[_Job]:
+        """The jobs of the next chunk step: from the head of ``queue``, up to ``max_batch`` jobs and
+        ``max_step_tokens`` new tokens; cancelled and expired jobs met on the way are dropped."""
+        batch: list[_Job] = []
+        used, i, now = 0, 0, self.clock()
+        while i < len(queue) and len(batch) < self.max_batch:
+            job = queue[i]
+            if job.future.done():
+                del queue[i]
+                continue
+            if self._expired(job.deadline, now):  # before its first chunk, or between chunks
+                del queue[i]
+                self._drop(job.future)
+                continue
+            n = min(self.engine.chunk, job.remaining)
+            if batch and self.max_step_tokens is not None and used + n > self.max_step_tokens:
+                break
+            batch.append(job)
+            used += n
+            i += 1
+        return batch
+
+    def _compute_chunks(self, jobs: list[_Job]) -> tuple[list[PrefixKV], list[torch.Tensor | None], float, float]:
+        """Compute thread: the next chunk of every job in one call, then one cached-prefix ranking of the
+        misses whose prefix is complete. Returns the new prefixes, logits, and the two parts' seconds."""
+        t0 = time.perf_counter()
+        chunks = [j.next_chunk(self.engine.chunk) for j in jobs]
+        kvs = self.engine.extend_many([j.kv for j in jobs], [c[0] for c in chunks], [c[1] for c in chunks])
+        t1 = time.perf_counter()
+        done = [b for b, j in enumerate(jobs) if j.item is not None and kvs[b].length == j.tokens]
+        logits: list[torch.Tensor | None] = [None] * len(jobs)
         if done:
-            self._remove(job)
-            end = self.clock()
-            if not job.future.done():
-                job.future.set_result((value, Timing((job.started - job.enqueued) * 1e3,
-                                                     (end - job.started) * 1e3)))
+            out = self.engine.rank_cached([kvs[b] for b in done], [jobs[b].item for b in done])  # type: ignore[misc]
+            for b, lg in zip(done, out, strict=True):
+                logits[b] = lg
+        return kvs, logits, t1 - t0, time.perf_counter() - t1
+
+    async def _step_chunks(self, loop: asyncio.AbstractEventLoop, queue: deque[_Job]) -> None:
+        batch = self._collect(queue)
+        if not batch:
+            return
+        start = self.clock()
+        first = [j.started is None for j in batch]
+        for j in batch:
+            j.started = start if j.started is None else j.started
+        if self.on_batch is not None:
+            self.on_batch(len(batch))
+        try:
+            groups = [(batch, first, await loop.run_in_executor(self._executor, self._compute_chunks, batch))]
+        except Exception as exc:
+            if len(batch) == 1:
+                self._fail(batch[0], exc)
+                return
+            groups = []  # isolate the failing member: the others are computed one by one
+            for j, f in zip(batch, first, strict=True):
+                try:
+                    groups.append(([j], [f], await loop.run_in_executor(self._executor, self._compute_chunks, [j])))
+                except Exception as one:
+                    self._fail(j, one)
+        for jobs, firsts, (kvs, logits, extend_s, rank_s) in groups:
+            self._apply(jobs, firsts, kvs, logits, extend_s, rank_s)
+
+    def _apply(self, jobs: list[_Job], first: list[bool], kvs: list[PrefixKV], logits: list[torch.Tensor | None],
+               extend_s: float, rank_s: float) -> None:
+        new = [kv.length - j.kv.length for j, kv in zip(jobs, kvs, strict=True)]
+        total = sum(new) or 1
+        prefill_share = sum(n for j, n in zip(jobs, new, strict=True) if j.item is None) / total
+        self._account("prefill", extend_s * prefill_share)
+        self._account("rank_full", extend_s * (1 - prefill_share) + rank_s)
+        skipped = sum(j.base_len for j, f in zip(jobs, first, strict=True) if f)
+        self.incremental_prefills += sum(1 for j, f in zip(jobs, first, strict=True) if f and j.base_len)
+        self._count_tokens(sum(new), sum(new) + skipped)
+        end = self.clock()
+        for j, kv, lg in zip(jobs, kvs, logits, strict=True):
+            j.kv = kv
+            if j.remaining:
+                continue
+            self._remove(j)
+            value = kv if j.item is None else (lg, kv)
+            if not j.future.done():
+                j.future.set_result((value, Timing((j.started - j.enqueued) * 1e3, (end - j.started) * 1e3)))
+
+    def _fail(self, job: _Job, exc: Exception) -> None:
+        self._remove(job)
+        if not job.future.done():
+            job.future.set_exception(exc)
 
     def _remove(self, job: _Job) -> None:
         """Takes ``job`` off whichever queue holds it (a boosted prefill moves while it runs)."""

@@ -82,6 +82,8 @@ class PrefillResponse(_Model):
     status: Literal["computed", "cached", "promoted", "joined"]
     kv_bytes: int
     compute_ms: float
+    reused_len: int = Field(0, description="prefix tokens reused from the user's cached older prefix "
+                                           "(incremental prefill; 0: computed from scratch or not computed)")
 
 
 class RankResponse(_Model):
@@ -96,6 +98,8 @@ class RankResponse(_Model):
     truncated: int = Field(description="oldest history tokens dropped to fit the model's max_len")
     queue_ms: float
     compute_ms: float
+    reused_len: int = Field(0, description="a miss: prefix tokens reused from the user's cached older prefix "
+                                           "(only the newer ones were computed, and the new prefix is cached)")
 
 
 class RouterPrefillResponse(_Model):
@@ -148,3 +152,16 @@ class CacheStatsModel(_Model):
     prefills_computed: int
     ranks: int
     queued: int = Field(description="requests and prefills waiting for compute")
+    device_capacity_bytes: int = Field(0, description="device-tier budget of the prefix cache")
+    dram_capacity_bytes: int = Field(0, description="DRAM-tier budget of the prefix cache")
+    queue_depth: dict[str, int] = Field(default_factory=dict, description="waiting work by queue: hits, "
+                                                                          "misses, prefills")
+    prefill_backlog_tokens: int = Field(0, description="prefix tokens still to compute in the queues")
+    compute_ms_total: dict[str, float] = Field(
+        default_factory=dict, description="cumulative compute-thread milliseconds by kind: prefill (pre-infer "
+                                          "signals, also when a rank joined them), rank_cached, rank_full (misses)")
+    prefill_tokens_computed: int = Field(0, description="prefix tokens pushed through prefill/extend, including "
+                                                       "the prefixes of cache-miss ranks")
+    prefill_tokens_without_incremental: int = Field(0, description="what a from-scratch prefill would have "
+                                                                  "computed for the same work")
+    incremental_prefills: int = Field(0, description="prefills and misses that extended a cached older prefix")

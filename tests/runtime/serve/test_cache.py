@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 import torch
 
 from grstack.runtime.serve.cache import TieredKVCache
 from grstack.runtime.serve.engine import PrefixKV
+from grstack.runtime.serve.prefix import prefix_hash
 
 pytestmark = pytest.mark.unit
 
@@ -94,3 +96,23 @@ async def test_an_entry_larger_than_the_device_budget_is_not_cached() -> None:
     c = TieredKVCache(device_bytes=100, dram_bytes=10_000, dram_ttl_s=60)
     assert not c.put("a", "v1", kv(10))
     assert c.device_used == 0 and c.stats.rejected_too_large == 1
+
+
+async def test_extendable_finds_a_cached_strict_prefix_in_either_tier_exactly() -> None:
+    clock = Clock()
+    c = TieredKVCache(device_bytes=240, dram_bytes=10_000, dram_ttl_s=60, clock=clock)
+    items, ts = np.arange(1, 16), np.arange(15) * 10
+    old = prefix_hash(items[:10], ts[:10])
+    c.put("u", old, kv(10))
+    assert c.extendable("u", items, ts) == old
+    assert c.extendable("u", items[:10], ts[:10]) is None  # the same version: a hit, not an extension
+    assert c.extendable("u", items[:9], ts[:9]) is None  # shorter
+    edited = items.copy()
+    edited[3] = 99
+    assert c.extendable("u", edited, ts) is None  # an old event changed
+    assert c.extendable("u", items[1:], ts[1:]) is None  # truncation dropped the oldest event
+    assert c.extendable("other", items, ts) is None
+    c.put("w", "x", kv(10))  # u moves to DRAM: still extendable there, until its TTL
+    assert c.tier_of("u", old) == "dram" and c.extendable("u", items, ts) == old
+    clock.t += 61
+    assert c.extendable("u", items, ts) is None

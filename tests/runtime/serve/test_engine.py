@@ -103,3 +103,19 @@ def test_engine_rejects_a_model_without_ranking_head(make_model, kit: SimpleName
         RelayEngine(HSTU(10, max_len=8, d_model=8, num_blocks=1, num_heads=1, dqk=4, dv=4, ranking_head=False))
     with pytest.raises(ValueError, match="max_suffix"):
         RelayEngine(make_model(), max_suffix=kit.MAX_LEN)
+
+
+def test_a_prefix_still_being_copied_is_waited_for_before_it_is_read() -> None:
+    from grstack.runtime.serve.engine import PrefixKV
+
+    class Event:  # stands in for the torch.cuda.Event of a side-stream copy (CPU target: synchronize)
+        waited = 0
+
+        def synchronize(self) -> None:
+            Event.waited += 1
+
+    t = torch.arange(6.0).reshape(1, 3, 2)
+    kv = PrefixKV([t], [t + 1], torch.arange(3), ready=Event())
+    moved = kv.to("cpu")
+    assert Event.waited == 1 and moved.ready is None and torch.equal(moved.values[0], t + 1)
+    assert PrefixKV([t], [t], torch.arange(3)).to("cpu").length == 3 and Event.waited == 1
