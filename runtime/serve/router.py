@@ -4,10 +4,7 @@ Routing of a user: the placement recorded in the store (if its replica is up), e
 with bounded load over the replicas that are up. The router keeps a local view of replicas and
 placements fed by the store's watch, so no store round trip sits on the request path; when the store
 (etcd) is unreachable the view keeps its last state, new placements are kept locally, and routing goes on
-over the hash ring; when it returns, those placements are written back (compare-and-swap: a placement
-another router wrote meanwhile wins). The store holds only exceptions: a user placed on its ring home (the
-first replica in its hash-ring order over the registered replicas, the same on every router) is not
-written, and stored placements expire ``placement_ttl_s`` after their last write. A rank whose replica fails (connection error, timeout, 5xx, a full queue) is retried
+over the hash ring. A rank whose replica fails (connection error, timeout, 5xx, a full queue) is retried
 on the next replica in ring order, where it is a cache miss and runs full inference.
 
 Overload and deadlines: every rank gets a deadline from its budget (``rank_budget_ms``, or less if the
@@ -386,6 +383,10 @@ class Router:
         self._refresh_ring()
 
     # -- placements in the store --------------------------------------------------------------------
+    # The store holds only exceptions: a placement on the user's ring home (the first replica in its hash-ring
+    # order over the registered replicas, the same on every router) is derived, not written, and kept in the
+    # view as HOME; stored placements expire placement_ttl_s after their last write (each prefill re-writes).
+    # Placements made while the store is unreachable stay LOCAL and are written back (CAS) when it returns.
     def home(self, user: str) -> str | None:
         """The user's ring home: the first registered replica in its ring order (the same on every router
         that sees the same replicas, whatever their health), where a placement needs no store entry."""
