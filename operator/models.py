@@ -351,10 +351,39 @@ class Trigger(_Model):
     pre_infer_budget: float = Field(0.5, ge=0, le=1, description="share of ranker compute for pre-inference")
 
 
+class EtcdTLS(_Model):
+    """TLS from rankers and routers to an external etcd, from Secrets mounted as files (cert-manager's layout)."""
+
+    ca_secret: str | None = Field(None, min_length=1, description="Secret whose ca.crt signed etcd's server "
+                                                                  "certificate (default: the system roots)")
+    client_cert_secret: str | None = Field(
+        None, min_length=1, description="kubernetes.io/tls Secret (tls.crt, tls.key): the client certificate for "
+                                        "an etcd with --client-cert-auth")
+
+
+class EtcdPasswordAuth(_Model):
+    """etcd password authentication; the password is read from a Secret mounted as a file."""
+
+    user: str = Field(min_length=1, description="etcd user")
+    password_secret: str = Field(min_length=1, description="Secret holding the user's password")
+    password_key: str = Field("password", min_length=1, description="key of the password in passwordSecret")
+
+
 class Etcd(_Model):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [{
+        "rule": "(!has(self.tls) && !has(self.auth)) || (has(self.endpoints) && size(self.endpoints) > 0)",
+        "message": "etcd.tls and etcd.auth need etcd.endpoints (an external etcd; the managed one serves plain "
+                   "HTTP)"}]})
+
     endpoints: list[str] = Field(default_factory=list, description="existing etcd client URLs (the first is used)")
     managed: bool = Field(False, description="run a one-member etcd owned by this service")
     image: str = "quay.io/coreos/etcd:v3.5.17"
+    tls: EtcdTLS | None = Field(None, description="TLS to etcd (https:// endpoints, or a CA / client certificate)")
+    auth: EtcdPasswordAuth | None = Field(None, description="etcd user and password")
+    placement_ttl_seconds: int | None = Field(
+        None, ge=0, alias="placementTTLSeconds",
+        description="a stored placement expires this long after its last prefill; 0: it lives as long as its "
+                    "ranker's lease (default: the router's, 3600)")
 
 
 class GRRankingServiceSpec(_Model):
@@ -383,6 +412,9 @@ class GRRankingServiceSpec(_Model):
     def _etcd(self) -> GRRankingServiceSpec:
         if self.etcd.managed and self.etcd.endpoints:
             raise ValueError("etcd: set either managed or endpoints, not both")
+        if not self.etcd.endpoints and (self.etcd.tls is not None or self.etcd.auth is not None):
+            raise ValueError("etcd.tls and etcd.auth need etcd.endpoints (an external etcd; the managed one serves "
+                             "plain HTTP)")
         if self.autoscaling is not None and "cpu" not in self.ranker.resources.requests:
             # The HPA's CPU utilization is relative to the request: without one it never scales.
             raise ValueError("autoscaling needs ranker.resources.requests.cpu (the HPA's CPU utilization is a "

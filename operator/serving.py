@@ -79,6 +79,34 @@ def etcd_root(namespace: str, service: str) -> str:
     return f"/grstack/ranking/{namespace}/{service}"
 
 
+ETCD_SECRETS_PATH = "/var/run/secrets/grstack-etcd"
+
+
+def etcd_client(spec: GRRankingServiceSpec) -> tuple[list[str], list[dict[str, Any]], list[dict[str, Any]]]:
+    """The etcd TLS/auth flags of rankers and routers, and the Secret volumes and mounts behind them."""
+    e = spec.etcd
+    flags: list[str] = []
+    volumes: list[dict[str, Any]] = []
+    mounts: list[dict[str, Any]] = []
+
+    def secret(name: str, secret_name: str, items: dict[str, str]) -> str:
+        path = f"{ETCD_SECRETS_PATH}/{name.removeprefix('etcd-')}"
+        volumes.append({"name": name, "secret": {"secretName": secret_name, "defaultMode": 0o440,
+                                                 "items": [{"key": k, "path": v} for k, v in items.items()]}})
+        mounts.append({"name": name, "mountPath": path, "readOnly": True})
+        return path
+
+    if e.tls is not None and e.tls.ca_secret:
+        flags += ["--etcd-ca", secret("etcd-ca", e.tls.ca_secret, {"ca.crt": "ca.crt"}) + "/ca.crt"]
+    if e.tls is not None and e.tls.client_cert_secret:
+        path = secret("etcd-client", e.tls.client_cert_secret, {"tls.crt": "tls.crt", "tls.key": "tls.key"})
+        flags += ["--etcd-cert", f"{path}/tls.crt", "--etcd-key", f"{path}/tls.key"]
+    if e.auth is not None:
+        path = secret("etcd-auth", e.auth.password_secret, {e.auth.password_key: "password"})
+        flags += ["--etcd-user", e.auth.user, "--etcd-password-file", f"{path}/password"]
+    return flags, volumes, mounts
+
+
 def ranker_urls(service: str, spec: GRRankingServiceSpec) -> list[str]:
     sts = names.ranker_name(service)
     return [f"http://{sts}-{i}.{sts}:{spec.ranker.port}" for i in range(spec.replicas)]
@@ -153,7 +181,7 @@ def ranker_args(service: str, namespace: str, spec: GRRankingServiceSpec) -> lis
     if endpoint:
         args += ["--etcd", endpoint, "--etcd-root", etcd_root(namespace, service),
                  "--replica-id", "$(GRSTACK_POD_NAME)",
-                 "--advertise-url", f"http://$(GRSTACK_POD_NAME).{sts}:{spec.ranker.port}"]
+                 "--advertise-url", f"http://$(GRSTACK_POD_NAME).{sts}:{spec.ranker.port}", *etcd_client(spec)[0]]
     return args
 
 
@@ -171,6 +199,10 @@ def router_args(service: str, namespace: str, spec: GRRankingServiceSpec) -> lis
             "--cache-budget-per-replica-mb", _mb(c.device_bytes), "--footprint-ttl-s", str(c.ttl_seconds)]
     if t.length_threshold is not None:
         args += ["--length-threshold", str(t.length_threshold)]
+    if endpoint:
+        args += etcd_client(spec)[0]
+    if spec.etcd.placement_ttl_seconds is not None:
+        args += ["--placement-ttl-s", str(spec.etcd.placement_ttl_seconds)]
     return args
 
 
@@ -228,7 +260,8 @@ def children(svc: dict[str, Any], spec: GRRankingServiceSpec) -> list[dict[str, 
 
     # Rankers.
     source = model_source(spec)
-    r_volumes, r_mounts = volumes + source.volumes, mounts + source.mounts
+    _, e_volumes, e_mounts = etcd_client(spec) if etcd_endpoint(name, spec) else ([], [], [])
+    r_volumes, r_mounts = volumes + source.volumes + e_volumes, mounts + source.mounts + e_mounts
     r_container = _container(spec, "ranker", ranker_args(name, namespace, spec), spec.ranker.port,
                              [*common_env, *objects.env_list(spec.ranker.env)], r_mounts,
                              objects.resources(spec.ranker.resources, spec.ranker.accelerator))
@@ -254,7 +287,7 @@ def children(svc: dict[str, Any], spec: GRRankingServiceSpec) -> list[dict[str, 
 
     # Routers.
     t_container = _container(spec, "router", router_args(name, namespace, spec), spec.router.port,
-                             [*common_env, *objects.env_list(spec.router.env)], mounts,
+                             [*common_env, *objects.env_list(spec.router.env)], mounts + e_mounts,
                              objects.resources(spec.router.resources, "cpu"))
     t_labels = labels(name, "router")
     out.append({
@@ -263,7 +296,8 @@ def children(svc: dict[str, Any], spec: GRRankingServiceSpec) -> list[dict[str, 
         "spec": {
             "replicas": spec.router.replicas,
             "selector": {"matchLabels": selector(name, "router")},
-            "template": {"metadata": {"labels": t_labels}, "spec": _pod_spec(spec, t_container, volumes)},
+            "template": {"metadata": {"labels": t_labels},
+                         "spec": _pod_spec(spec, t_container, volumes + e_volumes)},
         },
     })
     out.append({

@@ -44,6 +44,12 @@ def register(parser: argparse.ArgumentParser) -> None:
                           "rankers), re-resolved every few seconds; in-memory placements")
     ro.add_argument("--etcd-root", default="/grstack/ranking/default")
     _etcd_client_args(ro)
+    pl = ro.add_argument_group("placements in the store")
+    pl.add_argument("--placement-ttl-s", type=float, default=3600.0, metavar="S",
+                    help="a stored placement expires this long after its last prefill (0: it lives as long as its "
+                         "replica's lease)")
+    pl.add_argument("--store-all-placements", action="store_true",
+                    help="store every placement, not only those that differ from the user's hash-ring home")
     _server_args(ro, 8080)
     _router_args(ro)
     ro.set_defaults(func=run_router)
@@ -193,7 +199,12 @@ def router_config(args: argparse.Namespace, rankers: tuple[str, ...] = ()) -> An
     dns = getattr(args, "rankers_dns", None)
     if dns is not None and (dns.rpartition(":")[0] == "" or not dns.rpartition(":")[2].isdigit()):
         raise UserError(f"--rankers-dns {dns}: expected HOST:PORT")
+    ttl = getattr(args, "placement_ttl_s", 3600.0)
+    if ttl < 0:
+        raise UserError(f"--placement-ttl-s {ttl:g}: must be 0 (no expiry) or a number of seconds")
     return RouterConfig(rankers=rankers, rankers_dns=dns, relay=not args.no_relay, trigger=trig,
+                        placement_ttl_s=ttl or None,
+                        placement_exceptions_only=not getattr(args, "store_all_placements", False),
                         cache_budget_per_replica_bytes=None if per_replica is None else int(per_replica * MB),
                         prefill_budget_per_replica_ms=args.prefill_budget_ms,
                         rank_timeout_s=args.rank_timeout_ms / 1e3,

@@ -3,12 +3,16 @@
 Layout under ``root`` (default ``/grstack/ranking/default``)::
 
     {root}/replicas/{replica_id}  = {"id", "url"}         attached to the replica's lease
-    {root}/placements/{user}      = {"replica", "version"}  attached to the same replica's lease
+    {root}/placements/{user}      = {"replica", "version"}  attached to the replica's lease, or to a TTL lease
 
 A placement is written in one transaction that checks the replica is still the same registration (its
 key's create revision) and that the placement key is unchanged (absent, or at the expected mod revision):
-compare-and-swap. Because a placement shares its replica's lease, a crashed replica's placements vanish
-with it. Every call has a deadline; a lost etcd surfaces as :class:`StoreUnavailable`.
+compare-and-swap. Without a TTL a placement shares its replica's lease, so a crashed replica's placements
+vanish with it. With a TTL it is attached to a lease shared by every placement written in the same slice of
+time (a lease per user would make etcd keep and expire one lease per user): granted for ``ttl + slack``
+and used for ``slack`` seconds (a tenth of the TTL, at least 1 s), so a placement expires between ``ttl``
+and ``ttl + slack`` after its last write. Every call has a deadline; a lost etcd surfaces as
+:class:`StoreUnavailable`.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,6 +140,7 @@ class EtcdPlacementStore(PlacementStore):
         self._client = _Client(host=host, port=port, timeout=timeout_s, username=auth.user,
                                password=auth.password, credentials=auth.credentials() if tls else None)
         self._keepalive: dict[str, asyncio.Task[None]] = {}
+        self._ttl_leases: dict[float, tuple[int, float]] = {}  # placement TTL -> (lease id, monotonic grant time)
 
     # -- keys ---------------------------------------------------------------------------------------
     def _rkey(self, rid: str) -> bytes:
@@ -208,8 +215,18 @@ class EtcdPlacementStore(PlacementStore):
         kv = await self._call(self._client.get(self._pkey(user)))
         return self._placement_of(user, kv) if kv is not None else None
 
-    async def cas_placement(self, user: str, replica_id: str, version: str,
-                            expected: Placement | None) -> Placement | None:
+    async def _ttl_lease(self, ttl_s: float, fresh: bool = False) -> int:
+        """The shared lease for placements written now with ``ttl_s`` (granted anew every ``slack`` seconds)."""
+        slack = max(1.0, ttl_s / 10)
+        now = time.monotonic()
+        cur = self._ttl_leases.get(ttl_s)
+        if cur is None or fresh or now - cur[1] >= slack:
+            lease = await self._call(self._client.lease(max(2, math.ceil(ttl_s + slack))))
+            cur = self._ttl_leases[ttl_s] = (lease.id, now)
+        return cur[0]
+
+    async def cas_placement(self, user: str, replica_id: str, version: str, expected: Placement | None,
+                            ttl_s: float | None = None) -> Placement | None:
         rep = await self._call(self._client.get(self._rkey(replica_id)))
         if rep is None:
             return None
@@ -217,17 +234,29 @@ class EtcdPlacementStore(PlacementStore):
         pkey = self._pkey(user)
         cond = t.version(pkey) == 0 if expected is None else t.mod(pkey) == expected.revision
         value = json.dumps({"replica": replica_id, "version": version}).encode()
-        try:
-            ok, responses = await self._call(self._client.transaction(
-                compare=[t.create(self._rkey(replica_id)) == rep.create_revision, cond],
-                success=[t.put(pkey, value, lease=rep.lease)], failure=[]))
-        except StoreUnavailable as exc:
-            if "lease not found" in str(exc):  # the replica's lease expired between the two calls
+        for attempt in range(2):
+            lease = rep.lease if ttl_s is None else await self._ttl_lease(ttl_s, fresh=attempt > 0)
+            try:
+                ok, responses = await self._call(self._client.transaction(
+                    compare=[t.create(self._rkey(replica_id)) == rep.create_revision, cond],
+                    success=[t.put(pkey, value, lease=lease)], failure=[]))
+            except StoreUnavailable as exc:
+                if "lease not found" not in str(exc):
+                    raise
+                if ttl_s is None:  # the replica's lease expired between the two calls
+                    return None
+                continue  # the shared TTL lease is gone (etcd lost its data): grant a new one
+            if not ok:
                 return None
-            raise
-        if not ok:
-            return None
-        return Placement(user, replica_id, version, responses[0].response_put.header.revision)
+            return Placement(user, replica_id, version, responses[0].response_put.header.revision)
+        return None
+
+    async def delete_placement(self, user: str, expected: Placement) -> bool:
+        t = self._client.transactions
+        pkey = self._pkey(user)
+        ok, _ = await self._call(self._client.transaction(compare=[t.mod(pkey) == expected.revision],
+                                                          success=[t.delete(pkey)], failure=[]))
+        return bool(ok)
 
     # -- watch --------------------------------------------------------------------------------------
     async def watch(self) -> AsyncIterator[Event]:  # type: ignore[override]

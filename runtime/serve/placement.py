@@ -4,9 +4,14 @@ Two implementations behind one interface: :class:`MemoryPlacementStore` (embedde
 ``EtcdPlacementStore`` (:mod:`grstack.runtime.serve.etcd_store`). Semantics shared by both:
 
 - replicas register under a lease with a TTL and keep it alive; a replica that stops refreshing vanishes,
-  and so do the placements that point at it (they are attached to the replica's lease);
+  and so do the placements that point at it (they are attached to the replica's lease) unless they were
+  written with their own TTL: those outlive it until the TTL (routers drop them from their view and ignore
+  a placement on a replica that is not registered);
 - placements are written with compare-and-swap on the key's revision (``expected=None`` means "only if
   absent"), so two routers placing the same user concurrently agree on one replica;
+- a placement written with ``ttl_s`` expires that long after its last write (re-writing it refreshes it), so
+  the store holds the users seen recently, not every user ever seen; without ``ttl_s`` it lives as long as
+  its replica's lease;
 - ``watch`` yields the full state first, then changes, so a router keeps a local view and routes from it
   without a store round trip on the request path.
 """
@@ -66,12 +71,17 @@ class PlacementStore(abc.ABC):
     async def get_placement(self, user: str) -> Placement | None: ...
 
     @abc.abstractmethod
-    async def cas_placement(self, user: str, replica_id: str, version: str,
-                            expected: Placement | None) -> Placement | None:
-        """Writes user -> replica if the current placement is ``expected`` (None: absent).
+    async def cas_placement(self, user: str, replica_id: str, version: str, expected: Placement | None,
+                            ttl_s: float | None = None) -> Placement | None:
+        """Writes user -> replica if the current placement is ``expected`` (None: absent), expiring ``ttl_s``
+        after this write (None: with the replica's lease).
 
         Returns the new placement, or None if the compare failed or the replica is not registered.
         """
+
+    @abc.abstractmethod
+    async def delete_placement(self, user: str, expected: Placement) -> bool:
+        """Deletes the placement if it is still ``expected`` (same revision); False if it changed or is gone."""
 
     @abc.abstractmethod
     def watch(self) -> AsyncIterator[Event]:
@@ -93,6 +103,7 @@ class MemoryPlacementStore(PlacementStore):
         self._sweep_s = sweep_s
         self._replicas: dict[str, tuple[Replica, float, float]] = {}  # id -> (replica, ttl, expires)
         self._placements: dict[str, Placement] = {}
+        self._placement_expires: dict[str, float] = {}  # user -> when a placement written with a TTL expires
         self._revision = 0
         self._next_lease = 1
         self._watchers: list[asyncio.Queue[Event]] = []
@@ -116,15 +127,22 @@ class MemoryPlacementStore(PlacementStore):
         now = self._clock()
         for rid in [r for r, (_, ttl, exp) in self._replicas.items() if ttl > 0 and exp <= now]:
             self._remove_replica(rid)
+        for user in [u for u, exp in self._placement_expires.items() if exp <= now]:
+            self._drop_placement(user)
+
+    def _drop_placement(self, user: str) -> None:
+        self._placement_expires.pop(user, None)
+        if self._placements.pop(user, None) is not None:
+            self._revision += 1
+            self._emit(Event("placement-gone", key=user))
 
     def _remove_replica(self, rid: str) -> None:
         if self._replicas.pop(rid, None) is None:
             return
         self._revision += 1
         self._emit(Event("replica-gone", key=rid))
-        for user in [u for u, p in self._placements.items() if p.replica == rid]:
-            del self._placements[user]
-            self._emit(Event("placement-gone", key=user))
+        for user in [u for u, p in self._placements.items() if p.replica == rid and u not in self._placement_expires]:
+            self._drop_placement(user)
 
     async def register(self, replica: Replica, ttl_s: float) -> None:
         """``ttl_s <= 0`` registers without a lease (static replicas of the embedded mode)."""
@@ -166,19 +184,33 @@ class MemoryPlacementStore(PlacementStore):
     async def get_placement(self, user: str) -> Placement | None:
         return self._placements.get(user)
 
-    async def cas_placement(self, user: str, replica_id: str, version: str,
-                            expected: Placement | None) -> Placement | None:
-        self.expire()
+    def _is(self, user: str, expected: Placement | None) -> bool:
         current = self._placements.get(user)
-        same = (current is None) if expected is None else (current is not None and
-                                                            current.revision == expected.revision)
-        if not same or replica_id not in self._replicas:
+        if expected is None:
+            return current is None
+        return current is not None and current.revision == expected.revision
+
+    async def cas_placement(self, user: str, replica_id: str, version: str, expected: Placement | None,
+                            ttl_s: float | None = None) -> Placement | None:
+        self.expire()
+        if not self._is(user, expected) or replica_id not in self._replicas:
             return None
         self._revision += 1
         p = Placement(user, replica_id, version, self._revision)
         self._placements[user] = p
+        if ttl_s is not None:
+            self._placement_expires[user] = self._clock() + ttl_s
+        else:
+            self._placement_expires.pop(user, None)
         self._emit(Event("placement", placement=p))
         return p
+
+    async def delete_placement(self, user: str, expected: Placement) -> bool:
+        self.expire()
+        if not self._is(user, expected):
+            return False
+        self._drop_placement(user)
+        return True
 
     async def watch(self) -> AsyncIterator[Event]:  # type: ignore[override]
         self._ensure_sweeper()

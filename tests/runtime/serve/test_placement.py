@@ -87,3 +87,20 @@ async def test_a_crashed_replica_expires_with_its_placements(store: PlacementSto
         await asyncio.sleep(0.2)
     assert await store.get_placement("u") is None
     assert set(await store.replicas()) == {"r2"}
+
+
+async def test_placements_with_a_ttl_expire_and_outlive_their_replica(store: PlacementStore) -> None:
+    await store.register(Replica("r1", "http://127.0.0.1:1"), ttl_s=30)
+    await store.register(Replica("r2", "http://127.0.0.1:2"), ttl_s=30)
+    short = await store.cas_placement("u", "r1", "h", expected=None, ttl_s=2)
+    long = await store.cas_placement("w", "r2", "h", expected=None, ttl_s=30)
+    assert short is not None and long is not None
+    assert not await store.delete_placement("w", short)  # compare-and-delete: a wrong revision deletes nothing
+    await store.unregister("r2")
+    assert await store.get_placement("w") == long  # it has its own TTL: it outlives its replica
+    assert await store.delete_placement("w", long) and await store.get_placement("w") is None
+    end = time.monotonic() + 15
+    while await store.get_placement("u") is not None:
+        assert time.monotonic() < end, "a placement written with a 2 s TTL did not expire"
+        await asyncio.sleep(0.2)
+    assert "r1" in await store.replicas()  # the placement expired, not its replica
