@@ -115,6 +115,8 @@ def _ranker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-candidates", type=int, default=1024)
     g.add_argument("--max-batch", type=int, default=32, help="rank requests per compute step")
     g.add_argument("--chunk", type=int, default=256, help="prefill chunk (tokens per compute step)")
+    g.add_argument("--max-step-tokens", type=int, default=1024,
+                   help="new prefix tokens of one batched prefill/miss step (bounds a rank's wait behind it)")
     g.add_argument("--prefill-wait-ms", type=float, default=200,
                    help="unused (a rank now joins its in-flight prefill); kept for old command lines")
     g.add_argument("--max-queue", type=int, default=256,
@@ -159,7 +161,7 @@ def ranker_config(args: argparse.Namespace, max_len: int) -> Any:
     if not 0 < max_suffix < max_len:
         raise UserError(f"--max-suffix {max_suffix}: must be between 1 and the model's max_len - 1 "
                         f"({max_len - 1})")
-    for name in ("max_candidates", "max_batch", "chunk", "threads"):
+    for name in ("max_candidates", "max_batch", "chunk", "threads", "max_step_tokens"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1")
     return RankerConfig(replica_id=getattr(args, "replica_id", None), device=str(resolve_device(args.device)),
@@ -168,6 +170,7 @@ def ranker_config(args: argparse.Namespace, max_len: int) -> Any:
                         max_batch=args.max_batch, chunk=args.chunk, prefill_wait_ms=args.prefill_wait_ms,
                         max_queue=getattr(args, "max_queue", 256) or None,
                         max_prefill_queue=getattr(args, "max_prefill_queue", 1024) or None,
+                        max_step_tokens=args.max_step_tokens,
                         lease_ttl_s=getattr(args, "lease_ttl_s", 5.0), num_threads=args.threads)
 
 
@@ -176,7 +179,8 @@ def ranker_flags(args: argparse.Namespace) -> list[str]:
     out = ["--device", args.device, "--threads", str(args.threads), "--device-cache-mb", str(args.device_cache_mb),
            "--dram-cache-mb", str(args.dram_cache_mb), "--dram-ttl-s", str(args.dram_ttl_s),
            "--max-candidates", str(args.max_candidates), "--max-batch", str(args.max_batch),
-           "--chunk", str(args.chunk), "--prefill-wait-ms", str(args.prefill_wait_ms),
+           "--chunk", str(args.chunk), "--max-step-tokens", str(args.max_step_tokens),
+           "--prefill-wait-ms", str(args.prefill_wait_ms),
            "--max-queue", str(getattr(args, "max_queue", 256)),
            "--max-prefill-queue", str(getattr(args, "max_prefill_queue", 1024)),
            "--log-level", args.log_level]
