@@ -17,6 +17,14 @@ outlier detection (``outlier_consecutive_failures`` consecutive 5xx/timeouts, or
 ``outlier_latency_factor`` times the other replicas'), for ``outlier_base_ejection_s`` times the number
 of its ejections (at most ``outlier_max_ejection_s``), never more than ``outlier_max_ejected_fraction`` of
 the replicas at once — one timeout ejects nothing.
+
+Load reports: every ``load_poll_interval_s`` the router reads each up ranker's ``/v1/stats`` (queue depth,
+prefill backlog, cumulative compute ms, cache residency and capacity). The trigger turns them into per-ranker
+budgets that hold across routers (see trigger.py); the routing view takes each replica's load as the longer
+of this router's in-flight requests and the ranker's reported queue. A placed user whose replica is over its
+load cap (``overload_min_load``, ``load_factor`` x the mean) is routed where the bounded-load ring says
+(``X-Grstack-Route: moved``), and a prefill whose replica's budget is spent is admitted on the ring's next
+choice, placed there through the same placement path.
 """
 
 from __future__ import annotations
@@ -93,6 +101,13 @@ class RouterConfig:
     affinity: bool = True
     trigger: TriggerConfig = field(default_factory=TriggerConfig)
     prefill_budget_per_replica_ms: float = 500.0  # predicted pre-infer ms per replica per second
+    # -- rankers' load reports (GET /v1/stats): per-ranker trigger budgets, users moved off overloaded replicas
+    # GET /v1/stats of every up ranker this often (0: never; the trigger's budgets then stay router-wide)
+    load_poll_interval_s: float = 1.0
+    # a replica is over its load cap when its requests (this router's in flight, or the queue the ranker
+    # reports if longer) exceed load_factor x the mean over up replicas and number at least this many: a
+    # placed user then goes where the bounded-load ring says (a cache hit on a short queue beats a miss elsewhere)
+    overload_min_load: int = 4
     rank_timeout_s: float = 2.0
     prefill_timeout_s: float = 120.0
     max_attempts: int = 3
@@ -112,13 +127,6 @@ class RouterConfig:
     outlier_latency_factor: float | None = 5.0  # median latency this many times the others' ejects; None: off
     outlier_latency_min_samples: int = 20
     outlier_latency_floor_ms: float = 20.0  # a replica faster than this is never a latency outlier
-    # -- the rankers' load reports: per-ranker trigger budgets and moving users off overloaded replicas --
-    # GET /v1/stats of every up ranker this often (0: never; the trigger's budgets then stay router-wide)
-    load_poll_interval_s: float = 1.0
-    # a replica is over its load cap when its requests (this router's in flight, or the queue the ranker
-    # reports if longer) exceed load_factor x the mean over up replicas and number at least this many: a
-    # placed user then goes where the bounded-load ring says (a cache hit on a short queue beats a miss elsewhere)
-    overload_min_load: int = 4
 
 
 class RetryBudget:
