@@ -272,7 +272,8 @@ class Router:
             if ranker_cache is None:
                 ranker_cache = self.trigger.config.ranker_cache_budget_bytes
             new = dataclasses.replace(self.trigger.config, prefill_budget_ms=budget, cache_budget_bytes=cache,
-                                      ranker_prefill_budget_ms=per_ranker, ranker_cache_budget_bytes=ranker_cache)
+                                      ranker_prefill_budget_ms=per_ranker, ranker_cache_budget_bytes=ranker_cache,
+                                      report_interval_s=self.config.load_poll_interval_s or 1.0)
             if new != self.trigger.config:
                 self.trigger.config = new
 

@@ -23,7 +23,9 @@ are that ranker's (2, 3 above are the fallback for a ranker that reports nothing
   ``compute_ms_total["prefill"]`` rate x ``window_s``) + the predicted milliseconds of the prefill tokens in
   its queues + what this router admitted to it since the report + this prefill must stay within
   ``ranker_prefill_budget_ms``. The measured part includes every router's prefills, so several routers
-  sharing rankers stay together within the budget (overshooting by at most one poll interval's admissions);
+  sharing rankers stay together within the budget. Between two reports a router admits to one ranker at most
+  the budget's share of ``report_interval_s`` (or one prefill): the others' admissions since the report are
+  unseen, so k routers overshoot by at most k such shares;
 * **footprint**: the live prefixes this router admitted to the ranker stay within ``ranker_cache_fraction``
   of the capacity it reports (device + DRAM), or ``ranker_cache_budget_bytes`` when it reports none.
 """
@@ -118,6 +120,10 @@ class TriggerConfig:
     ranker_cache_fraction: float = 0.8  # of the capacity a ranker reports
     ranker_cache_budget_bytes: int | None = None  # per ranker, when it reports no capacity
     report_ttl_s: float = 5.0  # an older report is ignored (the ranker stopped answering its stats)
+    # between two reports this trigger admits to one ranker at most its budget's share of this many seconds
+    # (always one prefill): what other routers admit meanwhile is unseen until the next report, so k routers
+    # overshoot a ranker's budget by at most k such shares (the router sets it to its poll interval)
+    report_interval_s: float = 1.0
 
 
 class RankerLoad:
@@ -294,7 +300,9 @@ class SequenceAwareTrigger:
                 return "cache-budget"
         measured = load.load_ms(self.model) if load is not None else None
         if measured is not None and cfg.ranker_prefill_budget_ms is not None:
-            if measured + self.pending_ms(replica or "") + prefill > cfg.ranker_prefill_budget_ms:
+            pending = self.pending_ms(replica or "")
+            share = cfg.ranker_prefill_budget_ms * cfg.report_interval_s / cfg.window_s
+            if measured + pending + prefill > cfg.ranker_prefill_budget_ms or (pending and pending + prefill > share):
                 return "load-budget"
         elif self._load_sum() + prefill > cfg.prefill_budget_ms:
             return "load-budget"

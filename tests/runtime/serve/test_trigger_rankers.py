@@ -23,7 +23,7 @@ class Clock:
 
 def trigger(clock: Clock, **cfg: object) -> SequenceAwareTrigger:
     base = {"slo_ms": 100.0, "cache_budget_bytes": 10**9, "prefill_budget_ms": 10**6, "window_s": 10.0,
-            "ranker_prefill_budget_ms": 100.0}
+            "ranker_prefill_budget_ms": 100.0, "report_interval_s": 10.0}  # the share between reports: all of it
     return SequenceAwareTrigger(MODEL, TriggerConfig(**{**base, **cfg}), clock=clock)
 
 
@@ -80,6 +80,19 @@ def test_two_routers_sharing_a_ranker_stay_within_its_budget_together() -> None:
             queued += 1
             admitted += 1
     assert admitted == 10  # 100 ms / 10 ms: the ranker's budget once, not once per router
+
+
+def test_between_reports_one_router_admits_only_its_share_of_a_rankers_budget() -> None:
+    clock = Clock()
+    t = trigger(clock, report_interval_s=2.5)  # 100 ms x 2.5 s / 10 s: 25 ms between two reports
+    t.report("a", stats(0.0))
+    assert [t.decide(f"u{i}", "v", 1000, "a").reason for i in range(4)] == ["admitted"] * 2 + ["load-budget"] * 2
+    clock.t += 0.5
+    t.report("a", stats(0.0, backlog_tokens=2000, prefills=2))
+    assert t.decide("u3", "v", 1000, "a").admitted
+    big = trigger(clock, report_interval_s=0.1)  # a share smaller than one prefill still admits one
+    big.report("a", stats(0.0))
+    assert [big.decide(f"u{i}", "v", 1000, "a").reason for i in range(2)] == ["admitted", "load-budget"]
 
 
 def test_per_ranker_footprint_from_reported_capacity_or_configured_bytes() -> None:
