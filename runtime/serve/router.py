@@ -191,6 +191,7 @@ class Router:
         self.placements: dict[str, Placement] = {}
         self.down: set[str] = set()
         self.inflight: dict[str, int] = {}
+        self.queued: dict[str, int] = {}  # replica -> requests queued, as its last /v1/stats reported
         self.ejected: dict[str, float] = {}  # replica -> monotonic time its ejection ends
         self._ejections: dict[str, int] = {}
         self._failures: dict[str, int] = {}
@@ -207,7 +208,6 @@ class Router:
         self._background: set[asyncio.Task[Any]] = set()
         self._session: aiohttp.ClientSession | None = None
         self._dns_urls: set[str] = set()
-        self.queued: dict[str, int] = {}  # replica -> requests queued, as its last /v1/stats reported
 
     # -- lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> None:
