@@ -17,6 +17,14 @@ outlier detection (``outlier_consecutive_failures`` consecutive 5xx/timeouts, or
 ``outlier_latency_factor`` times the other replicas'), for ``outlier_base_ejection_s`` times the number
 of its ejections (at most ``outlier_max_ejection_s``), never more than ``outlier_max_ejected_fraction`` of
 the replicas at once — one timeout ejects nothing.
+
+Load reports: every ``load_poll_interval_s`` the router reads each up ranker's ``/v1/stats`` (queue depth,
+prefill backlog, cumulative compute ms, cache residency and capacity). The trigger turns them into per-ranker
+budgets that hold across routers (see trigger.py); the routing view takes each replica's load as the longer
+of this router's in-flight requests and the ranker's reported queue. A placed user whose replica is over its
+load cap (``overload_min_load``, ``load_factor`` x the mean) is routed where the bounded-load ring says
+(``X-Grstack-Route: moved``), and a prefill whose replica's budget is spent is admitted on the ring's next
+choice, placed there through the same placement path.
 """
 
 from __future__ import annotations
@@ -94,6 +102,13 @@ class RouterConfig:
     affinity: bool = True
     trigger: TriggerConfig = field(default_factory=TriggerConfig)
     prefill_budget_per_replica_ms: float = 500.0  # predicted pre-infer ms per replica per second
+    # -- rankers' load reports (GET /v1/stats): per-ranker trigger budgets, users moved off overloaded replicas
+    # GET /v1/stats of every up ranker this often (0: never; the trigger's budgets then stay router-wide)
+    load_poll_interval_s: float = 1.0
+    # a replica is over its load cap when its requests (this router's in flight, or the queue the ranker
+    # reports if longer) exceed load_factor x the mean over up replicas and number at least this many: a
+    # placed user then goes where the bounded-load ring says (a cache hit on a short queue beats a miss elsewhere)
+    overload_min_load: int = 4
     rank_timeout_s: float = 2.0
     prefill_timeout_s: float = 120.0
     max_attempts: int = 3
@@ -162,6 +177,7 @@ class _Metrics:
         self.shed = Counter("grstack_router_shed", "ranks answered 503/504 under overload", ["reason"],
                             registry=r)
         self.routes = Counter("grstack_router_routes", "rank routing decisions", ["kind"], registry=r)
+        self.moves = Counter("grstack_router_moves", "users sent off their placed replica", ["cause"], registry=r)
         self.retries = Counter("grstack_router_retries", "rank attempts retried on another replica", registry=r)
         self.trigger = Counter("grstack_router_trigger", "prefill signals by trigger decision", ["reason"],
                                registry=r)
@@ -181,6 +197,7 @@ class Router:
         self.placements: dict[str, Placement] = {}
         self.down: set[str] = set()
         self.inflight: dict[str, int] = {}
+        self.queued: dict[str, int] = {}  # replica -> requests queued, as its last /v1/stats reported
         self.ejected: dict[str, float] = {}  # replica -> monotonic time its ejection ends
         self._ejections: dict[str, int] = {}
         self._failures: dict[str, int] = {}
@@ -216,6 +233,8 @@ class Router:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.synced.wait(), 5.0)
         await self._load_profile()
+        if self.config.load_poll_interval_s > 0:
+            self._tasks.append(loop.create_task(self._load_loop()))
 
     async def stop(self) -> None:
         if self._store_tasks:  # let placement writes in flight land, so other routers keep the affinity
@@ -260,9 +279,15 @@ class Router:
             cache = self.trigger.config.cache_budget_bytes
             if self.config.cache_budget_per_replica_bytes is not None:
                 cache = self.config.cache_budget_per_replica_bytes * up
-            if budget != self.trigger.config.prefill_budget_ms or cache != self.trigger.config.cache_budget_bytes:
-                self.trigger.config = dataclasses.replace(self.trigger.config, prefill_budget_ms=budget,
-                                                          cache_budget_bytes=cache)
+            per_ranker = self.config.prefill_budget_per_replica_ms * self.trigger.config.window_s
+            ranker_cache = self.config.cache_budget_per_replica_bytes
+            if ranker_cache is None:
+                ranker_cache = self.trigger.config.ranker_cache_budget_bytes
+            new = dataclasses.replace(self.trigger.config, prefill_budget_ms=budget, cache_budget_bytes=cache,
+                                      ranker_prefill_budget_ms=per_ranker, ranker_cache_budget_bytes=ranker_cache,
+                                      report_interval_s=self.config.load_poll_interval_s or 1.0)
+            if new != self.trigger.config:
+                self.trigger.config = new
 
     # -- DNS discovery (a headless Service of the rankers) -------------------------------------------
     async def resolve_rankers(self) -> None:
@@ -539,6 +564,49 @@ class Router:
         elif not ok and rid not in self.down:
             self.mark_down(rid)
 
+    # -- load reports -------------------------------------------------------------------------------
+    async def _load_loop(self) -> None:
+        while True:
+            await self.poll_load()
+            await asyncio.sleep(self.config.load_poll_interval_s)
+
+    async def poll_load(self) -> None:
+        """Reads every up ranker's ``/v1/stats`` into the routing view (queue depth) and the trigger."""
+        await asyncio.gather(*(self._poll_stats(rid) for rid in self.up_replicas()), return_exceptions=True)
+        for rid in [r for r in self.queued if r not in self.replicas]:
+            del self.queued[rid]
+
+    async def _poll_stats(self, rid: str) -> None:
+        replica = self.replicas.get(rid)
+        if replica is None:
+            return
+        stats: Any = None
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+            async with self._http().get(replica.url + "/v1/stats", timeout=aiohttp.ClientTimeout(total=1)) as resp:
+                if resp.status == 200:
+                    stats = await resp.json()
+        if not isinstance(stats, dict):
+            stats = None
+            self.queued.pop(rid, None)
+        else:
+            depth = stats.get("queue_depth")
+            queued = stats.get("queued")
+            if queued is None and isinstance(depth, dict):
+                queued = sum(int(v) for v in depth.values())
+            self.queued[rid] = int(queued or 0)
+        if self.trigger is not None:
+            self.trigger.report(rid, stats)
+
+    def load_view(self) -> dict[str, int]:
+        """Requests on each up replica: this router's in flight, or the queue the ranker reported if longer."""
+        return {r: max(self.inflight.get(r, 0), self.queued.get(r, 0)) for r in self.up_replicas()}
+
+    def over_cap(self, rid: str, load: dict[str, int]) -> bool:
+        mine = load.get(rid, 0)
+        if len(load) < 2 or mine < self.config.overload_min_load:
+            return False
+        return mine > self.config.load_factor * sum(load.values()) / len(load)
+
     def mark_down(self, rid: str) -> None:
         if rid not in self.down:
             log.warning("ranker %s is down", rid)
@@ -547,7 +615,9 @@ class Router:
 
     # -- routing ------------------------------------------------------------------------------------
     def route(self, user: str) -> tuple[list[str], str]:
-        """Replicas to try for ``user`` in order, and how the first was chosen (affinity | ring | random)."""
+        """Replicas to try for ``user`` in order, and how the first was chosen (affinity | moved | ring |
+        random). A placed user whose replica is over its load cap is ``moved`` to the bounded-load ring's
+        choice among the others: affinity does not override the cap."""
         if self.ejected:
             self._release_ejections()
         up = self.up_replicas()
@@ -555,10 +625,16 @@ class Router:
             shuffled = random.sample(up, len(up))
             return shuffled[: self.config.max_attempts], "random"
         placed = self.placements.get(user)
+        load = self.load_view()
+        first: str | None
         if placed is not None and placed.replica in up:
             first, kind = placed.replica, "affinity"
+            if self.over_cap(placed.replica, load):
+                other = self.ring.choose(user, load, self.config.load_factor, exclude=(placed.replica,))
+                if other is not None and not self.over_cap(other, load):
+                    first, kind = other, "moved"
         else:
-            first, kind = self.ring.choose(user, self.inflight, self.config.load_factor), "ring"
+            first, kind = self.ring.choose(user, load, self.config.load_factor), "ring"
         if first is None:
             return [], kind
         rest = [r for r in self.ring.order(user) if r != first]
@@ -593,6 +669,8 @@ class Router:
         if not order:
             raise RequestError(503, "no ranker replica is available")
         self.metrics.routes.labels(kind).inc()
+        if kind == "moved":
+            self.metrics.moves.labels("load").inc()
         self.retry_budget.request()
         last_error, shed_retry_after = "", None
         for attempt, rid in enumerate(order):
@@ -653,23 +731,31 @@ class Router:
         max_prefix = self.profile.max_len - self.profile.max_suffix
         items, ts = truncate_prefix(req.long_term.items, req.long_term.timestamps, max_prefix)
         version = prefix_hash(items, ts)
-        decision = self.trigger.decide(user, version, len(items))
+        order, kind = self.route(user)
+        replica = order[0] if order else None
+        decision = self.trigger.decide(user, version, len(items), replica)
+        if decision.reason == "load-budget" and replica is not None and kind != "random":
+            # the replica's prefill budget is spent: the prefill goes where the bounded-load ring says
+            other = self.ring.choose(user, self.load_view(), self.config.load_factor, exclude=(replica,))
+            if other is not None:
+                moved = self.trigger.decide(user, version, len(items), other)
+                if moved.admitted:
+                    decision, replica = moved, other
+                    self.metrics.moves.labels("prefill-budget").inc()
         self.metrics.trigger.labels(decision.reason).inc()
         out = RouterPrefillResponse(user_id=user, admitted=decision.admitted, reason=decision.reason,
                                     replica=None, prefix_len=len(items),
                                     predicted_full_ms=decision.predicted_full_ms)
         if not decision.admitted:
             return out
-        order, _ = self.route(user)
-        if not order:
+        if replica is None:
             self.trigger.forget(user)
             return out.model_copy(update={"admitted": False, "reason": "no-replica"})
-        replica = order[0]
         current = self.placements.get(user)
         if current is None or current.replica != replica:
             self.placements[user] = Placement(user, replica, version, LOCAL)
-        task = asyncio.get_running_loop().create_task(self._place_and_prefill(user, version, replica, current,
-                                                                              body))
+        task = asyncio.get_running_loop().create_task(self._place_and_prefill(
+            user, version, replica, current, body, recharge=decision.reason == "live"))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         if req.wait:
@@ -695,7 +781,9 @@ class Router:
             return replica
 
     async def _place_and_prefill(self, user: str, version: str, replica: str, seen: Placement | None,
-                                 body: bytes) -> PrefillResponse | None:
+                                 body: bytes, recharge: bool = False) -> PrefillResponse | None:
+        """``recharge``: the trigger admitted the signal as live, uncharged; if the ranker computed the prefix
+        all the same (it had evicted it), that prefill is charged now."""
         replica = await self._place(user, version, replica, seen)
         try:
             status, payload = await self._post(replica, "/v1/prefill", body, self.config.prefill_timeout_s)
@@ -709,7 +797,11 @@ class Router:
             if self.trigger is not None:
                 self.trigger.forget(user)
             return None
-        return PrefillResponse.model_validate_json(payload)
+        done = PrefillResponse.model_validate_json(payload)
+        if recharge and done.status == "computed" and self.trigger is not None:
+            self.trigger.charge(user, version, done.prefix_len, replica)
+            self.metrics.trigger.labels("live-recomputed").inc()
+        return done
 
 
 # -- HTTP ---------------------------------------------------------------------------------------------
@@ -756,7 +848,7 @@ def make_router_app(router: Router) -> web.Application:
 
     def view() -> dict[str, Any]:
         return {"store_up": router.store_up, "up": router.up_replicas(), "down": sorted(router.down),
-                "ejected": sorted(router.ejected),
+                "ejected": sorted(router.ejected), "load": router.load_view(),
                 "replicas": {r.id: r.url for r in router.replicas.values()}, "placements": len(router.placements),
                 "profile": router.profile is not None}
 

@@ -13,7 +13,21 @@ admits a prefill signal only when
    window is long enough that one long prefill fits).
 
 Both budgets are inclusive: a request that lands exactly on a budget is admitted. A signal for a prefix
-that is already live (same user, same prefix hash) is admitted again without being charged twice.
+that is already live (same user, same prefix hash) is admitted again without being charged twice; if the
+ranker answers that it computed it all the same (it had evicted the prefix), :meth:`charge` charges it.
+
+Per ranker: once the router has a :class:`RankerLoad` report for the replica a signal goes to, the budgets
+are that ranker's (2, 3 above are the fallback for a ranker that reports nothing):
+
+* **load**: the prefill milliseconds the ranker itself measured over the last ``window_s`` (its
+  ``compute_ms_total["prefill"]`` rate x ``window_s``) + the predicted milliseconds of the prefill tokens in
+  its queues + what this router admitted to it since the report + this prefill must stay within
+  ``ranker_prefill_budget_ms``. The measured part includes every router's prefills, so several routers
+  sharing rankers stay together within the budget. Between two reports a router admits to one ranker at most
+  the budget's share of ``report_interval_s`` (or one prefill): the others' admissions since the report are
+  unseen, so k routers overshoot by at most k such shares;
+* **footprint**: the live prefixes this router admitted to the ranker stay within ``ranker_cache_fraction``
+  of the capacity it reports (device + DRAM), or ``ranker_cache_budget_bytes`` when it reports none.
 """
 
 from __future__ import annotations
@@ -101,6 +115,77 @@ class TriggerConfig:
     footprint_ttl_s: float = 600.0
     # True: every signal is admitted, with no risk check and no budgets (an ablation: pre-infer every visit)
     admit_all: bool = False
+    # Per-ranker budgets, used for a replica with a fresh RankerLoad report (None: that check is router-wide)
+    ranker_prefill_budget_ms: float | None = None  # per ranker per window_s (the router sets it)
+    ranker_cache_fraction: float = 0.8  # of the capacity a ranker reports
+    ranker_cache_budget_bytes: int | None = None  # per ranker, when it reports no capacity
+    report_ttl_s: float = 5.0  # an older report is ignored (the ranker stopped answering its stats)
+    # between two reports this trigger admits to one ranker at most its budget's share of this many seconds
+    # (always one prefill): what other routers admit meanwhile is unseen until the next report, so k routers
+    # overshoot a ranker's budget by at most k such shares (the router sets it to its poll interval)
+    report_interval_s: float = 1.0
+
+
+class RankerLoad:
+    """One ranker's load as its ``GET /v1/stats`` reports it, polled by the router.
+
+    Every field of the report is optional (an older ranker reports none of them); a missing field leaves the
+    matching budget router-wide. ``observe`` keeps the cumulative prefill compute milliseconds over the last
+    ``window_s``, from which the measured prefill rate is taken; a counter that goes back (a restarted ranker)
+    starts the history afresh.
+    """
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self.at = 0.0  # time of the last report
+        self._prefill_total: deque[tuple[float, float]] = deque()
+        self.reports_compute = False
+        self.backlog_tokens = 0
+        self.backlog_prefills = 0
+        self.queued = 0
+        self.resident_bytes = 0
+        self.capacity_bytes = 0
+
+    def observe(self, stats: dict[str, Any], now: float) -> None:
+        self.at = now
+        compute = stats.get("compute_ms_total")
+        total = compute.get("prefill") if isinstance(compute, dict) else None
+        self.reports_compute = total is not None
+        if total is not None:
+            if self._prefill_total and total < self._prefill_total[-1][1]:
+                self._prefill_total.clear()
+            self._prefill_total.append((now, float(total)))
+            while len(self._prefill_total) > 2 and self._prefill_total[1][0] <= now - self.window_s:
+                self._prefill_total.popleft()
+        depth = stats.get("queue_depth")
+        self.backlog_prefills = int(depth.get("prefills", 0)) if isinstance(depth, dict) else 0
+        self.backlog_tokens = int(stats.get("prefill_backlog_tokens", 0) or 0)
+        self.queued = int(stats.get("queued", 0) or 0)
+        self.resident_bytes = int(stats.get("device_bytes", 0) or 0) + int(stats.get("dram_bytes", 0) or 0)
+        self.capacity_bytes = (int(stats.get("device_capacity_bytes", 0) or 0)
+                               + int(stats.get("dram_capacity_bytes", 0) or 0))
+
+    @property
+    def prefill_rate_ms_per_s(self) -> float:
+        """Prefill compute milliseconds per second over the samples kept (0 before a second sample)."""
+        if len(self._prefill_total) < 2:
+            return 0.0
+        (t0, v0), (t1, v1) = self._prefill_total[0], self._prefill_total[-1]
+        return (v1 - v0) / (t1 - t0) if t1 > t0 else 0.0
+
+    def backlog_ms(self, model: LatencyModel) -> float:
+        """Predicted milliseconds of the prefill tokens still queued (spread evenly over the queued prefills:
+        prefill cost grows faster than linearly, so one sum-length prefill would overstate it)."""
+        if self.backlog_tokens <= 0:
+            return 0.0
+        n = max(1, self.backlog_prefills)
+        return n * model.predict_prefill_ms(self.backlog_tokens / n)
+
+    def load_ms(self, model: LatencyModel) -> float | None:
+        """Measured prefill ms over a window plus the predicted backlog; None when compute is not reported."""
+        if not self.reports_compute:
+            return None
+        return self.prefill_rate_ms_per_s * self.window_s + self.backlog_ms(model)
 
 
 @dataclass(frozen=True)
@@ -120,9 +205,11 @@ class SequenceAwareTrigger:
     enabled: bool = True
 
     def __post_init__(self) -> None:
-        self._live: dict[str, tuple[str, int, float]] = {}  # user -> (version, bytes, expires)
+        self._live: dict[str, tuple[str, int, float, str | None]] = {}  # user -> (version, bytes, expires, replica)
         self._live_bytes = 0
-        self._load: deque[tuple[float, float]] = deque()  # (admitted at, predicted prefill ms)
+        self._replica_bytes: dict[str | None, int] = {}
+        self._load: deque[tuple[float, float, str | None]] = deque()  # (admitted at, predicted ms, replica)
+        self.loads: dict[str, RankerLoad] = {}
 
     @property
     def live_bytes(self) -> int:
@@ -135,7 +222,41 @@ class SequenceAwareTrigger:
         return self._load_sum()
 
     def _load_sum(self) -> float:
-        return sum(ms for _, ms in self._load)  # summed afresh: no drift, so the budget edge is exact
+        return sum(ms for _, ms, _ in self._load)  # summed afresh: no drift, so the budget edge is exact
+
+    def replica_bytes(self, replica: str) -> int:
+        """Bytes of the live prefixes this trigger admitted to ``replica``."""
+        self._expire(self.clock())
+        return self._replica_bytes.get(replica, 0)
+
+    def pending_ms(self, replica: str) -> float:
+        """Predicted prefill ms admitted to ``replica`` since its last load report (all in the window if none)."""
+        self._expire(self.clock())
+        load = self.loads.get(replica)
+        since = load.at if load is not None else float("-inf")
+        return sum(ms for t, ms, r in self._load if r == replica and t >= since)
+
+    def report(self, replica: str, stats: dict[str, Any] | None) -> None:
+        """Takes a ranker's ``/v1/stats`` (None: it did not answer, its budgets fall back to router-wide)."""
+        if stats is None:
+            self.loads.pop(replica, None)
+            return
+        load = self.loads.get(replica)
+        if load is None:
+            load = self.loads[replica] = RankerLoad(self.config.window_s)
+        load.observe(stats, self.clock())
+
+    def _fresh_load(self, replica: str | None, now: float) -> RankerLoad | None:
+        load = self.loads.get(replica) if replica is not None else None
+        if load is None or load.at < now - self.config.report_ttl_s:
+            return None
+        return load
+
+    def ranker_load_ms(self, replica: str) -> float | None:
+        """The load the per-ranker budget counts for ``replica`` now (None: it falls back to router-wide)."""
+        load = self._fresh_load(replica, self.clock())
+        measured = load.load_ms(self.model) if load is not None else None
+        return None if measured is None else measured + self.pending_ms(replica)
 
     def at_risk(self, prefix_len: int) -> tuple[bool, float]:
         full = self.model.predict_full_ms(prefix_len)
@@ -146,10 +267,49 @@ class SequenceAwareTrigger:
     def _expire(self, now: float) -> None:
         while self._load and self._load[0][0] <= now - self.config.window_s:
             self._load.popleft()
-        for user in [u for u, (_, _, exp) in self._live.items() if exp <= now]:
-            self._live_bytes -= self._live.pop(user)[1]
+        for user in [u for u, (_, _, exp, _) in self._live.items() if exp <= now]:
+            self._release(user)
 
-    def decide(self, user: str, version: str, prefix_len: int) -> Decision:
+    def _release(self, user: str) -> None:
+        live = self._live.pop(user, None)
+        if live is not None:
+            self._live_bytes -= live[1]
+            self._replica_bytes[live[3]] -= live[1]
+
+    def _hold(self, user: str, version: str, nbytes: int, replica: str | None, now: float) -> None:
+        self._release(user)
+        self._live[user] = (version, nbytes, now + self.config.footprint_ttl_s, replica)
+        self._live_bytes += nbytes
+        self._replica_bytes[replica] = self._replica_bytes.get(replica, 0) + nbytes
+
+    def _over_budget(self, user: str, replica: str | None, nbytes: int, prefill: float, now: float) -> str | None:
+        cfg = self.config
+        live = self._live.get(user)
+        load = self._fresh_load(replica, now)
+        ranker_cache = None
+        if load is not None:
+            ranker_cache = (cfg.ranker_cache_fraction * load.capacity_bytes if load.capacity_bytes > 0
+                            else cfg.ranker_cache_budget_bytes)
+        if ranker_cache is not None:
+            replaced = live[1] if live is not None and live[3] == replica else 0
+            if self._replica_bytes.get(replica, 0) - replaced + nbytes > ranker_cache:
+                return "cache-budget"
+        else:
+            replaced = live[1] if live is not None else 0  # a new version replaces the user's old entry
+            if self._live_bytes - replaced + nbytes > cfg.cache_budget_bytes:
+                return "cache-budget"
+        measured = load.load_ms(self.model) if load is not None else None
+        if measured is not None and cfg.ranker_prefill_budget_ms is not None:
+            pending = self.pending_ms(replica or "")
+            share = cfg.ranker_prefill_budget_ms * cfg.report_interval_s / cfg.window_s
+            if measured + pending + prefill > cfg.ranker_prefill_budget_ms or (pending and pending + prefill > share):
+                return "load-budget"
+        elif self._load_sum() + prefill > cfg.prefill_budget_ms:
+            return "load-budget"
+        return None
+
+    def decide(self, user: str, version: str, prefix_len: int, replica: str | None = None) -> Decision:
+        """Admit a signal for ``user``'s prefix going to ``replica`` (None: no replica known, router-wide)."""
         now = self.clock()
         self._expire(now)
         risky, full = self.at_risk(prefix_len)
@@ -161,22 +321,25 @@ class SequenceAwareTrigger:
             return Decision(True, "admitted", full, prefill, nbytes)
         live = self._live.get(user)
         if live is not None and live[0] == version:
-            self._live[user] = (version, live[1], now + self.config.footprint_ttl_s)
+            self._live[user] = (version, live[1], now + self.config.footprint_ttl_s, live[3])
             return Decision(True, "live", full, prefill, nbytes)
         if not risky:
             return Decision(False, "not-at-risk", full, prefill, nbytes)
-        replaced = live[1] if live is not None else 0  # a new version replaces the user's old entry
-        if self._live_bytes - replaced + nbytes > self.config.cache_budget_bytes:
-            return Decision(False, "cache-budget", full, prefill, nbytes)
-        if self._load_sum() + prefill > self.config.prefill_budget_ms:
-            return Decision(False, "load-budget", full, prefill, nbytes)
-        self._live[user] = (version, nbytes, now + self.config.footprint_ttl_s)
-        self._live_bytes += nbytes - replaced
-        self._load.append((now, prefill))
+        over = self._over_budget(user, replica, nbytes, prefill, now)
+        if over is not None:
+            return Decision(False, over, full, prefill, nbytes)
+        self._hold(user, version, nbytes, replica, now)
+        self._load.append((now, prefill, replica))
         return Decision(True, "admitted", full, prefill, nbytes)
+
+    def charge(self, user: str, version: str, prefix_len: int, replica: str) -> None:
+        """Charges a prefill that ``replica`` computed for a signal admitted as live, uncharged (the ranker had
+        evicted the prefix): its predicted ms to the ranker's load, its bytes to the ranker's footprint."""
+        now = self.clock()
+        self._expire(now)
+        self._hold(user, version, self.model.kv_bytes(prefix_len), replica, now)
+        self._load.append((now, self.model.predict_prefill_ms(prefix_len), replica))
 
     def forget(self, user: str) -> None:
         """Releases a user's charge (its prefill failed or its replica went away)."""
-        live = self._live.pop(user, None)
-        if live is not None:
-            self._live_bytes -= live[1]
+        self._release(user)

@@ -1,4 +1,4 @@
-"""The router's retry budget and outlier ejection (no network: the router's view only)."""
+"""The router's retry budget, outlier ejection and load-capped affinity (no network: the router's view only)."""
 
 from __future__ import annotations
 
@@ -73,3 +73,21 @@ def test_without_affinity_routes_ignore_placements_and_spread_over_replicas() ->
         assert kind == "random" and len(set(order)) == len(order) == 3
         firsts.add(order[0])
     assert firsts == {"a", "b", "c"}  # 60 draws miss a replica with probability about 3 * (2/3)**60
+
+
+def test_a_placed_user_leaves_a_replica_with_too_many_requests_in_flight() -> None:
+    from grstack.runtime.serve.placement import Placement
+
+    router = Router(RouterConfig(load_factor=1.25, overload_min_load=4))
+    router.apply(Event("snapshot", replicas=[Replica(r, f"http://{r}") for r in ("a", "b", "c")],
+                       placements=[Placement("user", "a", "v", 1)]))
+    router.inflight = {"a": 3, "b": 0, "c": 0}  # far over the mean, but under the minimum: affinity holds
+    assert router.route("user") == (["a", *[r for r in router.ring.order("user") if r != "a"]][:3], "affinity")
+    router.inflight["a"] = 4
+    order, kind = router.route("user")
+    assert kind == "moved" and order[0] in {"b", "c"} and "a" in order[1:]
+    router.inflight = {"a": 4, "b": 3, "c": 3}  # 4 is not over 1.25 x the mean of 10/3
+    assert router.route("user")[1] == "affinity"
+    router.inflight = {"a": 0}
+    router.queued = {"a": 9}  # the queue the ranker reports counts as well (other routers' requests)
+    assert router.route("user")[1] == "moved"
