@@ -139,6 +139,15 @@ def _router_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--footprint-ttl-s", type=float, default=600)
     g.add_argument("--prefill-budget-ms", type=float, default=500,
                    help="predicted pre-infer compute admitted per replica per second (averaged over 10 s)")
+    g.add_argument("--load-poll-interval-s", type=float, default=1.0,
+                   help="how often the router reads each ranker's load (/v1/stats) for the per-ranker budgets "
+                        "and the load cap (0 = never: router-wide budgets)")
+    g.add_argument("--overload-min-load", type=int, default=4,
+                   help="a placed user moves off its replica when that replica's load (in flight or queued) is "
+                        "at least this and above the ring's load factor x the mean")
+    g.add_argument("--ranker-cache-fraction", type=float, default=0.8,
+                   help="share of each ranker's reported cache capacity this router may fill with admitted "
+                        "prefixes")
     g.add_argument("--no-relay", action="store_true", help="ignore prefill signals (full inference only)")
     g.add_argument("--rank-timeout-ms", type=float, default=2000, help="timeout of one rank attempt")
     g.add_argument("--rank-budget-ms", type=float, default=None,
@@ -196,9 +205,16 @@ def router_config(args: argparse.Namespace, rankers: tuple[str, ...] = ()) -> An
 
     if args.slo_ms <= 0 or not 0 < args.risk_fraction <= 1:
         raise UserError("--slo-ms must be positive and --risk-fraction in (0, 1]")
+    poll = getattr(args, "load_poll_interval_s", 1.0)
+    fraction = getattr(args, "ranker_cache_fraction", 0.8)
+    min_load = getattr(args, "overload_min_load", 4)
+    if poll < 0 or not 0 < fraction <= 1 or min_load < 1:
+        raise UserError("--load-poll-interval-s must be >= 0, --ranker-cache-fraction in (0, 1] and "
+                        "--overload-min-load at least 1")
     trig = TriggerConfig(slo_ms=args.slo_ms, risk_fraction=args.risk_fraction,
                          length_threshold=args.length_threshold,
-                         cache_budget_bytes=int(args.cache_budget_mb * MB), footprint_ttl_s=args.footprint_ttl_s)
+                         cache_budget_bytes=int(args.cache_budget_mb * MB), footprint_ttl_s=args.footprint_ttl_s,
+                         ranker_cache_fraction=fraction)
     per_replica = getattr(args, "cache_budget_per_replica_mb", None)
     dns = getattr(args, "rankers_dns", None)
     if dns is not None and (dns.rpartition(":")[0] == "" or not dns.rpartition(":")[2].isdigit()):
@@ -211,6 +227,7 @@ def router_config(args: argparse.Namespace, rankers: tuple[str, ...] = ()) -> An
                         placement_exceptions_only=not getattr(args, "store_all_placements", False),
                         cache_budget_per_replica_bytes=None if per_replica is None else int(per_replica * MB),
                         prefill_budget_per_replica_ms=args.prefill_budget_ms,
+                        load_poll_interval_s=poll, overload_min_load=min_load,
                         rank_timeout_s=args.rank_timeout_ms / 1e3,
                         rank_budget_ms=getattr(args, "rank_budget_ms", None),
                         retry_budget_ratio=getattr(args, "retry_budget_ratio", 0.1),
