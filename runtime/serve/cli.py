@@ -208,9 +208,12 @@ def router_config(args: argparse.Namespace, rankers: tuple[str, ...] = ()) -> An
     poll = getattr(args, "load_poll_interval_s", 1.0)
     fraction = getattr(args, "ranker_cache_fraction", 0.8)
     min_load = getattr(args, "overload_min_load", 4)
-    if poll < 0 or not 0 < fraction <= 1 or min_load < 1:
-        raise UserError("--load-poll-interval-s must be >= 0, --ranker-cache-fraction in (0, 1] and "
-                        "--overload-min-load at least 1")
+    if poll < 0:
+        raise UserError(f"--load-poll-interval-s {poll:g}: must be 0 (no polling) or a number of seconds")
+    if not 0 < fraction <= 1:
+        raise UserError(f"--ranker-cache-fraction {fraction:g}: must be in (0, 1]")
+    if min_load < 1:
+        raise UserError(f"--overload-min-load {min_load}: must be at least 1")
     trig = TriggerConfig(slo_ms=args.slo_ms, risk_fraction=args.risk_fraction,
                          length_threshold=args.length_threshold,
                          cache_budget_bytes=int(args.cache_budget_mb * MB), footprint_ttl_s=args.footprint_ttl_s,

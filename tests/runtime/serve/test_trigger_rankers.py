@@ -141,3 +141,25 @@ def test_admit_all_ignores_the_rankers_budgets() -> None:
     t.report("a", stats(0.0, backlog_tokens=100_000, prefills=100, device_capacity_bytes=1))
     assert all(t.decide(f"u{i}", "v", 10, "a").admitted for i in range(3))
     assert t.pending_ms("a") == 0.0
+
+
+def test_cli_flags_reach_the_router_and_trigger() -> None:
+    import argparse
+
+    from grstack.runtime.errors import UserError
+    from grstack.runtime.serve import cli
+
+    parser = argparse.ArgumentParser()
+    cli.register(parser)
+    base = ["router", "--rankers", "http://127.0.0.1:1"]
+    cfg = cli.router_config(parser.parse_args(base))
+    assert (cfg.load_poll_interval_s, cfg.overload_min_load, cfg.trigger.ranker_cache_fraction) == (1.0, 4, 0.8)
+    cfg = cli.router_config(parser.parse_args([*base, "--load-poll-interval-s", "0", "--overload-min-load", "8",
+                                               "--ranker-cache-fraction", "0.5"]))
+    assert (cfg.load_poll_interval_s, cfg.overload_min_load, cfg.trigger.ranker_cache_fraction) == (0.0, 8, 0.5)
+    for bad in (["--ranker-cache-fraction", "1.5"], ["--overload-min-load", "0"], ["--load-poll-interval-s", "-1"]):
+        with pytest.raises(UserError, match=bad[0]):
+            cli.router_config(parser.parse_args([*base, *bad]))
+    ranker = parser.parse_args(["ranker", "--checkpoint", "m.pt", "--max-step-tokens", "0"])
+    with pytest.raises(UserError, match="--max-step-tokens"):
+        cli.ranker_config(ranker, 64)
