@@ -38,6 +38,8 @@ def eval_candidates(seed: int, which: str, user_ids: np.ndarray, targets: np.nda
                     num_candidates: int) -> np.ndarray:
     """[B, M] candidate ids: each user's target first, then ``M - 1`` uniform items in 1..num_items, a
     function of (seed, which, user id, slot) alone."""
+    if num_items < 1:
+        raise ValueError(f"num_items must be positive, got {num_items}")
     users = np.asarray(user_ids, dtype=np.int64).astype(np.uint64)[:, None]
     slots = np.arange(1, num_candidates, dtype=np.uint64)[None, :]
     with np.errstate(over="ignore"):
@@ -63,13 +65,16 @@ def candidate_labels(num_users: int, num_candidates: int, num_tasks: int,
 @torch.no_grad()
 def rank_head_logits(model: nn.Module, split: LeaveOneOut, which: str, rows: np.ndarray, *, max_len: int,
                      batch_size: int, device: torch.device, num_candidates: int, seed: int,
-                     lookup: Callable[[torch.Tensor], torch.Tensor] | None = None, rounds: int | None = None,
-                     tick: Callable[[], None] | None = None) -> tuple[np.ndarray, np.ndarray]:
+                     num_items: int | None = None, lookup: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                     rounds: int | None = None, tick: Callable[[], None] | None = None
+                     ) -> tuple[np.ndarray, np.ndarray]:
     """Labels and ranking-head logits, both [B, M, T], of the users at ``rows``.
 
-    ``lookup``: item rows of host ids from elsewhere (the trainer's sharded table; a collective, so it is
-    called once per round even without users); ``rounds``: the number of batches to run (at least this
-    rank's; every member of a sparse group must run as many)."""
+    ``num_items``: the catalogue negatives are drawn from (default the split's; a split of a few pieces of a
+    larger dataset does not know it). ``lookup``: item rows of host ids from elsewhere (the trainer's sharded
+    table; a collective, so it is called once per round even without users); ``rounds``: the number of
+    batches to run (at least this rank's; every member of a sparse group must run as many)."""
+    num_items = split.ds.num_items if num_items is None else num_items
     T = int(model.num_tasks)
     M = num_candidates
     was_training = model.training
@@ -86,7 +91,7 @@ def rank_head_logits(model: nn.Module, split: LeaveOneOut, which: str, rows: np.
         batch, targets = split.eval_batch(which, chunk, max_len)
         _, target_ts, actions = split.eval_targets(which, chunk)
         cands = eval_candidates(seed, which, ids_ds[r * batch_size : (r + 1) * batch_size], targets.numpy(),
-                                split.ds.num_items, M)
+                                num_items, M)
         full, is_hist = append_candidates(batch, torch.from_numpy(cands), torch.from_numpy(target_ts))
         cand_at = torch.nonzero(~is_hist).squeeze(1)
         rows_in = lookup(full.item_ids.long()).to(device) if lookup is not None else None

@@ -419,7 +419,7 @@ class Trainer:
         mine = [sharded_rank_logits(model, self.table, ctx, split, which, rows, max_len=self.cfg.data.max_len,
                                     batch_size=e.batch_size, device=self.device,
                                     num_candidates=self.cfg.loss.ranking_candidates, seed=self.cfg.train.seed,
-                                    tick=self.beat, weight=shard)
+                                    num_items=self.ds.num_items, tick=self.beat, weight=shard)
                 for split, rows in self._eval_parts()]
         parts = [p for rank in ctx.world.all_gather_object(mine) for p in rank]
         labels = np.concatenate([p[0] for p in parts])
