@@ -43,3 +43,26 @@ def tiny_config_args(data_dir: Path) -> list[str]:
 def set_args(overrides: list[str]) -> list[str]:
     """``["a=1", "b=2"]`` -> ``["--set", "a=1", "--set", "b=2"]`` for CLI calls."""
     return [part for o in overrides for part in ("--set", o)]
+
+
+def assert_same_metrics(got: dict, want: dict, *, abs_tol: float = 1e-9, ranking_abs: float = 1e-6) -> None:
+    """``got`` and ``want`` are ``{split: metrics}`` with the same keys; retrieval metrics equal within
+    ``abs_tol``; the ranking blocks (``ranking.{task}``) have the same counts, and their AUC/GAUC/NE agree
+    within ``ranking_abs`` (two processes' logits may differ in the last bits, which can move a near-tie)."""
+    import pytest
+
+    assert got.keys() == want.keys()
+    for split in want:
+        assert got[split].keys() == want[split].keys(), split
+        for k, v in want[split].items():
+            if k != "ranking":
+                assert got[split][k] == pytest.approx(v, abs=abs_tol), (split, k)
+                continue
+            assert got[split][k].keys() == v.keys()
+            for task, block in v.items():
+                mine = got[split][k][task]
+                for field, x in block.items():
+                    if isinstance(x, float):
+                        assert mine[field] == pytest.approx(x, abs=ranking_abs), (split, task, field)
+                    else:
+                        assert mine[field] == x, (split, task, field)

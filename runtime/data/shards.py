@@ -219,13 +219,16 @@ class RankShare:
         return [self.mine[i : i + n] for i in range(0, len(self.mine), n)]
 
     def chunk_split(self, chunk: list[int]) -> LeaveOneOut:
-        """The leave-one-out split of a chunk of pieces (decoded now, not cached: evaluation streams)."""
+        """The leave-one-out split of a chunk of pieces (decoded now, not cached: evaluation streams), with the
+        users' own ids (the ranking evaluation's candidate sets are seeded by them)."""
         parts = [self._read(i) for i in chunk]
         items = [p.item_ids[p.offsets[u] : p.offsets[u + 1]] for p in parts for u in range(p.num_users)]
         stamps = [p.timestamps[p.offsets[u] : p.offsets[u + 1]] for p in parts for u in range(p.num_users)]
         acts = ([p.actions[p.offsets[u] : p.offsets[u + 1]] for p in parts for u in range(p.num_users)]
                 if self.has_actions else None)
-        return LeaveOneOut(_concat(items, stamps, acts), min_len=self.min_len)
+        ds = _concat(items, stamps, acts)
+        ds.user_ids = np.concatenate([p.user_ids for p in parts] + [np.zeros(0, np.int64)]).astype(np.int64)
+        return LeaveOneOut(ds, min_len=self.min_len)
 
 
 def _concat(items: list[np.ndarray], stamps: list[np.ndarray], acts: list[np.ndarray] | None) -> SequenceDataset:

@@ -88,6 +88,16 @@ class LeaveOneOut:
         )
         return batch, torch.from_numpy(ds.item_ids[target_pos])
 
+    def eval_targets(self, split: str, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """The ``split`` target of each user at ``rows``: item, timestamp (a ranking candidate's request time)
+        and action bits (None when the dataset has none), the labels the ranking head is evaluated on."""
+        if split not in SPLITS:
+            raise ValueError(f"unknown split {split!r}")
+        target_pos = self.ends[rows] - (2 if split == "valid" else 1)
+        ds = self.ds
+        return (ds.item_ids[target_pos], ds.timestamps[target_pos],
+                ds.actions[target_pos] if ds.actions is not None else None)
+
     def full_history(self, split: str, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """All items before the split's target (for excluding them from ranking): values and offsets."""
         target_pos = self.ends[rows] - (2 if split == "valid" else 1)

@@ -1,4 +1,5 @@
-"""``grstack eval``: leave-one-out full-ranking evaluation of a finished (or running) run."""
+"""``grstack eval``: leave-one-out full-ranking evaluation of a finished (or running) run, and of its ranking
+head (AUC, GAUC, NE per task) when the model has a trained one."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ def run(args: argparse.Namespace) -> int:
     from grstack.runtime.data import LeaveOneOut, read_dataset
     from grstack.runtime.errors import UserError
     from grstack.runtime.eval.evaluate import evaluate
+    from grstack.runtime.eval.rank_head import evaluate_ranking, has_trained_rank_head
+    from grstack.runtime.eval.ranking import format_ranking
     from grstack.runtime.model import BEST_MODEL, DATASET_DIR, load_exported
 
     run_dir = Path(args.run)
@@ -27,14 +30,23 @@ def run(args: argparse.Namespace) -> int:
     model_path = run_dir / BEST_MODEL
     if not model_path.is_file():
         raise UserError(f"{run_dir} has no {BEST_MODEL} yet (it is written after the first validation)")
-    model, cfg, _ = load_exported(model_path)
+    model, cfg, tasks = load_exported(model_path)
     split = LeaveOneOut(read_dataset(run_dir / DATASET_DIR), min_len=cfg.data.min_len)
     which = ("valid", "test") if args.split == "both" else (args.split,)
-    results = {w: evaluate(model, split, w, max_len=cfg.data.max_len, ks=cfg.eval.ks,
-                           batch_size=cfg.eval.batch_size) for w in which}
+    results: dict[str, dict] = {w: dict(evaluate(model, split, w, max_len=cfg.data.max_len, ks=cfg.eval.ks,
+                                                 batch_size=cfg.eval.batch_size))
+                                for w in which}
+    if getattr(model, "rank_head", None) is not None:  # the trainer's summary has the same block
+        why = has_trained_rank_head(model, cfg.loss.ranking_weight)
+        for w in which:
+            results[w]["ranking"] = {"skipped": why} if why is not None else evaluate_ranking(
+                model, split, w, tasks, max_len=cfg.data.max_len, num_candidates=cfg.loss.ranking_candidates,
+                seed=cfg.train.seed, batch_size=cfg.eval.batch_size)
     if args.json:
         print(json.dumps({"run": str(run_dir), "model": cfg.model.type, "metrics": results}, indent=2))
     else:
         for w, m in results.items():
-            print(f"{w:5s} " + " ".join(f"{k}={v:.4f}" for k, v in m.items()))
+            print(f"{w:5s} " + " ".join(f"{k}={v:.4f}" for k, v in m.items() if k != "ranking"))
+            if "ranking" in m:
+                print("\n".join(format_ranking(w, m["ranking"])))
     return 0

@@ -66,8 +66,10 @@ def _train(cfg, args: argparse.Namespace) -> dict:
 
 
 def format_summary(summary: dict, run_dir: str) -> str:
-    test = summary["metrics"]["test"]
-    valid = summary["metrics"]["valid"]
+    from grstack.runtime.eval import format_ranking
+
+    test = {k: v for k, v in summary["metrics"]["test"].items() if k != "ranking"}
+    valid = {k: v for k, v in summary["metrics"]["valid"].items() if k != "ranking"}
     lines = [
         f"{summary['model']} on {summary['dataset']}: {summary['steps']} steps, {summary['epochs']} epochs "
         f"(best epoch {summary['best_epoch']}), {summary['train_seconds']:.1f} s training, "
@@ -75,6 +77,7 @@ def format_summary(summary: dict, run_dir: str) -> str:
         "          " + " ".join(f"{k:>9}" for k in test),
         "  valid   " + " ".join(f"{v:9.4f}" for v in valid.values()),
         "  test    " + " ".join(f"{v:9.4f}" for v in test.values()),
+        *(line for w in ("valid", "test") for line in format_ranking(w, summary["metrics"][w].get("ranking", {}))),
         f"run directory: {run_dir} (summary.json, metrics.jsonl, training_curve.png, model.pt)",
     ]
     return "\n".join(lines)

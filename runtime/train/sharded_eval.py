@@ -13,6 +13,10 @@ target's score comes from the member that owns the target row (a sum all-reduce,
 compare exactly as in one matmul; the counts are sum all-reduced and each member keeps its users' ranks
 (count - 1: the target itself).
 
+The ranking head (:func:`sharded_rank_logits`) is evaluated on candidate sets that are a function of the
+user alone (``grstack.runtime.eval.rank_head_logits``); each rank scores its own users' sets, looking up the
+history and candidate rows through the same protocol, in as many rounds as its sparse group's busiest member.
+
 Export (:func:`export_sharded`) writes the artefact's item rows as one part per shard (the members of the
 first sparse group each write theirs), then rank 0 writes ``model.pt`` naming them
 (``grstack.runtime.model``'s parts form). With sparse groups of one rank every rank holds the whole table
@@ -31,7 +35,7 @@ from torch import nn
 
 from grstack.runtime.data import LeaveOneOut, SequenceDataset
 from grstack.runtime.embedding import ShardedEmbedding
-from grstack.runtime.eval import last_token_outputs, score_items
+from grstack.runtime.eval import last_token_outputs, rank_head_logits, score_items
 from grstack.runtime.model import export_parts, export_state, write_item_part
 from grstack.runtime.train.context import DistContext
 from grstack.runtime.training_config import Config
@@ -101,6 +105,21 @@ def sharded_eval_ranks(model: nn.Module, table: ShardedEmbedding, ctx: DistConte
             tick()
     model.train(was_training)
     return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+
+def sharded_rank_logits(model: nn.Module, table: ShardedEmbedding, ctx: DistContext, split: LeaveOneOut,
+                        which: str, rows: np.ndarray, *, max_len: int, batch_size: int, device: torch.device,
+                        num_candidates: int, seed: int, num_items: int, tick: Callable[[], None] | None = None,
+                        weight: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Labels and ranking-head logits [B, M, T] of this rank's users ``rows``: a collective of this rank's
+    sparse group (item rows through the table's lookup protocol; ``weight`` as in :func:`sharded_eval_ranks`)."""
+    comm = ctx.sparse_fwd
+    w = table.weight if weight is None else weight
+    rounds = max(int(x) for x in comm.meta.all_gather_sizes(-(-len(rows) // batch_size)))
+    return rank_head_logits(model, split, which, rows, max_len=max_len, batch_size=batch_size, device=device,
+                            num_candidates=num_candidates, seed=seed, num_items=num_items,
+                            lookup=lambda ids: table.lookup(ids, comm, w),
+                            rounds=rounds, tick=tick)
 
 
 def export_sharded(model: nn.Module, shard: torch.Tensor, table: ShardedEmbedding, ctx: DistContext,

@@ -42,7 +42,7 @@ from grstack.runtime.data import (
 from grstack.runtime.device import HostSyncCounter, configure_precision
 from grstack.runtime.embedding import ShardedEmbedding, ShardingPlan, make_sparse_optimizer
 from grstack.runtime.errors import UserError
-from grstack.runtime.eval import metrics_from_ranks
+from grstack.runtime.eval import has_trained_rank_head, metrics_from_ranks, ranking_report
 from grstack.runtime.model import (
     BEST_MODEL,
     DATASET_DIR,
@@ -59,7 +59,7 @@ from grstack.runtime.train.lr_schedule import count_updates, learning_rate, wind
 from grstack.runtime.train.pipeline import Engine
 from grstack.runtime.train.rundir import reclaim_unstarted
 from grstack.runtime.train.shard_schedule import ShardSchedule
-from grstack.runtime.train.sharded_eval import export_sharded, sharded_eval_ranks
+from grstack.runtime.train.sharded_eval import export_sharded, sharded_eval_ranks, sharded_rank_logits
 from grstack.runtime.training_config import Config, dump_config
 
 # Config sections (or fields) that must match for a checkpoint to be resumed.
@@ -405,6 +405,27 @@ class Trainer:
             ranks = np.concatenate([np.asarray(x) for part in gathered for x in part] + [np.zeros(0, np.int64)])
         return metrics_from_ranks(ranks, e.ks)
 
+    def _evaluate_ranking(self, which: str, model: nn.Module, shard: torch.Tensor | None = None
+                          ) -> dict[str, Any] | None:
+        """Per task, the ranking head's AUC, GAUC and NE on candidate sets like training's, over the same users
+        as ``_evaluate`` (each rank scores its own; every rank gets the report). None without a ranking head;
+        ``{"skipped": why}`` when the head was not trained."""
+        if getattr(model, "rank_head", None) is None:
+            return None
+        why = has_trained_rank_head(model, self.cfg.loss.ranking_weight)
+        if why is not None:
+            return {"skipped": why}
+        e, ctx = self.cfg.eval, self.ctx
+        mine = [sharded_rank_logits(model, self.table, ctx, split, which, rows, max_len=self.cfg.data.max_len,
+                                    batch_size=e.batch_size, device=self.device,
+                                    num_candidates=self.cfg.loss.ranking_candidates, seed=self.cfg.train.seed,
+                                    num_items=self.ds.num_items, tick=self.beat, weight=shard)
+                for split, rows in self._eval_parts()]
+        parts = [p for rank in ctx.world.all_gather_object(mine) for p in rank]
+        labels = np.concatenate([p[0] for p in parts])
+        logits = np.concatenate([p[1] for p in parts])
+        return ranking_report(labels, logits, self.tasks)
+
     # -- bookkeeping ----------------------------------------------------------------------------------------------
     def _log(self, record: dict[str, Any]) -> None:
         if self.ctx.rank == 0:
@@ -583,7 +604,12 @@ class Trainer:
         if self.best_state is not None and self.best_shard is not None:
             model, shard = copy.deepcopy(self.model), self.best_shard
             model.load_state_dict(self.best_state)
-        results = {which: self._evaluate(which, model, shard) for which in ("valid", "test")}
+        results: dict[str, dict[str, Any]] = {which: dict(self._evaluate(which, model, shard))
+                                              for which in ("valid", "test")}
+        for which in ("valid", "test"):
+            ranking = self._evaluate_ranking(which, model, shard)
+            if ranking is not None:
+                results[which]["ranking"] = ranking
         n = max(1, self.totals["steps"])
         # the largest item-table tensor any rank held (its shard, any gathered table), in rows
         rows_held = max(int(x) for x in ctx.world.all_gather_object(self.table.rows_held_max))
@@ -643,7 +669,8 @@ class Trainer:
                                            + (f", {ctx.world_size} ranks" if ctx.world_size > 1 else ""))
             except ImportError:
                 pass
-            self._report({"finished": True, "metrics": results["test"]})
+            self._report({"finished": True,
+                          "metrics": {k: v for k, v in results["test"].items() if k != "ranking"}})
         ctx.world.barrier()
         return summary
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from grstack_testing import set_args, tiny_config_args, write_cyclic
+from grstack_testing import assert_same_metrics, set_args, tiny_config_args, write_cyclic
 
 from grstack.runtime.cli import main
 from grstack.runtime.errors import UserError
@@ -57,9 +57,7 @@ def test_two_ranks_reach_the_single_process_quality(tmp_path, data_dir, capsys):
     # the exported model is an ordinary single-process model: `grstack eval` reproduces the summary
     assert main(["eval", "--run", str(run), "--json"]) == 0
     got = json.loads(capsys.readouterr().out)["metrics"]
-    for split in ("valid", "test"):
-        for k, v in two["metrics"][split].items():
-            assert got[split][k] == pytest.approx(v, abs=1e-9)
+    assert_same_metrics(got, two["metrics"])
 
 
 def test_resume_is_exact_and_foreign_checkpoints_are_refused(tmp_path, data_dir):

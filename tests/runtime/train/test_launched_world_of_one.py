@@ -82,7 +82,9 @@ def test_two_bf16_ranks_finish_the_tiny_config(tmp_path, capsys):
     assert summary["precision"] == "bf16"
     assert summary["distributed"]["world_size"] == 2 and summary["steps"] == 4
     assert summary["optimizer_updates"] == 4
-    assert all(math.isfinite(v) for split in summary["metrics"].values() for v in split.values())
+    assert all(math.isfinite(v) for split in summary["metrics"].values() for k, v in split.items() if k != "ranking")
+    assert all(math.isfinite(v) for split in summary["metrics"].values() for block in split["ranking"].values()
+               for v in (block["auc"], block["gauc"], block["ne"]))
     losses = [r["loss"] for r in _records(run) if r["kind"] == "train"]
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
     assert (run / "model.pt").is_file()

@@ -6,11 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
-from grstack_testing import tiny_config_args
+from grstack_testing import assert_same_metrics, tiny_config_args
 
-from grstack.runtime.data import write_dataset
+from grstack.runtime.data import LeaveOneOut, read_dataset, write_dataset
 from grstack.runtime.data.synth import synthesize
 from grstack.runtime.errors import UserError
+from grstack.runtime.eval import evaluate_ranking
+from grstack.runtime.model import load_exported
 from grstack.runtime.train import train
 from grstack.runtime.train.launch import train_distributed
 from grstack.runtime.training_config import load_config
@@ -48,6 +50,15 @@ def test_two_ranks_read_half_the_events_each_and_resume_exactly(tmp_path, data_d
     assert json.loads((tmp_path / "straight" / "dataset.json").read_text())["files"]
     assert straight["metrics"]["test"]["hr@10"] > 0 and straight["num_users"] == 400
     assert straight["distributed"]["mean_imbalance"] < straight["distributed"]["mean_imbalance_count_split"]
+    # the ranking head, evaluated chunk by chunk on each rank's share, scores the candidate sets one process
+    # scores on the whole dataset (sets are seeded by the user's id, not by where the user was read)
+    model, mcfg, tasks = load_exported(tmp_path / "straight" / "model.pt")
+    split = LeaveOneOut(read_dataset(data_dir), min_len=mcfg.data.min_len)
+    whole = {w: {"ranking": evaluate_ranking(model, split, w, tasks, max_len=mcfg.data.max_len,
+                                             num_candidates=mcfg.loss.ranking_candidates, seed=mcfg.train.seed)}
+             for w in ("valid", "test")}
+    assert_same_metrics(whole, {w: {"ranking": straight["metrics"][w]["ranking"]} for w in ("valid", "test")})
+    assert len(tasks) == 4 and straight["metrics"]["test"]["ranking"]["next"]["impressions"] == 400 * 4
 
     run = tmp_path / "resumed"
     assert train_distributed(cfg, run, nproc=2, progress=False, stop_after=5) == {"stopped_at_step": 5}

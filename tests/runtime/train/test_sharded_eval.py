@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 from grstack_dist_workers import DIST_ENV, sharded_vs_full_ranks
-from grstack_testing import tiny_config_args, write_cyclic
+from grstack_testing import assert_same_metrics, tiny_config_args, write_cyclic
 
 from grstack.runtime.data import LeaveOneOut, read_dataset
+from grstack.runtime.eval import evaluate_ranking
 from grstack.runtime.eval.evaluate import evaluate
 from grstack.runtime.model import exported_state, item_parts_dir, load_exported
 from grstack.runtime.train import checkpoint as ckpt
@@ -68,11 +69,18 @@ def _args(data_dir):
             "eval.batch_size=24"]
 
 
-def _exported_metrics(run: Path) -> dict[str, dict[str, float]]:
-    model, cfg, _ = load_exported(run / "model.pt")
+def _exported_metrics(run: Path) -> dict[str, dict]:
+    model, cfg, tasks = load_exported(run / "model.pt")
     split = LeaveOneOut(read_dataset(run / "dataset"), min_len=cfg.data.min_len)
-    return {w: evaluate(model, split, w, max_len=cfg.data.max_len, ks=cfg.eval.ks, batch_size=cfg.eval.batch_size)
+    return {w: {**evaluate(model, split, w, max_len=cfg.data.max_len, ks=cfg.eval.ks, batch_size=cfg.eval.batch_size),
+                "ranking": evaluate_ranking(model, split, w, tasks, max_len=cfg.data.max_len,
+                                            num_candidates=cfg.loss.ranking_candidates, seed=cfg.train.seed,
+                                            batch_size=cfg.eval.batch_size)}
             for w in ("valid", "test")}
+
+
+def _retrieval(metrics: dict[str, dict]) -> dict[str, dict]:
+    return {w: {k: v for k, v in m.items() if k != "ranking"} for w, m in metrics.items()}
 
 
 def _same_export(a: Path, b: Path) -> bool:
@@ -103,8 +111,12 @@ def test_two_rank_training_holds_half_the_table_exports_alike_and_resumes_exactl
     assert dist["table_rows_max"] == 201 and dist["table_rows_fraction_max"] == 201 / 401 <= 0.55
     (tag,) = list(item_parts_dir(tmp_path / "straight" / "model.pt").iterdir())
     assert sorted(p.name for p in tag.iterdir()) == ["part-00000-of-00002.pt", "part-00001-of-00002.pt"]
-    # the export, evaluated in one process over the whole table, gives the summary's metrics exactly
-    assert _exported_metrics(tmp_path / "straight") == straight["metrics"]
+    # the export, evaluated in one process over the whole table, gives the summary's retrieval metrics exactly
+    # and its ranking metrics (each rank scored its users' candidate sets through the sharded lookup) alike
+    exported = _exported_metrics(tmp_path / "straight")
+    assert _retrieval(exported) == _retrieval(straight["metrics"])
+    assert_same_metrics(exported, straight["metrics"])
+    assert straight["metrics"]["test"]["ranking"]["next"]["impressions"] == 200 * 4
     assert 0.05 < straight["metrics"]["test"]["hr@10"] < 1.0  # ranks spread: the comparison means something
     # stopped after the first evaluation (a best state exists) and resumed: the same run, bit for bit
     stop = straight["steps"] // 2 + 3
@@ -126,4 +138,6 @@ def test_a_world_of_one_writes_the_one_file_form(tmp_path, data_dir):
     assert summary["distributed"]["table_rows_fraction_max"] == 1.0
     assert not item_parts_dir(tmp_path / "one" / "model.pt").exists()
     assert "item_emb.weight" in torch.load(tmp_path / "one" / "model.pt", weights_only=False)["state_dict"]
-    assert _exported_metrics(tmp_path / "one") == summary["metrics"]
+    exported = _exported_metrics(tmp_path / "one")
+    assert _retrieval(exported) == _retrieval(summary["metrics"])
+    assert_same_metrics(exported, summary["metrics"])

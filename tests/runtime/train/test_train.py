@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from grstack_testing import set_args, tiny_config_args, write_cyclic
+from grstack_testing import assert_same_metrics, set_args, tiny_config_args, write_cyclic
 
 from grstack.runtime.cli import main
 from grstack.runtime.errors import UserError
@@ -38,7 +38,13 @@ def test_tiny_run_learns_and_writes_its_artifacts(tmp_path, data_dir):
                 "tokens_per_second"):
         assert key in on_disk
     assert set(on_disk["metrics"]["test"]) == {"hr@10", "ndcg@10", "hr@50", "ndcg@50", "hr@200", "ndcg@200",
-                                               "mrr"}
+                                               "mrr", "ranking"}
+    # the ranking head on training-like candidate sets (the cyclic data has no actions: one task)
+    for split in ("valid", "test"):
+        (task, block), = on_disk["metrics"][split]["ranking"].items()
+        assert task == "next" and block["impressions"] == 120 * 4 and block["positives"] == 120
+        assert 0.0 <= block["auc"] <= 1.0 and 0.0 <= block["gauc"] <= 1.0 and block["ne"] > 0
+        assert block["gauc_users"] == 120 and block["gauc_users_skipped"] == 0 and block["undefined"] == {}
     # the ring is predictable: a trained model ranks the next item near the top, chance is 10/60
     assert on_disk["metrics"]["test"]["hr@10"] > 0.5
     assert (run / "training_curve.png").stat().st_size > 1000
@@ -55,9 +61,18 @@ def test_eval_cli_reproduces_the_summary(tmp_path, data_dir, capsys):
     assert main(["eval", "--run", str(run), "--json"]) == 0
     got = json.loads(capsys.readouterr().out)["metrics"]
     want = json.loads((run / "summary.json").read_text())["metrics"]
-    for split in ("valid", "test"):
-        for k, v in want[split].items():
-            assert got[split][k] == pytest.approx(v, abs=1e-9)
+    assert "ranking" in want["test"]
+    assert_same_metrics(got, want)
+
+
+def test_an_untrained_ranking_head_is_skipped_with_the_reason(tmp_path, data_dir, capsys):
+    run = tmp_path / "run"
+    cfg = load_config(CONFIG, [*tiny_config_args(data_dir), "train.epochs=1", "loss.ranking_weight=0"])
+    summary = train(cfg, run, progress=False)
+    why = "loss.ranking_weight is 0: the ranking head was not trained"
+    assert summary["metrics"]["test"]["ranking"] == {"skipped": why}
+    assert main(["eval", "--run", str(run), "--split", "test"]) == 0
+    assert f"test  ranking skipped: {why}" in capsys.readouterr().out
 
 
 def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path, data_dir):
