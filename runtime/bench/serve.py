@@ -36,9 +36,11 @@ ABLATIONS = ("no_trigger", "no_affinity", "no_expander")
 RANKERS = 2
 QPS_FLOOR = 2.5  # a mode failing the lowest swept QPS is probed down by halves to here
 MAX_SUFFIX = 64
+MAX_LENGTH = 50_000  # half of what a request may carry (serving's MAX_EVENTS), the rest for growth
 CANDIDATES = 64
 SCORE_SAMPLES_PER_POINT = 8
 SCORE_SAMPLES_MAX = 64
+SCORE_SAMPLES_MIN = 30
 POINT_OVERHEAD_S = 4.0  # trace, drain and stats per point (from smoke runs; used only for the estimate)
 MODE_START_S = 15.0  # two fresh rankers: import, load, profile
 
@@ -60,6 +62,8 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--measured", type=int, default=1000, help="measured rank requests per point (>= 1000 "
                                                                   "in the protocol)")
     parser.add_argument("--warmup", type=int, default=250, help="visits sent before measuring (default 250)")
+    parser.add_argument("--qps-floor", type=float, default=QPS_FLOOR,
+                        help="a mode failing the lowest QPS is probed down by halves to this (default 2.5)")
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(func=run)
 
@@ -78,6 +82,7 @@ class Settings:
     warmup: int
     seed: int
     out: Path
+    qps_floor: float = QPS_FLOOR
     timeout_s: float = 10.0  # the load generator's; the router answers 504 at the SLO long before
     pops: dict[int, Population] = field(default_factory=dict)
 
@@ -98,6 +103,10 @@ class Settings:
     def mode_seconds(self) -> float:
         """Upper bound of one mode (every swept point runs; a failing sweep stops earlier)."""
         pts = [self.point_seconds(self.length_qps) for _ in self.lengths] + [self.point_seconds(q) for q in self.qps]
+        lower = self.qps[0] / 2
+        while lower >= self.qps_floor:  # the probes below a failing lowest QPS (at most one sweep of them)
+            pts.append(self.point_seconds(lower))
+            lower /= 2
         return MODE_START_S + self.repeats * sum(pts)
 
 
@@ -281,20 +290,24 @@ async def measure_once(m: ModeRun, sweep: str, length: int, qps: float, repeat: 
     after = await _ranker_state(m.session, m.ranker_urls)
     out = {"trace_seed": s.seed + repeat, **summarize(results, s.slo_ms), **state_deltas(before, after),
            "trace": trace.shape}
-    if m.mode == "relay":
-        _keep_for_score_check(m.kept, trace, bodies, [r for r in results if r.request.path == "/v1/rank"])
+    if m.mode in ("relay", "no_trigger"):
+        _keep_for_score_check(m.kept, m.mode, trace, bodies, [r for r in results if r.request.path == "/v1/rank"])
     return out
 
 
-def _keep_for_score_check(kept: list[dict[str, Any]], trace: Trace, bodies: list[dict[str, Any]],
+def _keep_for_score_check(kept: list[dict[str, Any]], mode: str, trace: Trace, bodies: list[dict[str, Any]],
                           ranks: list[Any]) -> None:
-    """Up to SCORE_SAMPLES_PER_POINT relay cache hits of this point, visits after a history grew first."""
+    """Up to SCORE_SAMPLES_PER_POINT cache hits of this point, visits after a history grew first. The relay
+    mode's come first; no_trigger's (every prefix pre-inferred) only top them up to SCORE_SAMPLES_MIN."""
+    room = SCORE_SAMPLES_MAX - len(kept)
+    if mode != "relay":
+        room = min(room, SCORE_SAMPLES_MIN - len(kept))
     hits = [(b, r) for b, r in zip(bodies, ranks, strict=True)
             if r.status == 200 and r.payload and r.payload.get("cache") in ("device", "dram")]
     hits.sort(key=lambda br: not br[0]["grew"])
-    for b, r in hits[:max(0, min(SCORE_SAMPLES_PER_POINT, SCORE_SAMPLES_MAX - len(kept)))]:
+    for b, r in hits[:max(0, min(SCORE_SAMPLES_PER_POINT, room))]:
         v = trace.visits[b["visit"]]
-        kept.append({"long_items": v.long_items, "long_ts": v.long_ts, "short_items": v.short_items,
+        kept.append({"mode": mode, "long_items": v.long_items, "long_ts": v.long_ts, "short_items": v.short_items,
                      "short_ts": v.short_ts, "candidates": v.candidates, "timestamp": int(v.t), "grew": b["grew"],
                      "scores": r.payload["scores"]})
 
@@ -358,7 +371,7 @@ async def sweep_mode(m: ModeRun) -> dict[str, Any]:
     s = m.settings
     lengths = await run_sweep([float(x) for x in s.lengths],
                               lambda v: measure_point(m, "length", int(v), s.length_qps))
-    qps = await run_sweep(s.qps, lambda v: measure_point(m, "qps", s.qps_length, v), floor=QPS_FLOOR)
+    qps = await run_sweep(s.qps, lambda v: measure_point(m, "qps", s.qps_length, v), floor=s.qps_floor)
     pts = lengths + qps
     out = {"points": pts, "max_len_at_slo": sweep_limit(lengths, "length"), "max_qps_at_slo": sweep_limit(qps, "qps")}
     for key, swept, vals in (("length", lengths, s.lengths), ("QPS", qps, s.qps)):
@@ -451,8 +464,9 @@ async def bench(s: Settings) -> dict[str, Any]:
     from grstack.runtime.serve import write_untrained_model
 
     t0 = time.monotonic()
-    probe = [s.trace(1, s.length_qps, rep) for rep in range(s.repeats)]  # growth does not depend on length
-    growth = max(t.max_long for t in probe) - 1
+    # which visits a trace holds does not depend on the length: its growth is the same at every point
+    probe = [s.trace(s.qps_length, s.length_qps, rep) for rep in range(s.repeats)]
+    growth = max(t.max_long for t in probe) - s.qps_length
     max_len = max(*s.lengths, s.qps_length) + growth + MAX_SUFFIX
     checkpoint = write_untrained_model(s.out / "model.pt", num_items=probe[0].num_items, max_len=max_len,
                                        seed=s.seed)
@@ -467,7 +481,7 @@ async def bench(s: Settings) -> dict[str, Any]:
     base_qps = modes["baseline"]["max_qps_at_slo"]
     offered = 3.0 * (base_qps if base_qps is not None else min(s.qps))
     over = await with_mode("relay", checkpoint, s, kept, t0, lambda m: overload(m, offered))
-    _log(f"checking {len(kept)} relay cache hits ({sum(1 for k in kept if k['grew'])} after a history grew) "
+    _log(f"checking {len(kept)} cache hits ({sum(1 for k in kept if k['grew'])} after a history grew) "
          f"against full inference")
     diff = score_diff(checkpoint, kept)
     result: dict[str, Any] = {"slo_ms": s.slo_ms,
@@ -476,7 +490,7 @@ async def bench(s: Settings) -> dict[str, Any]:
                                            "prefill_on_clock": True, "preload": False, "slo_ms": s.slo_ms,
                                            "rankers": RANKERS, "warmup_visits": s.warmup,
                                            "lengths": s.lengths, "length_qps": s.length_qps, "qps": s.qps,
-                                           "qps_length": s.qps_length, "qps_floor": QPS_FLOOR, "max_len": max_len}}
+                                           "qps_length": s.qps_length, "qps_floor": s.qps_floor, "max_len": max_len}}
     base = modes["baseline"]
     result["baseline"] = base
     result["relay"] = {**modes["relay"], **_relay_totals(modes["relay"])}
@@ -490,7 +504,11 @@ async def bench(s: Settings) -> dict[str, Any]:
                                 "without_incremental": _tokens(rp, "prefill_tokens_without_incremental")}
     result["overload"] = over
     result["max_abs_score_diff"] = diff
-    result["score_diff_samples"] = {"n": len(kept), "after_growth": sum(1 for k in kept if k["grew"])}
+    result["score_diff_samples"] = {"n": len(kept), "after_growth": sum(1 for k in kept if k["grew"]),
+                                    "by_mode": dict(Counter(k["mode"] for k in kept))}
+    if len(kept) < SCORE_SAMPLES_MIN:
+        _log(f"only {len(kept)} cache hits to check against full inference (the protocol wants "
+             f"{SCORE_SAMPLES_MIN})")
     result["trace"] = probe[0].shape
     return result
 
@@ -536,14 +554,17 @@ def settings_from(args: argparse.Namespace) -> Settings:
                  length_qps=args.length_qps or preset["length_qps"], qps=floats("--qps", args.qps, preset["qps"]),
                  qps_length=args.qps_length or preset["qps_length"], repeats=args.repeats or preset["repeats"],
                  slo_ms=args.slo_ms, gap_ms=args.cascade_gap_ms, measured=args.measured, warmup=args.warmup,
-                 seed=args.seed, out=Path(args.out))
+                 seed=args.seed, out=Path(args.out), qps_floor=args.qps_floor)
     checks = (("--users", s.users >= 1), ("--slo-ms", s.slo_ms > 0), ("--cascade-gap-ms", s.gap_ms >= 0),
               ("--length-qps", s.length_qps > 0), ("--qps-length", s.qps_length >= 1),
               ("--repeats", s.repeats >= 1), ("--measured", s.measured >= 1), ("--warmup", s.warmup >= 0),
-              ("--lengths", min(s.lengths) >= 1))
+              ("--lengths", min(s.lengths) >= 1), ("--qps-floor", s.qps_floor > 0))
     for flag, ok in checks:
         if not ok:
             raise UserError(f"{flag}: must be positive (--warmup and --cascade-gap-ms may be 0)")
+    if max(*s.lengths, s.qps_length) > MAX_LENGTH:
+        raise UserError(f"--lengths/--qps-length: at most {MAX_LENGTH} events (a request carries at most 100,000 "
+                        f"with the growth)")
     return s
 
 
