@@ -100,14 +100,18 @@ class Settings:
     def point_seconds(self, qps: float) -> float:
         return (self.warmup + self.measured) / qps + POINT_OVERHEAD_S
 
-    def mode_seconds(self) -> float:
-        """Upper bound of one mode (every swept point runs; a failing sweep stops earlier)."""
+    def mode_seconds(self, probe: bool = False) -> float:
+        """One mode when every swept point runs (a failing sweep stops earlier); ``probe``: plus the points
+        below a failing lowest QPS (they are slow: a point at 2.5 QPS takes (warm-up + measured) / 2.5 s)."""
         pts = [self.point_seconds(self.length_qps) for _ in self.lengths] + [self.point_seconds(q) for q in self.qps]
         lower = self.qps[0] / 2
-        while lower >= self.qps_floor:  # the probes below a failing lowest QPS (at most one sweep of them)
+        while probe and lower >= self.qps_floor:
             pts.append(self.point_seconds(lower))
             lower /= 2
         return MODE_START_S + self.repeats * sum(pts)
+
+    def total_seconds(self, modes: int = len(MODES), probe: bool = False) -> float:
+        return modes * self.mode_seconds(probe) + self.point_seconds(3 * self.qps[0]) + MODE_START_S
 
 
 def _log(msg: str) -> None:
@@ -154,12 +158,13 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 # -- one point ----------------------------------------------------------------------------------------
-def encode(trace: Trace, tag: str) -> tuple[list[Any], list[dict[str, Any]]]:
-    """The trace as loadgen requests (a signal and a rank per visit; warm-up ranks not measured), and each
-    rank's body fields (kept for the score check)."""
+def encode(trace: Trace, tag: str) -> tuple[list[Any], dict[int, int]]:
+    """The trace as loadgen requests (a signal and a rank per visit; warm-up ranks not measured), and the
+    visit of each rank request (by ``id``: the load generator answers in send order, and a jittered gap can
+    send a visit's rank after the next visit's)."""
     from grstack.runtime.serve import Request
 
-    reqs, bodies = [], []
+    reqs, visit_of = [], {}
     lt_cache: dict[tuple[int, int], str] = {}
     for k, v in enumerate(trace.visits):
         user = f"{tag}-u{v.user}"
@@ -170,11 +175,12 @@ def encode(trace: Trace, tag: str) -> tuple[list[Any], list[dict[str, Any]]]:
         rest = {"short_term": {"items": v.short_items.tolist(), "timestamps": v.short_ts.tolist()},
                 "candidates": v.candidates.tolist(), "timestamp": int(v.t)}
         pre = f'{{"user_id": "{user}", "long_term": {lt}}}'.encode()
-        rank = f'{{"user_id": "{user}", "long_term": {lt}, {json.dumps(rest)[1:]}'.encode()
+        body = f'{{"user_id": "{user}", "long_term": {lt}, {json.dumps(rest)[1:]}'.encode()
+        rank = Request(v.rank_s, "/v1/rank", body, user, k >= trace.config.warmup)
         reqs.append(Request(v.wall_s, "/v1/prefill", pre, user, False))
-        reqs.append(Request(v.rank_s, "/v1/rank", rank, user, k >= trace.config.warmup))
-        bodies.append({"visit": k, "grew": v.grew, **rest})
-    return reqs, bodies
+        reqs.append(rank)
+        visit_of[id(rank)] = k
+    return reqs, visit_of
 
 
 async def _ranker_state(session: Any, urls: list[str]) -> list[dict[str, Any]]:
@@ -283,7 +289,7 @@ async def measure_once(m: ModeRun, sweep: str, length: int, qps: float, repeat: 
 
     s = m.settings
     trace = s.trace(length, qps, repeat)
-    reqs, bodies = encode(trace, f"{m.mode}-{sweep}-L{length}-q{qps:g}-r{repeat}")
+    reqs, visit_of = encode(trace, f"{m.mode}-{sweep}-L{length}-q{qps:g}-r{repeat}")
     before = await _ranker_state(m.session, m.ranker_urls)
     results = await run_open_loop(m.router_url, reqs, timeout_s=s.timeout_s, session=m.session)
     await _drain(m.session, m.ranker_urls)
@@ -291,24 +297,24 @@ async def measure_once(m: ModeRun, sweep: str, length: int, qps: float, repeat: 
     out = {"trace_seed": s.seed + repeat, **summarize(results, s.slo_ms), **state_deltas(before, after),
            "trace": trace.shape}
     if m.mode in ("relay", "no_trigger"):
-        _keep_for_score_check(m.kept, m.mode, trace, bodies, [r for r in results if r.request.path == "/v1/rank"])
+        keep_for_score_check(m.kept, m.mode, trace, visit_of, results)
     return out
 
 
-def _keep_for_score_check(kept: list[dict[str, Any]], mode: str, trace: Trace, bodies: list[dict[str, Any]],
-                          ranks: list[Any]) -> None:
+def keep_for_score_check(kept: list[dict[str, Any]], mode: str, trace: Trace, visit_of: dict[int, int],
+                         results: list[Any]) -> None:
     """Up to SCORE_SAMPLES_PER_POINT cache hits of this point, visits after a history grew first. The relay
     mode's come first; no_trigger's (every prefix pre-inferred) only top them up to SCORE_SAMPLES_MIN."""
     room = SCORE_SAMPLES_MAX - len(kept)
     if mode != "relay":
         room = min(room, SCORE_SAMPLES_MIN - len(kept))
-    hits = [(b, r) for b, r in zip(bodies, ranks, strict=True)
-            if r.status == 200 and r.payload and r.payload.get("cache") in ("device", "dram")]
-    hits.sort(key=lambda br: not br[0]["grew"])
-    for b, r in hits[:max(0, min(SCORE_SAMPLES_PER_POINT, room))]:
-        v = trace.visits[b["visit"]]
+    hits = [(trace.visits[visit_of[id(r.request)]], r) for r in results
+            if id(r.request) in visit_of and r.status == 200 and r.payload
+            and r.payload.get("cache") in ("device", "dram")]
+    hits.sort(key=lambda vr: not vr[0].grew)
+    for v, r in hits[:max(0, min(SCORE_SAMPLES_PER_POINT, room))]:
         kept.append({"mode": mode, "long_items": v.long_items, "long_ts": v.long_ts, "short_items": v.short_items,
-                     "short_ts": v.short_ts, "candidates": v.candidates, "timestamp": int(v.t), "grew": b["grew"],
+                     "short_ts": v.short_ts, "candidates": v.candidates, "timestamp": int(v.t), "grew": bool(v.grew),
                      "scores": r.payload["scores"]})
 
 
@@ -475,8 +481,9 @@ async def bench(s: Settings) -> dict[str, Any]:
     kept: list[dict[str, Any]] = []
     modes: dict[str, dict[str, Any]] = {}
     for i, mode in enumerate(MODES):
-        left = (len(MODES) - i) * s.mode_seconds() + s.point_seconds(3 * s.qps[0]) + MODE_START_S
-        _log(f"mode {mode}: at most {left / 60:.1f} min left (every point run; sweeps stop at their first failure)")
+        _log(f"mode {mode}: about {s.total_seconds(len(MODES) - i) / 60:.1f} min left if every point runs "
+             f"(sweeps stop at their first failure; {s.mode_seconds(True) / 60:.1f} min for a mode that fails "
+             f"the lowest QPS); elapsed {time.monotonic() - t0:.0f} s")
         modes[mode] = await with_mode(mode, checkpoint, s, kept, t0, sweep_mode)
     base_qps = modes["baseline"]["max_qps_at_slo"]
     offered = 3.0 * (base_qps if base_qps is not None else min(s.qps))
@@ -572,10 +579,10 @@ def run(args: argparse.Namespace) -> int:
     s = settings_from(args)
     if s.measured < 1000:
         _log(f"--measured {s.measured}: below the protocol's 1,000 measured ranks per point (a smoke run)")
-    est = len(MODES) * s.mode_seconds() + s.point_seconds(3 * s.qps[0]) + MODE_START_S
     _log(f"P99 SLO {s.slo_ms:g} ms; {s.users} users, {s.warmup} warm-up visits + {s.measured} measured ranks per "
-         f"point, {s.repeats} repeat(s), cascade gap {s.gap_ms:g} ms; at most {est / 60:.1f} min if every point "
-         f"of every mode runs")
+         f"point, {s.repeats} repeat(s), cascade gap {s.gap_ms:g} ms; estimate {s.total_seconds() / 60:.1f} min if "
+         f"every swept point of every mode runs, {s.total_seconds(probe=True) / 60:.1f} min if every mode also "
+         f"fails the lowest QPS and is probed down to {s.qps_floor:g}")
     t0 = time.perf_counter()
     result = _json_safe(asyncio.run(bench(s)))
     png = s.out / "serve-p99.png"

@@ -109,3 +109,24 @@ def test_ranker_counters_become_deltas_and_absent_fields_none():
     old = [{"device_bytes": 1, "dram_bytes": 0, "joined": 0.0}]
     d = state_deltas(old, old)
     assert d["prefill_cpu_share"] is None and d["prefill_tokens_computed"] is None
+
+
+def test_score_samples_follow_each_rank_request_to_its_visit_whatever_the_answer_order():
+    import json
+
+    from grstack.runtime.bench.serve import encode, keep_for_score_check
+    from grstack.runtime.bench.serve_trace import TraceConfig, build_trace, population
+
+    cfg = TraceConfig(users=200, length=8, warmup=5, measured=40, seed=1)
+    trace = build_trace(population(cfg.users, cfg.seed), cfg)
+    reqs, visit_of = encode(trace, "t")
+    ranks = [r for r in reqs if r.path == "/v1/rank"]
+    assert len(ranks) == len(trace.visits) and sum(r.measure for r in ranks) == cfg.measured
+    assert all(json.loads(p.body)["long_term"] == json.loads(r.body)["long_term"]
+               for p, r in zip(reqs[::2], reqs[1::2], strict=True))  # a signal carries its rank's prefix
+    answers = [Result(r, 200, 1.0, {"cache": "device", "scores": json.loads(r.body)["candidates"]})
+               for r in reversed(ranks)]  # answers in another order than the visits
+    kept = []
+    keep_for_score_check(kept, "relay", trace, visit_of, answers)
+    assert kept and all(k["scores"] == k["candidates"].tolist() for k in kept)
+    assert kept[0]["grew"] or not any(v.grew for v in trace.visits)  # grown histories are checked first
