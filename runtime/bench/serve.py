@@ -41,8 +41,8 @@ CANDIDATES = 64
 SCORE_SAMPLES_PER_POINT = 8
 SCORE_SAMPLES_MAX = 64
 SCORE_SAMPLES_MIN = 30
-POINT_OVERHEAD_S = 4.0  # trace, drain and stats per point (from smoke runs; used only for the estimate)
-MODE_START_S = 15.0  # two fresh rankers: import, load, profile
+POINT_OVERHEAD_S = 3.0  # trace, drain and stats per point (smoke runs: 1-3 s; used only for the estimate)
+MODE_START_S = 10.0  # two fresh rankers started and the last two stopped (smoke runs: 7-9 s)
 
 
 def register(parser: argparse.ArgumentParser) -> None:
