@@ -1,23 +1,13 @@
-"""``grstack bench serve``: relay-race ranking vs full inference under open-loop Poisson load.
+"""``grstack bench serve``: relay-race serving measured as a cascade (docs/bench-serve.md has the protocol).
 
-Set-up (one machine): one ranker process (1 torch thread) and two in-process routers in front of it, one
-with relay on (sequence-aware trigger + prefix cache) and one with relay off (the baseline: the same ranker,
-every rank is full inference). The model is an untrained HSTU (latency does not depend on the weights)
-with ``max_len`` covering the sweep.
-
-Workload per point: ``users`` users, each with a fixed long-term history of ``length`` events (it changes
-slowly: a daily batch in production), sends rank requests at Poisson times (``qps``); every rank carries
-16 fresh short-term events and 64 candidates and is preceded by a prefill signal ``lead_ms`` earlier (the
-retrieval stage sends it). Relay points start with each user's prefill signalled once (a session's first
-signal), off the clock; the measured phase then shows steady-state behaviour, with the hit rate reported.
-
-Sweeps: prefix length at a fixed QPS, then QPS at the longest length at which the baseline's P99 stayed
-within half the SLO (so its QPS limit lies inside the sweep; if it misses even the lowest QPS, the sweep
-goes down by halves to 0.5 QPS); a mode's sweep stops after two
-consecutive points miss the P99 SLO, or after one whose median is already above half the SLO (longer/faster
-points are only worse; a single miss with a fast median may be a stall of this shared machine). ``max_len_at_slo`` / ``max_qps_at_slo`` are the largest
-swept values meeting the SLO. ``max_abs_score_diff`` compares scores the relay service returned
-against ``HSTU.encode`` + ``rank_logits`` over the full sequence, in fp32, in this process.
+A trace of user visits (``serve_trace``: KuaiRand-like synthetic users, Zipf activity, bursts of visits in
+sessions, long-term histories that grow between sessions) is replayed open-loop against two ranker
+processes behind an in-process router: each visit sends the pre-infer signal at its time and the rank request
+a cascade gap later. Pre-inference runs on the clock, on the same rankers, warm-up included; nothing is
+pre-loaded. Every mode (baseline, relay, and the ablations no_trigger, no_affinity, no_expander) gets fresh
+ranker processes, so no mode inherits another's caches. A point passes when its P99 (failed or shed ranks
+count as infinite) is within the SLO, fixed before measuring; a mode's limit is the largest swept value for
+which it and every smaller swept value pass, and its sweep stops at the first failing point.
 """
 
 from __future__ import annotations
@@ -28,198 +18,431 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-QUICK = {"lengths": [512, 1024, 2048, 4096, 8192], "qps": [2, 4, 8, 16, 32, 64, 128, 256], "point_s": 5.0,
-         "min_requests": 20, "users": 4}
-# At risk: full inference predicted above 5% of the SLO (12.5 ms at 250 ms). Its P99 under load is many times
-# the bare time, and the profile may be taken while the machine is quieter than during the sweep.
-RISK_FRACTION = 0.05
-FULL = {"lengths": [256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192],
-        "qps": [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256], "point_s": 20.0, "min_requests": 100,
-        "users": 12}
+from grstack.runtime.bench.serve_trace import Population, Trace, TraceConfig, build_trace, population
+
+QUICK: dict[str, Any] = {"users": 2000, "lengths": [512, 1024, 2048, 4096], "length_qps": 40.0,
+                         "qps": [40.0, 80.0, 160.0, 320.0], "qps_length": 1024, "repeats": 1}
+FULL: dict[str, Any] = {"users": 10_000, "lengths": [256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192],
+                        "length_qps": 20.0, "qps": [10.0, 20.0, 30.0, 40.0, 60.0, 80.0, 120.0, 160.0, 240.0, 320.0],
+                        "qps_length": 1024, "repeats": 3}
+MODES = ("baseline", "relay", "no_trigger", "no_affinity", "no_expander")
+ABLATIONS = ("no_trigger", "no_affinity", "no_expander")
+RANKERS = 2
+QPS_FLOOR = 2.5  # a mode failing the lowest swept QPS is probed down by halves to here
+MAX_SUFFIX = 64
+MAX_LENGTH = 50_000  # half of what a request may carry (serving's MAX_EVENTS), the rest for growth
+CANDIDATES = 64
+SCORE_SAMPLES_PER_POINT = 8
+SCORE_SAMPLES_MAX = 64
+SCORE_SAMPLES_MIN = 30
+POINT_OVERHEAD_S = 3.0  # trace, drain and stats per point (smoke runs: 1-3 s; used only for the estimate)
+MODE_START_S = 10.0  # two fresh rankers started and the last two stopped (smoke runs: 7-9 s)
 
 
 def register(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="a coarse sweep (about two minutes)")
+    parser.add_argument("--quick", action="store_true", help="the quick protocol (2,000 users, 1 repeat)")
     parser.add_argument("--json", action="store_true", help="print only the JSON object (no summary)")
     parser.add_argument("--out", default="runs/bench-serve", help="model, plot and full results go here")
-    parser.add_argument("--slo-ms", type=float, default=250.0, help="P99 SLO of a rank request (default 250)")
-    parser.add_argument("--length-qps", type=float, default=4.0, help="QPS of the length sweep (default 4)")
-    parser.add_argument("--qps-length", type=int, default=None,
-                        help="prefix length of the QPS sweep (default: the longest length at which the baseline "
-                             "met the SLO in the length sweep)")
-    parser.add_argument("--lengths", default=None, help="comma-separated prefix lengths (overrides the preset)")
-    parser.add_argument("--qps", default=None, help="comma-separated QPS values (overrides the preset)")
+    parser.add_argument("--slo-ms", type=float, default=100.0, help="P99 SLO of a rank request (default 100)")
+    parser.add_argument("--cascade-gap-ms", type=float, default=50.0,
+                        help="pre-infer signal to rank request (default 50, jittered +-20%%)")
+    parser.add_argument("--users", type=int, default=None, help="synthetic users per point (default 10,000; "
+                                                                "--quick 2,000)")
+    parser.add_argument("--lengths", default=None, help="comma-separated base long-term lengths")
+    parser.add_argument("--qps", default=None, help="comma-separated QPS values")
+    parser.add_argument("--length-qps", type=float, default=None, help="QPS of the length sweep")
+    parser.add_argument("--qps-length", type=int, default=None, help="base length of the QPS sweep (default 1024)")
+    parser.add_argument("--repeats", type=int, default=None, help="trace seeds per point (default 3; --quick 1)")
+    parser.add_argument("--measured", type=int, default=1000, help="measured rank requests per point (>= 1000 "
+                                                                  "in the protocol)")
+    parser.add_argument("--warmup", type=int, default=250, help="visits sent before measuring (default 250)")
+    parser.add_argument("--qps-floor", type=float, default=QPS_FLOOR,
+                        help="a mode failing the lowest QPS is probed down by halves to this (default 2.5)")
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(func=run)
 
 
 @dataclass
-class Workload:
-    short: int = 16
-    candidates: int = 64
-    lead_ms: float = 20.0
-    num_items: int = 20_000
-    max_suffix: int = 64
-    timeout_s: float = 3.0
+class Settings:
+    users: int
+    lengths: list[int]
+    length_qps: float
+    qps: list[float]
+    qps_length: int
+    repeats: int
+    slo_ms: float
+    gap_ms: float
+    measured: int
+    warmup: int
+    seed: int
+    out: Path
+    qps_floor: float = QPS_FLOOR
+    timeout_s: float = 10.0  # the load generator's; the router answers 504 at the SLO long before
+    pops: dict[int, Population] = field(default_factory=dict)
+
+    def trace_config(self, length: int, qps: float, repeat: int) -> TraceConfig:
+        return TraceConfig(users=self.users, length=length, qps=qps, warmup=self.warmup, measured=self.measured,
+                           gap_ms=self.gap_ms, max_short=MAX_SUFFIX, candidates=CANDIDATES,
+                           seed=self.seed + repeat)
+
+    def trace(self, length: int, qps: float, repeat: int) -> Trace:
+        seed = self.seed + repeat
+        if seed not in self.pops:
+            self.pops[seed] = population(self.users, seed)
+        return build_trace(self.pops[seed], self.trace_config(length, qps, repeat))
+
+    def point_seconds(self, qps: float) -> float:
+        return (self.warmup + self.measured) / qps + POINT_OVERHEAD_S
+
+    def mode_seconds(self, probe: bool = False) -> float:
+        """One mode when every swept point runs (a failing sweep stops earlier); ``probe``: plus the points
+        below a failing lowest QPS (they are slow: a point at 2.5 QPS takes (warm-up + measured) / 2.5 s)."""
+        pts = [self.point_seconds(self.length_qps) for _ in self.lengths] + [self.point_seconds(q) for q in self.qps]
+        lower = self.qps[0] / 2
+        while probe and lower >= self.qps_floor:
+            pts.append(self.point_seconds(lower))
+            lower /= 2
+        return MODE_START_S + self.repeats * sum(pts)
+
+    def total_seconds(self, modes: int = len(MODES), probe: bool = False) -> float:
+        return modes * self.mode_seconds(probe) + self.point_seconds(3 * self.qps[0]) + MODE_START_S
 
 
 def _log(msg: str) -> None:
     print(f"[bench serve] {msg}", file=sys.stderr, flush=True)
 
 
-def _history(rng: Any, n: int, num_items: int, t0: int) -> tuple[list[int], list[int]]:
-    items = rng.integers(1, num_items + 1, n).tolist()
-    ts = (t0 + rng.integers(30, 3600, n).cumsum()).tolist()
-    return items, ts
+# -- the sweep rules (pure) ---------------------------------------------------------------------------
+def sweep_limit(points: list[dict[str, Any]], key: str) -> float | int | None:
+    """The largest value for which the point and every smaller swept point passed; None if the smallest
+    failed (or nothing was swept)."""
+    best = None
+    for p in sorted(points, key=lambda p: p[key]):
+        if not p["meets_slo"]:
+            break
+        best = p[key]
+    return best
 
 
-def build_point(mode: str, length: int, qps: float, n: int, users: int, wl: Workload, seed: int) -> dict[str, Any]:
-    """Pre-encoded prefill/rank requests of one sweep point (identical for both modes but the user ids)."""
-    import numpy as np
-
-    from grstack.runtime.serve import Request, poisson_times
-
-    rng = np.random.default_rng([seed, length, int(qps * 10)])
-    hist = {}
-    for u in range(users):
-        hist[f"{mode}-L{length}-q{qps:g}-u{u}"] = _history(rng, length, wl.num_items, 1_600_000_000)
-    names = list(hist)
-    times = poisson_times(qps, n, rng)
-    reqs, ranks = [], []
-    for t in times:
-        user = names[int(rng.integers(0, users))]
-        items, ts = hist[user]
-        s_items, s_ts = _history(rng, wl.short, wl.num_items, ts[-1])
-        body = {"user_id": user, "long_term": {"items": items, "timestamps": ts},
-                "short_term": {"items": s_items, "timestamps": s_ts},
-                "candidates": rng.integers(1, wl.num_items + 1, wl.candidates).tolist(), "timestamp": s_ts[-1] + 1}
-        pre = {"user_id": user, "long_term": {"items": items, "timestamps": ts}}
-        reqs.append(Request(max(0.0, t - wl.lead_ms / 1e3), "/v1/prefill", json.dumps(pre).encode(), user, False))
-        reqs.append(Request(float(t), "/v1/rank", json.dumps(body).encode(), user, True))
-        ranks.append(body)
-    warm = [json.dumps({"user_id": u, "long_term": {"items": hist[u][0], "timestamps": hist[u][1]},
-                        "wait": True}).encode() for u in names]
-    return {"requests": reqs, "ranks": ranks, "warm": warm}
+async def run_sweep(values: list[float], measure: Callable[[float], Awaitable[dict[str, Any]]],
+                    floor: float | None = None) -> list[dict[str, Any]]:
+    """Measures ascending ``values`` until the first failing point (later ones cannot raise the limit).
+    With ``floor``: when the lowest value fails, halves it down to ``floor`` until a point passes."""
+    points: list[dict[str, Any]] = []
+    ordered = sorted(values)
+    for v in ordered:
+        p = await measure(v)
+        points.append(p)
+        if p["meets_slo"]:
+            continue
+        if floor is not None and v == ordered[0]:
+            lower = v / 2
+            while lower >= floor:
+                q = await measure(lower)
+                points.insert(0, q)
+                if q["meets_slo"]:
+                    break
+                lower /= 2
+        break
+    return points
 
 
-async def _warm_up(session: Any, url: str, bodies: list[bytes], deadline_s: float = 60.0) -> dict[str, int]:
-    """Signals each user's prefix once and waits for it; retries while the trigger's load budget is full.
-    Returns the trigger's decisions by reason."""
-    reasons: dict[str, int] = {}
-    end = time.monotonic() + deadline_s
-    for body in bodies:
-        while True:
-            async with session.post(url + "/v1/prefill", data=body,
-                                    headers={"Content-Type": "application/json"}) as resp:
-                out = await resp.json()
-            if out.get("reason") != "load-budget" or time.monotonic() > end:
-                reasons[out.get("reason", "error")] = reasons.get(out.get("reason", "error"), 0) + 1
-                break
-            await asyncio.sleep(0.2)
-    return reasons
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
 
 
-async def _drain(session: Any, ranker_url: str, limit_s: float = 60.0) -> None:
-    end = time.monotonic() + limit_s
-    while time.monotonic() < end:
-        async with session.get(ranker_url + "/v1/stats") as resp:
-            if (await resp.json())["queued"] == 0:
-                return
-        await asyncio.sleep(0.1)
+# -- one point ----------------------------------------------------------------------------------------
+def encode(trace: Trace, tag: str) -> tuple[list[Any], dict[int, int]]:
+    """The trace as loadgen requests (a signal and a rank per visit; warm-up ranks not measured), and the
+    visit of each rank request (by ``id``: the load generator answers in send order, and a jittered gap can
+    send a visit's rank after the next visit's)."""
+    from grstack.runtime.serve import Request
+
+    reqs, visit_of = [], {}
+    lt_cache: dict[tuple[int, int], str] = {}
+    for k, v in enumerate(trace.visits):
+        user = f"{tag}-u{v.user}"
+        key = (v.user, len(v.long_items))
+        if key not in lt_cache:
+            lt_cache[key] = json.dumps({"items": v.long_items.tolist(), "timestamps": v.long_ts.tolist()})
+        lt = lt_cache[key]
+        rest = {"short_term": {"items": v.short_items.tolist(), "timestamps": v.short_ts.tolist()},
+                "candidates": v.candidates.tolist(), "timestamp": int(v.t)}
+        pre = f'{{"user_id": "{user}", "long_term": {lt}}}'.encode()
+        body = f'{{"user_id": "{user}", "long_term": {lt}, {json.dumps(rest)[1:]}'.encode()
+        rank = Request(v.rank_s, "/v1/rank", body, user, k >= trace.config.warmup)
+        reqs.append(Request(v.wall_s, "/v1/prefill", pre, user, False))
+        reqs.append(rank)
+        visit_of[id(rank)] = k
+    return reqs, visit_of
 
 
-async def _measure(session: Any, router_url: str, ranker_url: str, mode: str, length: int, qps: float,
-                   sweep: str, cfg: dict[str, Any], wl: Workload, seed: int, slo_ms: float,
-                   keep: list[dict[str, Any]]) -> dict[str, Any]:
-    import numpy as np
-
-    from grstack.runtime.serve import latency_summary, run_open_loop
-
-    n = max(cfg["min_requests"], int(qps * cfg["point_s"]))
-    point = build_point(mode, length, qps, n, cfg["users"], wl, seed)
-    if mode == "relay":
-        reasons = await _warm_up(session, router_url, point["warm"])
-        if reasons.get("admitted", 0) + reasons.get("live", 0) < len(point["warm"]):
-            _log(f"trigger at length {length}: {reasons} (prefixes not admitted are ranked by full inference)")
-    results = await run_open_loop(router_url, point["requests"], timeout_s=wl.timeout_s, session=session)
-    await _drain(session, ranker_url)
-    summary = latency_summary(results)
-    ranks = [r for r in results if r.request.measure]
-    hits = sum(1 for r in ranks if r.status == 200 and r.payload and r.payload.get("cache") != "miss")
-    compute = [r.payload["compute_ms"] for r in ranks if r.status == 200 and r.payload]
-    out = {"sweep": sweep, "length": length, "qps": qps, **summary,
-           "meets_slo": bool(summary["p99_ms"] <= slo_ms), "hit_rate": hits / max(1, len(ranks)),
-           "ranker_compute_p50_ms": float(np.median(compute)) if compute else None}
-    if mode == "relay" and length <= 2048:  # responses to check against full inference
-        for body, r in list(zip(point["ranks"], ranks, strict=True))[:3]:
-            if r.status == 200 and r.payload is not None and r.payload["cache"] != "miss":
-                keep.append({"body": body, "scores": r.payload["scores"]})
-    _log(f"{mode:8s} {sweep:6s} length={length:5d} qps={qps:6.1f} n={summary['n']:4d} "
-         f"p50={summary['p50_ms']:8.1f} ms p99={summary['p99_ms']:8.1f} ms errors={summary['errors']} "
-         f"hit_rate={out['hit_rate']:.2f} compute_p50={out['ranker_compute_p50_ms'] or 0:.1f} ms")
+async def _ranker_state(session: Any, urls: list[str]) -> list[dict[str, Any]]:
+    """Each ranker's /v1/stats plus its joined-prefill lookups (from /metrics)."""
+    out = []
+    for url in urls:
+        async with session.get(url + "/v1/stats") as resp:
+            stats = await resp.json()
+        async with session.get(url + "/metrics") as resp:
+            text = await resp.text()
+        joined = 0.0
+        for line in text.splitlines():
+            if line.startswith("grstack_ranker_cache_lookups_total") and 'result="joined"' in line:
+                joined = float(line.rsplit(" ", 1)[1])
+        out.append({**stats, "joined": joined})
     return out
 
 
-def _qps_length(baseline: list[dict[str, Any]], relay_router: Any, slo_ms: float, default: int) -> int:
-    """The longest length with baseline headroom (P99 <= SLO/2) that the trigger pre-infers (else relay is
-    the baseline there, by design); failing that, the longest with headroom."""
-    roomy = [p["length"] for p in baseline if p["sweep"] == "length" and p["p99_ms"] <= slo_ms / 2]
-    trig = relay_router.trigger
-    risky = [n for n in roomy if trig is not None and trig.at_risk(n)[0]]
-    return max(risky or roomy or [default])
+def _delta(before: list[dict[str, Any]], after: list[dict[str, Any]], key: str) -> float | None:
+    if any(key not in s for s in before + after):
+        return None
+    return float(sum(a[key] - b[key] for a, b in zip(after, before, strict=True)))
 
 
-def _limit(points: list[dict[str, Any]], key: str) -> float | int | None:
-    ok = [p[key] for p in points if p["meets_slo"]]
-    return max(ok) if ok else None
+def state_deltas(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> dict[str, Any]:
+    """Ranker-side counters over a point (all rankers; warm-up included): pre-inference's share of compute,
+    prefill tokens, ranks that joined an in-flight prefill, and the cache bytes at the end."""
+    share = None
+    if all(isinstance(s.get("compute_ms_total"), dict) for s in before + after):
+        tot = Counter()
+        for a, b in zip(after, before, strict=True):
+            for k, v in a["compute_ms_total"].items():
+                tot[k] += v - b["compute_ms_total"].get(k, 0.0)
+        total = sum(tot.values())
+        share = tot["prefill"] / total if total > 0 else None
+    return {"prefill_cpu_share": share,
+            "prefill_tokens_computed": _delta(before, after, "prefill_tokens_computed"),
+            "prefill_tokens_without_incremental": _delta(before, after, "prefill_tokens_without_incremental"),
+            "joined_inflight_ranks": _delta(before, after, "joined"),
+            "device_bytes": sum(s.get("device_bytes", 0) for s in after),
+            "dram_bytes": sum(s.get("dram_bytes", 0) for s in after)}
 
 
-def _score_diff(checkpoint: Path, kept: list[dict[str, Any]], max_suffix: int) -> float:
-    """Relay scores vs HSTU.encode + rank_logits of the whole (truncated) sequence, fp32."""
+def summarize(results: list[Any], slo_ms: float) -> dict[str, Any]:
+    """Latency, errors by kind and cache outcomes of the measured ranks (loadgen results)."""
+    import numpy as np
+
+    from grstack.runtime.serve import latency_summary
+
+    ranks = [r for r in results if r.request.measure]
+    lat = latency_summary(ranks)
+    kinds = Counter(r.kind for r in ranks)
+    cache = Counter(r.payload.get("cache", "miss") for r in ranks if r.status == 200 and r.payload)
+    ok = kinds.get("ok", 0)
+    shed = [r.latency_ms for r in ranks if r.kind.startswith("shed")]
+    sends = [r.request.at for r in ranks]
+    span = (max(sends) - min(sends)) if len(sends) > 1 else 0.0
+    served = [r.latency_ms for r in ranks if r.status == 200]
+    return {**lat, "meets_slo": bool(lat["p99_ms"] <= slo_ms),
+            "errors_by_kind": {k: v for k, v in sorted(kinds.items()) if k != "ok"},
+            "cache": dict(sorted(cache.items())),
+            "hit_rate": (cache.get("device", 0) + cache.get("dram", 0)) / ok if ok else None,
+            "offered_qps": len(ranks) / span if span > 0 else None,
+            "served_qps": ok / span if span > 0 else None,
+            "p99_ms_served": float(np.percentile(served, 99, method="higher")) if served else None,
+            "p99_ms_shed": float(np.percentile(shed, 99, method="higher")) if shed else None,
+            "truncated_tokens": sum(r.payload.get("truncated", 0) for r in ranks if r.status == 200 and r.payload)}
+
+
+def combine(runs: list[dict[str, Any]], slo_ms: float) -> dict[str, Any]:
+    """A point over its repeats: P99 is the median of the repeats' (pass/fail by it), with min and max."""
+    import numpy as np
+
+    p99 = [r["p99_ms"] for r in runs]
+    med = float(np.median(p99))
+    errors: Counter[str] = Counter()
+    for r in runs:
+        errors.update(r["errors_by_kind"])
+    answered = sum(sum(r["cache"].values()) for r in runs)
+    hits = sum(r["cache"].get("device", 0) + r["cache"].get("dram", 0) for r in runs)
+    last = runs[-1]
+    keys = ("prefill_tokens_computed", "prefill_tokens_without_incremental", "joined_inflight_ranks")
+    sums = {k: (None if any(r[k] is None for r in runs) else sum(r[k] for r in runs)) for k in keys}
+    shares = [r["prefill_cpu_share"] for r in runs if r["prefill_cpu_share"] is not None]
+    return {"n": sum(r["n"] for r in runs), "p50_ms": float(np.median([r["p50_ms"] for r in runs])),
+            "p99_ms": med, "p99_ms_min": float(min(p99)), "p99_ms_max": float(max(p99)),
+            "meets_slo": bool(med <= slo_ms), "errors": sum(errors.values()), "errors_by_kind": dict(errors),
+            "hit_rate": hits / answered if answered else None, **sums,
+            "prefill_cpu_share": float(np.mean(shares)) if shares else None,
+            "device_bytes": last["device_bytes"], "dram_bytes": last["dram_bytes"], "repeats": runs}
+
+
+@dataclass
+class ModeRun:
+    mode: str
+    router_url: str
+    ranker_urls: list[str]
+    session: Any
+    settings: Settings
+    kept: list[dict[str, Any]]
+    t0: float
+
+
+async def measure_once(m: ModeRun, sweep: str, length: int, qps: float, repeat: int) -> dict[str, Any]:
+    from grstack.runtime.serve import run_open_loop
+
+    s = m.settings
+    trace = s.trace(length, qps, repeat)
+    reqs, visit_of = encode(trace, f"{m.mode}-{sweep}-L{length}-q{qps:g}-r{repeat}")
+    before = await _ranker_state(m.session, m.ranker_urls)
+    results = await run_open_loop(m.router_url, reqs, timeout_s=s.timeout_s, session=m.session)
+    await _drain(m.session, m.ranker_urls)
+    after = await _ranker_state(m.session, m.ranker_urls)
+    out = {"trace_seed": s.seed + repeat, **summarize(results, s.slo_ms), **state_deltas(before, after),
+           "trace": trace.shape}
+    if m.mode in ("relay", "no_trigger"):
+        keep_for_score_check(m.kept, m.mode, trace, visit_of, results)
+    return out
+
+
+def keep_for_score_check(kept: list[dict[str, Any]], mode: str, trace: Trace, visit_of: dict[int, int],
+                         results: list[Any]) -> None:
+    """Up to SCORE_SAMPLES_PER_POINT cache hits of this point, visits after a history grew first. The relay
+    mode's come first; no_trigger's (every prefix pre-inferred) only top them up to SCORE_SAMPLES_MIN."""
+    room = SCORE_SAMPLES_MAX - len(kept)
+    if mode != "relay":
+        room = min(room, SCORE_SAMPLES_MIN - len(kept))
+    hits = [(trace.visits[visit_of[id(r.request)]], r) for r in results
+            if id(r.request) in visit_of and r.status == 200 and r.payload
+            and r.payload.get("cache") in ("device", "dram")]
+    hits.sort(key=lambda vr: not vr[0].grew)
+    for v, r in hits[:max(0, min(SCORE_SAMPLES_PER_POINT, room))]:
+        kept.append({"mode": mode, "long_items": v.long_items, "long_ts": v.long_ts, "short_items": v.short_items,
+                     "short_ts": v.short_ts, "candidates": v.candidates, "timestamp": int(v.t), "grew": bool(v.grew),
+                     "scores": r.payload["scores"]})
+
+
+async def _drain(session: Any, urls: list[str], limit_s: float = 60.0) -> None:
+    """Waits until no ranker has queued work (prefills signalled near the end still run)."""
+    end = time.monotonic() + limit_s
+    while time.monotonic() < end:
+        state = await _ranker_state(session, urls)
+        if all(s.get("queued", 0) == 0 for s in state):
+            return
+        await asyncio.sleep(0.1)
+
+
+async def measure_point(m: ModeRun, sweep: str, length: int, qps: float) -> dict[str, Any]:
+    s = m.settings
+    runs = [await measure_once(m, sweep, length, qps, rep) for rep in range(s.repeats)]
+    p = {"sweep": sweep, "length": length, "qps": qps, **combine(runs, s.slo_ms)}
+    hr = "-" if p["hit_rate"] is None else f"{p['hit_rate']:.2f}"
+    _log(f"{m.mode:11s} {sweep:6s} length={length:5d} qps={qps:6.1f} n={p['n']:5d} p50={p['p50_ms']:8.1f} ms "
+         f"p99={p['p99_ms']:8.1f} ms errors={p['errors_by_kind'] or 0} hit_rate={hr} "
+         f"elapsed={time.monotonic() - m.t0:6.0f} s")
+    return p
+
+
+def ranker_args(mode: str) -> list[str]:
+    return ["--device", "cpu", "--threads", "1", "--max-suffix", str(MAX_SUFFIX), "--max-candidates",
+            str(CANDIDATES), "--device-cache-mb", "64", "--dram-cache-mb", "0" if mode == "no_expander" else "1024",
+            "--log-level", "WARNING"]
+
+
+def router_config(mode: str, urls: list[str], slo_ms: float) -> Any:
+    from grstack.runtime.serve import RouterConfig, TriggerConfig
+
+    return RouterConfig(rankers=tuple(urls), relay=mode != "baseline", affinity=mode != "no_affinity",
+                        trigger=TriggerConfig(slo_ms=slo_ms, admit_all=mode == "no_trigger"),
+                        rank_budget_ms=slo_ms, prefill_budget_per_replica_ms=500.0)
+
+
+async def with_mode(mode: str, checkpoint: Path, s: Settings, kept: list[dict[str, Any]], t0: float,
+                    body: Callable[[ModeRun], Awaitable[Any]]) -> Any:
+    """Fresh rankers and router for ``mode``; runs ``body`` against them."""
+    import aiohttp
+
+    from grstack.runtime.serve import Router, spawn_ranker, start_router
+
+    rankers = list(await asyncio.gather(*(spawn_ranker(checkpoint, ranker_args(mode)) for _ in range(RANKERS))))
+    runner = None
+    try:
+        urls = [r.url for r in rankers]
+        runner, url = await start_router(Router(router_config(mode, urls, s.slo_ms)))
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=4096)) as session:
+            return await body(ModeRun(mode, url, urls, session, s, kept, t0))
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+        await asyncio.gather(*(r.stop() for r in rankers), return_exceptions=True)
+
+
+async def sweep_mode(m: ModeRun) -> dict[str, Any]:
+    s = m.settings
+    lengths = await run_sweep([float(x) for x in s.lengths],
+                              lambda v: measure_point(m, "length", int(v), s.length_qps))
+    qps = await run_sweep(s.qps, lambda v: measure_point(m, "qps", s.qps_length, v), floor=s.qps_floor)
+    pts = lengths + qps
+    out = {"points": pts, "max_len_at_slo": sweep_limit(lengths, "length"), "max_qps_at_slo": sweep_limit(qps, "qps")}
+    for key, swept, vals in (("length", lengths, s.lengths), ("QPS", qps, s.qps)):
+        if len(swept) >= len(vals) and all(p["meets_slo"] for p in swept):
+            _log(f"{m.mode} met the SLO at every swept {key}: its limit is a lower bound")
+    return out
+
+
+async def overload(m: ModeRun, offered: float) -> dict[str, Any]:
+    s = m.settings
+    runs = [await measure_once(m, "overload", s.qps_length, offered, 0)]
+    r = runs[0]
+    shed = sum(v for k, v in r["errors_by_kind"].items() if k.startswith("shed"))
+    other = sum(v for k, v in r["errors_by_kind"].items() if not k.startswith("shed"))
+    out = {"offered_qps": r["offered_qps"], "target_qps": offered, "served_qps": r["served_qps"],
+           "shed_fraction": shed / r["n"] if r["n"] else None, "p99_ms_served": r["p99_ms_served"],
+           "p99_ms_shed": r["p99_ms_shed"], "errors_other": other, "errors_by_kind": r["errors_by_kind"],
+           "length": s.qps_length, "n": r["n"]}
+    _log(f"overload   relay at {offered:g} QPS: served {r['served_qps'] or 0:.1f} QPS, shed {out['shed_fraction']}, "
+         f"P99 served {r['p99_ms_served']}, other errors {other}")
+    return out
+
+
+def score_diff(checkpoint: Path, kept: list[dict[str, Any]]) -> float | None:
+    """Largest |relay score - full inference| over the kept cache hits, recomputed in fp32 here."""
     import numpy as np
 
     from grstack.runtime.serve import RelayEngine, load_ranking_model
 
+    if not kept:
+        return None
     model, _ = load_ranking_model(checkpoint)
-    eng = RelayEngine(model, max_suffix=max_suffix)
+    eng = RelayEngine(model, max_suffix=MAX_SUFFIX)
     worst = 0.0
     for k in kept:
-        b = k["body"]
-        item = eng.canonical(b["long_term"]["items"], b["long_term"]["timestamps"], b["short_term"]["items"],
-                             b["short_term"]["timestamps"], b["candidates"], b["timestamp"])
+        item = eng.canonical(k["long_items"], k["long_ts"], k["short_items"], k["short_ts"], k["candidates"],
+                             k["timestamp"])
         ref = eng.rank_encode([item])[0].numpy()
         worst = max(worst, float(np.abs(ref - np.asarray(k["scores"], dtype=np.float32)).max()))
     return worst
 
 
 def _capped(ms: float | None, cap: float = 1e4) -> float:
-    """Failed requests make P99 infinite (None in JSON); plot them at the cap."""
     return cap if ms is None else min(ms, cap)
 
 
-def _plot(result: dict[str, Any], path: Path) -> None:
+def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for mode, style in (("baseline", "o-"), ("relay", "s-")):
-        pts = [p for p in result[mode]["points"] if p["sweep"] == "length"]
-        axes[0].plot([p["length"] for p in pts], [_capped(p["p99_ms"]) for p in pts], style, label=mode)
-        pts = [p for p in result[mode]["points"] if p["sweep"] == "qps"]
-        axes[1].plot([p["qps"] for p in pts], [_capped(p["p99_ms"]) for p in pts], style, label=mode)
-    for ax, xlabel in ((axes[0], "long-term prefix length (tokens)"), (axes[1], "offered load (QPS)")):
-        ax.axhline(result["slo_ms"], color="gray", linestyle="--", label=f"SLO {result['slo_ms']:g} ms")
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    modes = {"baseline": result["baseline"], "relay": result["relay"], **result["ablations"]}
+    for (mode, res), style in zip(modes.items(), ("o-", "s-", "^--", "v--", "d--"), strict=False):
+        for ax, sweep, key in ((axes[0], "length", "length"), (axes[1], "qps", "qps")):
+            pts = sorted((p for p in res["points"] if p["sweep"] == sweep), key=lambda p: p[key])
+            ax.plot([p[key] for p in pts], [_capped(p["p99_ms"]) for p in pts], style, label=mode)
+    for ax, xlabel in ((axes[0], "base long-term length (events)"), (axes[1], "offered load (QPS)")):
+        ax.axhline(result["slo_ms"], color="gray", linestyle=":", label=f"SLO {result['slo_ms']:g} ms")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel(xlabel)
-        ax.set_ylabel("P99 latency (ms)")
-        ax.legend()
+        ax.set_ylabel("P99 rank latency (ms; failures at 1e4)")
+        ax.legend(fontsize=8)
     axes[0].set_title("P99 vs length")
     axes[1].set_title("P99 vs QPS")
     fig.tight_layout()
@@ -228,91 +451,72 @@ def _plot(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-async def _bench(args: argparse.Namespace, cfg: dict[str, Any], wl: Workload) -> dict[str, Any]:
-    import aiohttp
+def _relay_totals(res: dict[str, Any]) -> dict[str, Any]:
+    pts = res["points"]
+    answered = [(p["hit_rate"], p["n"]) for p in pts if p["hit_rate"] is not None]
+    shares = [p["prefill_cpu_share"] for p in pts if p["prefill_cpu_share"] is not None]
+    return {"hit_rate": (sum(h * n for h, n in answered) / sum(n for _, n in answered)) if answered else None,
+            "prefill_cpu_share": sum(shares) / len(shares) if shares else None,
+            "device_bytes": pts[-1]["device_bytes"] if pts else None,
+            "dram_bytes": pts[-1]["dram_bytes"] if pts else None}
 
-    from grstack.runtime.serve import (
-        Router,
-        RouterConfig,
-        TriggerConfig,
-        spawn_ranker,
-        start_router,
-        write_untrained_model,
-    )
 
-    out_dir = Path(args.out)
-    max_len = max(max(cfg["lengths"]), args.qps_length or 0) + wl.max_suffix
-    checkpoint = write_untrained_model(out_dir / "model.pt", num_items=wl.num_items, max_len=max_len, seed=args.seed)
-    _log(f"model: untrained HSTU (d=64, 2 blocks, 2 heads, dqk=dv=32), max_len {max_len}; starting the ranker")
-    ranker = await spawn_ranker(checkpoint, ["--device", "cpu", "--threads", "1", "--max-suffix", str(wl.max_suffix),
-                                             "--device-cache-mb", "24", "--dram-cache-mb", "1024",
-                                             "--max-candidates", str(wl.candidates), "--log-level", "WARNING"])
-    trig = TriggerConfig(slo_ms=args.slo_ms, risk_fraction=RISK_FRACTION)
-    routers = {}
-    routers_obj: dict[str, Any] = {}
-    try:
-        for mode in ("baseline", "relay"):
-            rc = RouterConfig(rankers=(ranker.url,), relay=mode == "relay", trigger=trig,
-                              prefill_budget_per_replica_ms=1000.0, rank_timeout_s=wl.timeout_s + 2)
-            router = Router(rc)
-            routers_obj[mode] = router
-            routers[mode] = await start_router(router)
-            if mode == "relay" and router.trigger is not None:
-                risk = {L: router.trigger.at_risk(L) for L in sorted({*cfg["lengths"], args.qps_length or 0} - {0})}
-                _log("trigger (latency model from the ranker's profile): " + ", ".join(
-                    f"{L}: {ms:.0f} ms{' at risk' if r else ''}" for L, (r, ms) in risk.items()))
-        kept: list[dict[str, Any]] = []
-        points: dict[str, list[dict[str, Any]]] = {"baseline": [], "relay": []}
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024)) as session:
-            for sweep, values in (("length", cfg["lengths"]), ("qps", cfg["qps"])):
-                if sweep == "qps" and args.qps_length is None:
-                    args.qps_length = _qps_length(points["baseline"], routers_obj["relay"], args.slo_ms,
-                                                  min(cfg["lengths"]))
-                    _log(f"QPS sweep at length {args.qps_length}: the longest at which the baseline's P99 stayed "
-                         f"within half the SLO at {args.length_qps:g} QPS and the trigger pre-infers")
-                stopped = {"baseline": False, "relay": False}
-                misses = {"baseline": 0, "relay": 0}
-                for v in values:
-                    length, qps = (v, args.length_qps) if sweep == "length" else (args.qps_length, v)
-                    for mode in ("baseline", "relay"):
-                        if stopped[mode]:
-                            continue
-                        p = await _measure(session, routers[mode][1], ranker.url, mode, length, qps, sweep, cfg,
-                                           wl, args.seed, args.slo_ms, kept)
-                        points[mode].append(p)
-                        lower = qps
-                        while sweep == "qps" and v == values[0] and not p["meets_slo"] and lower / 2 >= 0.5:
-                            lower /= 2  # the limit is below the sweep: look further down
-                            p = await _measure(session, routers[mode][1], ranker.url, mode, length, lower, sweep,
-                                               cfg, wl, args.seed, args.slo_ms, kept)
-                            points[mode].insert(0, p)
-                            points[mode].sort(key=lambda x: (x["sweep"] == "qps", x["length"], x["qps"]))
-                        misses[mode] = 0 if points[mode][-1]["meets_slo"] else misses[mode] + 1
-                        # A miss with a slow median is the work itself, not a stall of the machine.
-                        last = points[mode][-1]
-                        stopped[mode] = misses[mode] >= 2 or (misses[mode] == 1 and last["p50_ms"] > args.slo_ms / 2)
-            async with session.get(ranker.url + "/v1/stats") as resp:
-                stats = await resp.json()
-        _log(f"checking {len(kept)} relay responses against full inference")
-        diff = _score_diff(checkpoint, kept, wl.max_suffix)
-    finally:
-        for runner, _ in routers.values():
-            await runner.cleanup()
-        await ranker.stop()
-    result: dict[str, Any] = {"slo_ms": args.slo_ms}
-    for mode in ("baseline", "relay"):
-        pts = points[mode]
-        result[mode] = {"points": pts,
-                        "max_len_at_slo": _limit([p for p in pts if p["sweep"] == "length"], "length"),
-                        "max_qps_at_slo": _limit([p for p in pts if p["sweep"] == "qps"], "qps")}
-    relay = points["relay"]
-    result["relay"]["hit_rate"] = sum(p["hit_rate"] * p["n"] for p in relay) / max(1, sum(p["n"] for p in relay))
-    result["relay"]["device_bytes"] = stats["device_bytes"]
-    result["relay"]["dram_bytes"] = stats["dram_bytes"]
-    ratio = lambda a, b: (a / b) if a is not None and b else None  # noqa: E731
-    result["max_len_ratio"] = ratio(result["relay"]["max_len_at_slo"], result["baseline"]["max_len_at_slo"])
-    result["slo_qps_ratio"] = ratio(result["relay"]["max_qps_at_slo"], result["baseline"]["max_qps_at_slo"])
+def _tokens(pts: list[dict[str, Any]], key: str) -> float | None:
+    vals = [p[key] for p in pts]
+    return None if not vals or any(v is None for v in vals) else sum(vals)
+
+
+async def bench(s: Settings) -> dict[str, Any]:
+    from grstack.runtime.serve import write_untrained_model
+
+    t0 = time.monotonic()
+    # which visits a trace holds does not depend on the length: its growth is the same at every point
+    probe = [s.trace(s.qps_length, s.length_qps, rep) for rep in range(s.repeats)]
+    growth = max(t.max_long for t in probe) - s.qps_length
+    max_len = max(*s.lengths, s.qps_length) + growth + MAX_SUFFIX
+    checkpoint = write_untrained_model(s.out / "model.pt", num_items=probe[0].num_items, max_len=max_len,
+                                       seed=s.seed)
+    _log(f"model: untrained HSTU (d=64, 2 blocks, 2 heads), max_len {max_len} (longest length + growth {growth} "
+         f"+ {MAX_SUFFIX}); trace: {probe[0].shape}")
+    kept: list[dict[str, Any]] = []
+    modes: dict[str, dict[str, Any]] = {}
+    for i, mode in enumerate(MODES):
+        _log(f"mode {mode}: about {s.total_seconds(len(MODES) - i) / 60:.1f} min left if every point runs "
+             f"(sweeps stop at their first failure; {s.mode_seconds(True) / 60:.1f} min for a mode that fails "
+             f"the lowest QPS); elapsed {time.monotonic() - t0:.0f} s")
+        modes[mode] = await with_mode(mode, checkpoint, s, kept, t0, sweep_mode)
+    base_qps = modes["baseline"]["max_qps_at_slo"]
+    offered = 3.0 * (base_qps if base_qps is not None else min(s.qps))
+    over = await with_mode("relay", checkpoint, s, kept, t0, lambda m: overload(m, offered))
+    _log(f"checking {len(kept)} cache hits ({sum(1 for k in kept if k['grew'])} after a history grew) "
+         f"against full inference")
+    diff = score_diff(checkpoint, kept)
+    result: dict[str, Any] = {"slo_ms": s.slo_ms,
+                              "protocol": {"users": s.users, "measured_requests_min": s.measured,
+                                           "repeats": s.repeats, "cascade_gap_ms": s.gap_ms, "cascade_jitter": 0.2,
+                                           "prefill_on_clock": True, "preload": False, "slo_ms": s.slo_ms,
+                                           "rankers": RANKERS, "warmup_visits": s.warmup,
+                                           "lengths": s.lengths, "length_qps": s.length_qps, "qps": s.qps,
+                                           "qps_length": s.qps_length, "qps_floor": s.qps_floor, "max_len": max_len}}
+    base = modes["baseline"]
+    result["baseline"] = base
+    result["relay"] = {**modes["relay"], **_relay_totals(modes["relay"])}
+    result["max_len_ratio"] = ratio(result["relay"]["max_len_at_slo"], base["max_len_at_slo"])
+    result["slo_qps_ratio"] = ratio(result["relay"]["max_qps_at_slo"], base["max_qps_at_slo"])
+    result["ablations"] = {a: {**modes[a], "max_len_ratio": ratio(modes[a]["max_len_at_slo"], base["max_len_at_slo"]),
+                               "slo_qps_ratio": ratio(modes[a]["max_qps_at_slo"], base["max_qps_at_slo"])}
+                           for a in ABLATIONS}
+    rp = modes["relay"]["points"]
+    result["prefill_tokens"] = {"computed": _tokens(rp, "prefill_tokens_computed"),
+                                "without_incremental": _tokens(rp, "prefill_tokens_without_incremental")}
+    result["overload"] = over
     result["max_abs_score_diff"] = diff
+    result["score_diff_samples"] = {"n": len(kept), "after_growth": sum(1 for k in kept if k["grew"]),
+                                    "by_mode": dict(Counter(k["mode"] for k in kept))}
+    if len(kept) < SCORE_SAMPLES_MIN:
+        _log(f"only {len(kept)} cache hits to check against full inference (the protocol wants "
+             f"{SCORE_SAMPLES_MIN})")
+    result["trace"] = probe[0].shape
     return result
 
 
@@ -326,39 +530,71 @@ def _json_safe(x: Any) -> Any:
     return x
 
 
-def run(args: argparse.Namespace) -> int:
+def _brief(result: dict[str, Any]) -> dict[str, Any]:
+    """The printed object: everything but the per-repeat details (those stay in the file)."""
+    def strip(res: dict[str, Any]) -> dict[str, Any]:
+        return {**res, "points": [{k: v for k, v in p.items() if k != "repeats"} for p in res["points"]]}
+
+    out = {**result, "baseline": strip(result["baseline"]), "relay": strip(result["relay"])}
+    out["ablations"] = {k: strip(v) for k, v in result["ablations"].items()}
+    return out
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
     from grstack.runtime.errors import UserError
 
-    cfg = dict(QUICK if args.quick else FULL)
-    if args.lengths:
-        cfg["lengths"] = sorted(int(x) for x in args.lengths.split(","))
-    if args.qps:
-        cfg["qps"] = sorted(float(x) for x in args.qps.split(","))
-    if args.slo_ms <= 0 or args.length_qps <= 0 or min(cfg["lengths"]) < 1 or min(cfg["qps"]) <= 0:
-        raise UserError("--slo-ms, --length-qps, --lengths and --qps must be positive")
-    wl = Workload()
+    preset = QUICK if args.quick else FULL
+
+    def floats(flag: str, text: str | None, default: list[float]) -> list[float]:
+        if text is None:
+            return list(default)
+        try:
+            vals = sorted(float(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise UserError(f"{flag}: expected comma-separated numbers, got {text!r}") from None
+        if not vals or min(vals) <= 0:
+            raise UserError(f"{flag}: values must be positive, got {text!r}")
+        return vals
+
+    s = Settings(users=args.users or preset["users"],
+                 lengths=[int(x) for x in floats("--lengths", args.lengths, preset["lengths"])],
+                 length_qps=args.length_qps or preset["length_qps"], qps=floats("--qps", args.qps, preset["qps"]),
+                 qps_length=args.qps_length or preset["qps_length"], repeats=args.repeats or preset["repeats"],
+                 slo_ms=args.slo_ms, gap_ms=args.cascade_gap_ms, measured=args.measured, warmup=args.warmup,
+                 seed=args.seed, out=Path(args.out), qps_floor=args.qps_floor)
+    checks = (("--users", s.users >= 1), ("--slo-ms", s.slo_ms > 0), ("--cascade-gap-ms", s.gap_ms >= 0),
+              ("--length-qps", s.length_qps > 0), ("--qps-length", s.qps_length >= 1),
+              ("--repeats", s.repeats >= 1), ("--measured", s.measured >= 1), ("--warmup", s.warmup >= 0),
+              ("--lengths", min(s.lengths) >= 1), ("--qps-floor", s.qps_floor > 0))
+    for flag, ok in checks:
+        if not ok:
+            raise UserError(f"{flag}: must be positive (--warmup and --cascade-gap-ms may be 0)")
+    if max(*s.lengths, s.qps_length) > MAX_LENGTH:
+        raise UserError(f"--lengths/--qps-length: at most {MAX_LENGTH} events (a request carries at most 100,000 "
+                        f"with the growth)")
+    return s
+
+
+def run(args: argparse.Namespace) -> int:
+    s = settings_from(args)
+    if s.measured < 1000:
+        _log(f"--measured {s.measured}: below the protocol's 1,000 measured ranks per point (a smoke run)")
+    _log(f"P99 SLO {s.slo_ms:g} ms; {s.users} users, {s.warmup} warm-up visits + {s.measured} measured ranks per "
+         f"point, {s.repeats} repeat(s), cascade gap {s.gap_ms:g} ms; estimate {s.total_seconds() / 60:.1f} min if "
+         f"every swept point of every mode runs, {s.total_seconds(probe=True) / 60:.1f} min if every mode also "
+         f"fails the lowest QPS and is probed down to {s.qps_floor:g}")
     t0 = time.perf_counter()
-    result = _json_safe(asyncio.run(_bench(args, cfg, wl)))
-    plot = Path(args.out) / "serve-p99.png"
-    _plot(result, plot)
-    reached = {f"{mode}_{key}_limit_reached": any(not p["meets_slo"] for p in result[mode]["points"]
-                                                   if p["sweep"] == sweep)
-               for mode in ("baseline", "relay") for key, sweep in (("len", "length"), ("qps", "qps"))}
-    details = {**result, **reached, "workload": {**wl.__dict__, "users_per_point": cfg["users"], "length_qps": args.length_qps,
-                                      "qps_length": args.qps_length, "risk_fraction": RISK_FRACTION,
-                                      "prefill_budget_ms_per_s": 1000.0, "device_cache_mb": 24},
-               "plot": str(plot), "seconds": round(time.perf_counter() - t0, 1)}
-    (Path(args.out) / "serve-bench.json").write_text(json.dumps(details, indent=2))
+    result = _json_safe(asyncio.run(bench(s)))
+    png = s.out / "serve-p99.png"
+    plot(result, png)
+    details = {**result, "plot": str(png), "seconds": round(time.perf_counter() - t0, 1)}
+    s.out.mkdir(parents=True, exist_ok=True)
+    (s.out / "serve-bench.json").write_text(json.dumps(details, indent=2))
     if not args.json:
-        _log(f"P99 SLO {result['slo_ms']:g} ms: max length {result['baseline']['max_len_at_slo']} -> "
-             f"{result['relay']['max_len_at_slo']} (x{result['max_len_ratio']}), max QPS "
-             f"{result['baseline']['max_qps_at_slo']} -> {result['relay']['max_qps_at_slo']} "
-             f"(x{result['slo_qps_ratio']}); max |score diff| {result['max_abs_score_diff']:.2e}; plot {plot}; "
+        r, b = result["relay"], result["baseline"]
+        _log(f"P99 SLO {s.slo_ms:g} ms: max length {b['max_len_at_slo']} -> {r['max_len_at_slo']} "
+             f"(x{result['max_len_ratio']}), max QPS {b['max_qps_at_slo']} -> {r['max_qps_at_slo']} "
+             f"(x{result['slo_qps_ratio']}); max |score diff| {result['max_abs_score_diff']}; plot {png}; "
              f"{details['seconds']} s")
-        for mode in ("relay",):
-            for key in ("len", "qps"):
-                if not reached[f"{mode}_{key}_limit_reached"]:
-                    _log(f"{mode} met the SLO at every swept {'length' if key == 'len' else 'QPS'}: its limit "
-                         f"(and the ratio) is at least what is shown")
-    print(json.dumps(result))
+    print(json.dumps(_brief(result)))
     return 0

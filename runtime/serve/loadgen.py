@@ -2,7 +2,8 @@
 
 Latency is measured from each request's scheduled send time, so a server that falls behind is charged for
 the queueing it causes (no coordinated omission). A request that fails or times out counts as a latency
-of +inf, so it always violates an SLO.
+of +inf, so it always violates an SLO. ``Result.kind`` sorts answers into ok / shed (503 or 504 carrying
+``X-Grstack-Shed``) / other errors, as the overload checks count them.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -33,6 +34,19 @@ class Result:
     latency_ms: float
     payload: dict[str, Any] | None
     error: str = ""
+    headers: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def kind(self) -> str:
+        """``ok`` (200), ``shed_503`` / ``shed_504`` (refused or dropped on purpose, ``X-Grstack-Shed``), or an
+        error: ``timeout``, ``connection``, ``http_<status>``."""
+        if self.status == 200:
+            return "ok"
+        if self.status in (503, 504) and "X-Grstack-Shed" in self.headers:
+            return f"shed_{self.status}"
+        if self.status == 0:
+            return "timeout" if "Timeout" in self.error.split(":", 1)[0] else "connection"
+        return f"http_{self.status}"
 
 
 def poisson_times(qps: float, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -48,7 +62,7 @@ async def _send(session: aiohttp.ClientSession, base_url: str, req: Request, sch
             raw = await resp.read()
             latency = (loop.time() - scheduled) * 1e3
             payload = json.loads(raw) if raw else None
-            return Result(req, resp.status, latency, payload)
+            return Result(req, resp.status, latency, payload, headers=dict(resp.headers))
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
         return Result(req, 0, math.inf, None, f"{type(exc).__name__}: {exc}")
 

@@ -1,0 +1,48 @@
+"""``grstack bench serve`` end to end on a tiny trace: every mode on fresh rankers, the overload run, the
+score check and every JSON key the protocol promises."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+TINY = ["--users", "50", "--lengths", "48", "--qps", "40", "--length-qps", "40", "--qps-length", "48",
+        "--measured", "30", "--warmup", "8", "--repeats", "1", "--qps-floor", "40", "--slo-ms", "5000",
+        "--cascade-gap-ms", "20"]
+
+
+def test_tiny_run_reports_every_mode_the_overload_run_and_the_score_check(tmp_path):
+    proc = subprocess.run([sys.executable, "-P", "-m", "grstack.runtime.cli", "bench", "serve", *TINY, "--out",
+                           str(tmp_path), "--json"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    proto = out["protocol"]
+    assert proto["prefill_on_clock"] is True and proto["preload"] is False
+    assert (proto["users"], proto["measured_requests_min"], proto["repeats"], proto["cascade_gap_ms"],
+            proto["slo_ms"], proto["rankers"], proto["warmup_visits"]) == (50, 30, 1, 20.0, 5000.0, 2, 8)
+    assert out["slo_ms"] == 5000.0
+    for mode in (out["baseline"], out["relay"], *out["ablations"].values()):
+        assert {"points", "max_len_at_slo", "max_qps_at_slo"} <= set(mode)
+        assert all(p["n"] == 30 for p in mode["points"])
+    assert set(out["ablations"]) == {"no_trigger", "no_affinity", "no_expander"}
+    for ab in out["ablations"].values():
+        assert "max_len_ratio" in ab and "slo_qps_ratio" in ab
+    assert all(p["hit_rate"] in (0.0, None) for p in out["baseline"]["points"])  # relay off: every rank is full
+    # pre-infer every visit: the signal 20 ms ahead finds (or is joined by) most ranks
+    assert any((p["hit_rate"] or 0) > 0 for p in out["ablations"]["no_trigger"]["points"])
+    for key in ("max_len_ratio", "slo_qps_ratio", "max_abs_score_diff"):
+        assert key in out
+    for key in ("hit_rate", "prefill_cpu_share", "device_bytes", "dram_bytes"):
+        assert key in out["relay"]
+    assert set(out["prefill_tokens"]) == {"computed", "without_incremental"}
+    assert {"offered_qps", "served_qps", "shed_fraction", "p99_ms_served", "errors_other"} <= set(out["overload"])
+    assert out["overload"]["n"] == 30
+    assert {"users", "top1pct_population_visit_share", "prefix_grew_fraction"} <= set(out["trace"])
+    # relay cache hits (topped up by no_trigger's) recomputed by full inference in fp32
+    assert out["score_diff_samples"]["n"] > 0 and out["max_abs_score_diff"] <= 1e-4
+    assert (tmp_path / "serve-p99.png").stat().st_size > 0
+    saved = json.loads((tmp_path / "serve-bench.json").read_text())
+    assert "repeats" in saved["relay"]["points"][0]  # the file keeps the per-repeat details

@@ -1,0 +1,132 @@
+"""``bench serve``'s rules: a limit is the largest value for which it and every smaller value pass; a sweep
+stops at its first failure (probing down by halves when the lowest fails); answers are sorted into served,
+shed and other errors; repeats combine by the median P99; ranker counters become per-point deltas."""
+
+import asyncio
+import math
+
+import pytest
+
+from grstack.runtime.bench.serve import combine, run_sweep, state_deltas, summarize, sweep_limit
+from grstack.runtime.serve.loadgen import Request, Result
+
+pytestmark = pytest.mark.unit
+
+
+def pts(*pairs):
+    return [{"qps": v, "meets_slo": ok} for v, ok in pairs]
+
+
+def test_limit_needs_every_smaller_value_to_pass():
+    assert sweep_limit(pts((10, True), (20, True), (40, False)), "qps") == 20
+    assert sweep_limit(pts((10, True), (20, False), (40, True)), "qps") == 10  # a later pass cannot count
+    assert sweep_limit(pts((40, True), (10, False), (20, True)), "qps") is None  # order of the list is irrelevant
+    assert sweep_limit(pts((10, True), (20, True)), "qps") == 20
+    assert sweep_limit([], "qps") is None
+
+
+def sweep(values, passing, floor=None):
+    seen = []
+
+    async def measure(v):
+        seen.append(v)
+        return {"qps": v, "meets_slo": passing(v)}
+
+    points = asyncio.run(run_sweep(values, measure, floor))
+    return seen, points
+
+
+def test_sweep_stops_at_the_first_failure():
+    seen, points = sweep([40, 10, 20, 80], lambda v: v <= 20)
+    assert seen == [10, 20, 40]  # ascending, 80 never measured
+    assert sweep_limit(points, "qps") == 20
+
+
+def test_sweep_probes_down_by_halves_when_the_lowest_fails():
+    seen, points = sweep([10, 20], lambda v: v <= 3, floor=2.5)
+    assert seen == [10, 5, 2.5]
+    assert [p["qps"] for p in points] == [2.5, 5, 10]
+    assert sweep_limit(points, "qps") == 2.5
+    seen, points = sweep([10, 20], lambda v: False, floor=2.5)
+    assert seen == [10, 5, 2.5] and sweep_limit(points, "qps") is None
+    seen, _ = sweep([10, 20], lambda v: v <= 6, floor=2.5)
+    assert seen == [10, 5]  # stops at the first passing probe
+    seen, _ = sweep([10, 20], lambda v: False)
+    assert seen == [10]  # no floor (the length sweep): no probing
+
+
+def res(status, ms, measure=True, headers=None, payload=None, error=""):
+    return Result(Request(0.0, "/v1/rank", b"", "u", measure), status, ms, payload, error, headers or {})
+
+
+def test_answers_are_sorted_into_served_shed_and_other_errors():
+    shed = {"X-Grstack-Shed": "deadline"}
+    assert res(200, 1.0).kind == "ok"
+    assert res(504, 1.0, headers=shed).kind == "shed_504"
+    assert res(503, 1.0, headers={"X-Grstack-Shed": "queue-full"}).kind == "shed_503"
+    assert res(503, 1.0).kind == "http_503"  # a 503 without the shed header is a failure, not a shed
+    assert res(0, math.inf, error="TimeoutError: ").kind == "timeout"
+    assert res(0, math.inf, error="ClientConnectorError: refused").kind == "connection"
+
+
+def test_summary_counts_measured_ranks_only_and_fails_on_any_error():
+    ok = [Result(Request(i * 0.1, "/v1/rank", b"", "u", True), 200, 10.0 + i, {"cache": "device" if i % 2 else "miss"})
+          for i in range(99)]
+    warm = [res(504, math.inf, measure=False, headers={"X-Grstack-Shed": "deadline"})]
+    s = summarize(ok + warm, slo_ms=200.0)
+    assert s["n"] == 99 and s["meets_slo"] and s["errors_by_kind"] == {}
+    assert s["hit_rate"] == pytest.approx(49 / 99) and s["cache"] == {"device": 49, "miss": 50}
+    assert s["served_qps"] == pytest.approx(99 / 9.8)
+    shed = Result(Request(9.9, "/v1/rank", b"", "u", True), 504, 150.0, None, "", {"X-Grstack-Shed": "deadline"})
+    s = summarize([*ok, shed], slo_ms=200.0)
+    assert s["errors_by_kind"] == {"shed_504": 1} and not s["meets_slo"] and s["p99_ms_shed"] == 150.0
+
+
+def test_repeats_combine_by_median_p99_with_spread():
+    base = {"n": 10, "p50_ms": 5.0, "errors_by_kind": {}, "cache": {"device": 5, "miss": 5},
+            "prefill_tokens_computed": 10, "prefill_tokens_without_incremental": 20, "joined_inflight_ranks": 1,
+            "prefill_cpu_share": 0.2, "device_bytes": 1, "dram_bytes": 2}
+    runs = [{**base, "p99_ms": 50.0}, {**base, "p99_ms": math.inf, "errors_by_kind": {"timeout": 1}},
+            {**base, "p99_ms": 90.0}]
+    c = combine(runs, slo_ms=100.0)
+    assert c["p99_ms"] == 90.0 and c["p99_ms_min"] == 50.0 and c["p99_ms_max"] == math.inf
+    assert c["meets_slo"] and c["errors_by_kind"] == {"timeout": 1} and c["n"] == 30
+    assert c["prefill_tokens_computed"] == 30 and c["hit_rate"] == pytest.approx(0.5)
+    assert not combine(runs[1:], slo_ms=80.0)["meets_slo"]
+
+
+def test_ranker_counters_become_deltas_and_absent_fields_none():
+    before = [{"compute_ms_total": {"prefill": 10.0, "rank_cached": 5.0, "rank_full": 5.0},
+               "prefill_tokens_computed": 100, "prefill_tokens_without_incremental": 150, "joined": 1.0,
+               "device_bytes": 7, "dram_bytes": 0}] * 2
+    after = [{"compute_ms_total": {"prefill": 40.0, "rank_cached": 15.0, "rank_full": 25.0},
+              "prefill_tokens_computed": 300, "prefill_tokens_without_incremental": 550, "joined": 3.0,
+              "device_bytes": 9, "dram_bytes": 4}] * 2
+    d = state_deltas(before, after)
+    assert d["prefill_cpu_share"] == pytest.approx(30 / 60)
+    assert d["prefill_tokens_computed"] == 400 and d["prefill_tokens_without_incremental"] == 800
+    assert d["joined_inflight_ranks"] == 4 and d["device_bytes"] == 18 and d["dram_bytes"] == 8
+    old = [{"device_bytes": 1, "dram_bytes": 0, "joined": 0.0}]
+    d = state_deltas(old, old)
+    assert d["prefill_cpu_share"] is None and d["prefill_tokens_computed"] is None
+
+
+def test_score_samples_follow_each_rank_request_to_its_visit_whatever_the_answer_order():
+    import json
+
+    from grstack.runtime.bench.serve import encode, keep_for_score_check
+    from grstack.runtime.bench.serve_trace import TraceConfig, build_trace, population
+
+    cfg = TraceConfig(users=200, length=8, warmup=5, measured=40, seed=1)
+    trace = build_trace(population(cfg.users, cfg.seed), cfg)
+    reqs, visit_of = encode(trace, "t")
+    ranks = [r for r in reqs if r.path == "/v1/rank"]
+    assert len(ranks) == len(trace.visits) and sum(r.measure for r in ranks) == cfg.measured
+    assert all(json.loads(p.body)["long_term"] == json.loads(r.body)["long_term"]
+               for p, r in zip(reqs[::2], reqs[1::2], strict=True))  # a signal carries its rank's prefix
+    answers = [Result(r, 200, 1.0, {"cache": "device", "scores": json.loads(r.body)["candidates"]})
+               for r in reversed(ranks)]  # answers in another order than the visits
+    kept = []
+    keep_for_score_check(kept, "relay", trace, visit_of, answers)
+    assert kept and all(k["scores"] == k["candidates"].tolist() for k in kept)
+    assert kept[0]["grew"] or not any(v.grew for v in trace.visits)  # grown histories are checked first

@@ -1,0 +1,95 @@
+"""``bench serve``'s visit trace: seeded, warm-up then measured visits, histories that grow only between
+sessions, signals a jittered cascade gap before their ranks, the point's mean rate, and Zipf-like skew."""
+
+import numpy as np
+import pytest
+
+from grstack.runtime.bench.serve_trace import TraceConfig, build_trace, population, zipf_weights
+
+pytestmark = pytest.mark.unit
+
+CFG = TraceConfig(users=300, length=32, qps=40.0, warmup=30, measured=150, gap_ms=50.0, jitter=0.2, seed=3)
+
+
+@pytest.fixture(scope="module")
+def pop():
+    return population(CFG.users, CFG.seed)
+
+
+@pytest.fixture(scope="module")
+def trace(pop):
+    return build_trace(pop, CFG)
+
+
+def test_same_seed_same_trace_other_seed_other_trace(pop, trace):
+    again = build_trace(pop, CFG)
+    assert [(v.user, v.t, v.wall_s, v.rank_s) for v in again.visits] == \
+        [(v.user, v.t, v.wall_s, v.rank_s) for v in trace.visits]
+    assert all(np.array_equal(a.long_items, b.long_items) and np.array_equal(a.candidates, b.candidates)
+               for a, b in zip(again.visits, trace.visits, strict=True))
+    other = build_trace(population(CFG.users, CFG.seed + 1), TraceConfig(**{**CFG.__dict__, "seed": CFG.seed + 1}))
+    assert [v.t for v in other.visits] != [v.t for v in trace.visits]
+
+
+def test_warmup_then_measured_visits_in_send_order(trace):
+    assert len(trace.visits) == CFG.warmup + CFG.measured
+    walls = [v.wall_s for v in trace.visits]
+    assert walls == sorted(walls) and walls[0] == 0.0
+    assert [v.t for v in trace.visits] == sorted(v.t for v in trace.visits)
+
+
+def test_long_term_fixed_within_a_session_and_grows_between_sessions(trace):
+    by_session, last_by_user = {}, {}
+    grew = 0
+    for v in trace.visits:
+        key = (v.user, v.session)
+        if key in by_session:
+            assert np.array_equal(by_session[key], v.long_items)  # same prefix inside a session
+            assert v.grew is False
+        else:
+            by_session[key] = v.long_items
+        prev = last_by_user.get(v.user)
+        if prev is not None and prev[0] != v.session:
+            assert len(v.long_items) >= len(prev[1])  # a later session's prefix extends the earlier one
+            assert np.array_equal(v.long_items[:len(prev[1])], prev[1])
+            grew += len(v.long_items) > len(prev[1])
+        last_by_user[v.user] = (v.session, v.long_items)
+        assert len(v.long_items) >= CFG.length  # the per-point base, then the window's events
+        assert v.long_ts[-1] < v.short_ts[0] or len(v.long_items) == CFG.length
+        assert 1 <= len(v.short_items) <= CFG.max_short and len(v.candidates) == CFG.candidates
+    assert grew > 0, "no history grew: the trace does not exercise incremental prefixes"
+    assert trace.shape["prefix_grew_fraction"] > 0
+
+
+def test_signal_precedes_rank_by_the_jittered_gap(trace):
+    gaps = np.array([v.rank_s - v.wall_s for v in trace.visits]) * 1e3
+    assert gaps.min() >= CFG.gap_ms * (1 - CFG.jitter) - 1e-9
+    assert gaps.max() <= CFG.gap_ms * (1 + CFG.jitter) + 1e-9
+    assert gaps.std() > 0  # jittered, not constant
+
+
+@pytest.mark.parametrize("qps", [10.0, 80.0])
+def test_rescaled_rate_is_the_points_qps_and_bursts_keep_their_shape(pop, trace, qps):
+    t = build_trace(pop, TraceConfig(**{**CFG.__dict__, "qps": qps}))
+    n = len(t.visits)
+    assert n / t.visits[-1].wall_s == pytest.approx(qps, rel=1e-9)
+    # the same visits at another rate: wall times scale linearly
+    ratio = np.array([v.wall_s for v in t.visits[1:]]) / np.array([v.wall_s for v in trace.visits[1:]])
+    assert np.allclose(ratio, CFG.qps / qps)
+
+
+def test_visits_are_skewed_towards_heavy_users(trace):
+    users = np.array([v.user for v in trace.visits])
+    counts = np.sort(np.bincount(users, minlength=CFG.users))[::-1]
+    top = counts[: int(np.ceil(0.01 * CFG.users))].sum() / len(users)
+    assert top > 0.05  # uniform visits would give the top 1% of users about 1%
+    assert trace.shape["top1pct_population_visit_share"] == pytest.approx(top)
+    w = zipf_weights(np.array([1.0, 5.0, 3.0]), 1.1)
+    assert w.argmax() == 1 and w.sum() == pytest.approx(1.0) and w[2] > w[0]
+
+
+def test_shape_reports_what_the_json_promises(trace):
+    for key in ("users", "visits_per_user_p50", "visits_per_user_p99", "top1pct_population_visit_share",
+                "sessions_per_user_mean", "mean_long_term_len", "prefix_grew_fraction"):
+        assert key in trace.shape
+    assert trace.shape["visits"] == CFG.warmup + CFG.measured
