@@ -184,18 +184,12 @@ def encode(trace: Trace, tag: str) -> tuple[list[Any], dict[int, int]]:
 
 
 async def _ranker_state(session: Any, urls: list[str]) -> list[dict[str, Any]]:
-    """Each ranker's /v1/stats plus its joined-prefill lookups (from /metrics)."""
+    """Each ranker's /v1/stats (``joined``: ranks that joined an in-flight prefill)."""
     out = []
     for url in urls:
         async with session.get(url + "/v1/stats") as resp:
             stats = await resp.json()
-        async with session.get(url + "/metrics") as resp:
-            text = await resp.text()
-        joined = 0.0
-        for line in text.splitlines():
-            if line.startswith("grstack_ranker_cache_lookups_total") and 'result="joined"' in line:
-                joined = float(line.rsplit(" ", 1)[1])
-        out.append({**stats, "joined": joined})
+        out.append({**stats, "joined": stats.get("joined_ranks", 0)})
     return out
 
 

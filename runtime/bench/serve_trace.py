@@ -92,7 +92,7 @@ class Population:
 
 def population(users: int, seed: int) -> Population:
     """``users`` KuaiRand-27K-like users (synth's ``27k`` preset) with sessions marked."""
-    from grstack.runtime.data.synth import synthesize
+    from grstack.runtime.data import synthesize
 
     ds = synthesize("27k", seed, num_users=users)
     ts = np.asarray(ds.timestamps, dtype=np.int64)

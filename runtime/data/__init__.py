@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     )
     from grstack.runtime.data.source import known_item_count, load_source
     from grstack.runtime.data.splits import LeaveOneOut, ranges_index
+    from grstack.runtime.data.synth import synthesize
 
 _EXPORTS = {
     "SequenceDataset": "grstack.runtime.data.dataset",
@@ -53,6 +54,7 @@ _EXPORTS = {
     "fingerprint": "grstack.runtime.data.shards",
     "list_pieces": "grstack.runtime.data.shards",
     "metadata_only": "grstack.runtime.data.shards",
+    "synthesize": "grstack.runtime.data.synth",
 }
 
 __all__ = [
@@ -72,6 +74,7 @@ __all__ = [
     "ranges_index",
     "read_dataset",
     "read_meta",
+    "synthesize",
     "write_dataset",
 ]
 

@@ -164,6 +164,7 @@ class RankerService:
         self._inflight_jobs: dict[tuple[str, str], asyncio.Future[Any]] = {}
         self._prefills_computed = 0
         self._ranks = 0
+        self._joined = 0
 
     def _on_tokens(self, computed: int, without: int) -> None:
         self.metrics.prefill_tokens.inc(computed)
@@ -337,6 +338,7 @@ class RankerService:
                 tier = "device" if kv is not None else None
                 joined = kv is not None
         self.metrics.lookups.labels("joined" if joined else (tier or "miss")).inc()
+        self._joined += joined
         timing: Timing
         base = None if kv is not None or not len(item.long_items) else await self._base(
             req.user_id, item.long_items, item.long_ts)
@@ -372,7 +374,8 @@ class RankerService:
                                compute_ms_total={k: v * 1e3 for k, v in self.scheduler.compute_s.items()},
                                prefill_tokens_computed=self.scheduler.tokens_computed,
                                prefill_tokens_without_incremental=self.scheduler.tokens_without_incremental,
-                               incremental_prefills=self.scheduler.incremental_prefills)
+                               incremental_prefills=self.scheduler.incremental_prefills,
+                               joined_ranks=self._joined)
 
 
 # -- HTTP ---------------------------------------------------------------------------------------------

@@ -358,8 +358,12 @@ class Router:
             self.eject(rid, "consecutive-failures")
 
     def record_success(self, rid: str, seconds: float) -> None:
-        cfg = self.config
         self._failures[rid] = 0
+        self.record_slow(rid, seconds)
+
+    def record_slow(self, rid: str, seconds: float) -> None:
+        """A latency sample (a success, or a try cut at the request's deadline); ejects a latency outlier."""
+        cfg = self.config
         if cfg.outlier_latency_factor is None:
             return
         lat = self._latencies.setdefault(rid, deque(maxlen=max(cfg.outlier_latency_min_samples, 50)))
@@ -688,6 +692,7 @@ class Router:
                     break
                 self.metrics.retries.inc()
             t0 = time.monotonic()
+            budget_bound = remaining < self.config.rank_timeout_s  # this try ends at the request's deadline
             try:
                 status, payload, headers = await self._post_full(
                     rid, "/v1/rank", body, min(self.config.rank_timeout_s, remaining),
@@ -696,9 +701,23 @@ class Router:
                 last_error = f"{rid}: {type(exc).__name__}"
                 self.mark_down(rid)  # nothing listens: down until /readyz answers
                 continue
-            except (aiohttp.ClientError, TimeoutError) as exc:
+            except TimeoutError as exc:
+                if budget_bound:
+                    # The deadline passed while the ranker worked on it: shed (504), never retried. Under load
+                    # every replica is late alike, so this is a latency sample for outlier detection (a hung
+                    # replica stands out against the others), not a failure that ejects.
+                    self.record_slow(rid, time.monotonic() - t0)
+                    self.metrics.shed.labels("deadline").inc()
+                    return error_response(504, f"deadline exceeded: {rid} did not answer within the "
+                                               f"{budget_ms:.0f} ms budget",
+                                          headers={"X-Grstack-Shed": "deadline",
+                                                   "X-Grstack-Attempts": str(attempt + 1)})
                 last_error = f"{rid}: {type(exc).__name__}"
                 self.record_failure(rid)  # slow is not down: outlier detection decides
+                continue
+            except aiohttp.ClientError as exc:
+                last_error = f"{rid}: {type(exc).__name__}"
+                self.record_failure(rid)
                 continue
             if status == 504:  # the ranker dropped it at its deadline: nobody waits for a retry
                 self.metrics.shed.labels("deadline").inc()

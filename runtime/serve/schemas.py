@@ -165,3 +165,5 @@ class CacheStatsModel(_Model):
     prefill_tokens_without_incremental: int = Field(0, description="what a from-scratch prefill would have "
                                                                   "computed for the same work")
     incremental_prefills: int = Field(0, description="prefills and misses that extended a cached older prefix")
+    joined_ranks: int = Field(0, description="ranks that found their prefix being prefilled and joined it (their "
+                                             "answer says cache 'device'; counted as misses above)")

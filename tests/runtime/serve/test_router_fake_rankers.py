@@ -295,3 +295,22 @@ async def test_no_retries_once_the_retry_budget_is_spent() -> None:
         assert sum(len(f.ranks) for f in s.fakes) == 3
         async with s.http.get(s.urls[0] + "/metrics") as resp:
             assert "grstack_router_retries_denied_total 2.0" in await resp.text()
+
+
+async def test_a_try_cut_at_the_deadline_is_shed_with_504_not_counted_as_a_failure() -> None:
+    async with Setup(2, rank_timeout_s=5.0, rank_budget_ms=150, outlier_consecutive_failures=2,
+                     outlier_latency_min_samples=3, outlier_latency_factor=3.0, outlier_latency_floor_ms=1.0,
+                     retry_budget_min=100) as s:
+        slow, fast = s.fakes
+        slow.rank_delay_s = 1.0
+        router = s.routers[0]
+        users = [s.user_first_on(slow, f"d{i}-") for i in range(3)]
+        for user in users[:2]:  # under load every replica may be late: shed, never retried, nothing ejected
+            status, err, headers = await post(s.http, s.urls[0] + "/v1/rank", rank_body(user))
+            assert status == 504 and headers["X-Grstack-Shed"] == "deadline" and "deadline" in err["error"]
+            assert headers["X-Grstack-Attempts"] == "1" and not fast.ranks
+        assert not router.ejected  # two consecutive late tries are not two failures
+        for _ in range(3):  # the other replica answers fast: the late one is now a latency outlier
+            router.record_success(fast.url, 0.002)
+        status, _, _ = await post(s.http, s.urls[0] + "/v1/rank", rank_body(users[2]))
+        assert status == 504 and slow.url in router.ejected
