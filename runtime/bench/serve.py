@@ -26,11 +26,12 @@ from typing import Any
 
 from grstack.runtime.bench.serve_trace import Population, Trace, TraceConfig, build_trace, population
 
+# --quick probes a mode failing its lowest QPS down to 10 QPS only: a point at 5 QPS alone takes 250 s.
 QUICK: dict[str, Any] = {"users": 2000, "lengths": [512, 1024, 2048, 4096], "length_qps": 40.0,
-                         "qps": [40.0, 80.0, 160.0, 320.0], "qps_length": 1024, "repeats": 1}
+                         "qps": [40.0, 80.0, 160.0, 320.0], "qps_length": 1024, "repeats": 1, "qps_floor": 10.0}
 FULL: dict[str, Any] = {"users": 10_000, "lengths": [256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192],
                         "length_qps": 20.0, "qps": [10.0, 20.0, 30.0, 40.0, 60.0, 80.0, 120.0, 160.0, 240.0, 320.0],
-                        "qps_length": 1024, "repeats": 3}
+                        "qps_length": 1024, "repeats": 3, "qps_floor": 2.5}
 MODES = ("baseline", "relay", "no_trigger", "no_affinity", "no_expander")
 ABLATIONS = ("no_trigger", "no_affinity", "no_expander")
 RANKERS = 2
@@ -62,8 +63,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--measured", type=int, default=1000, help="measured rank requests per point (>= 1000 "
                                                                   "in the protocol)")
     parser.add_argument("--warmup", type=int, default=250, help="visits sent before measuring (default 250)")
-    parser.add_argument("--qps-floor", type=float, default=QPS_FLOOR,
-                        help="a mode failing the lowest QPS is probed down by halves to this (default 2.5)")
+    parser.add_argument("--qps-floor", type=float, default=None,
+                        help="a mode failing the lowest QPS is probed down by halves to this (default 2.5; "
+                             "--quick 10)")
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(func=run)
 
@@ -103,7 +105,9 @@ class Settings:
     def mode_seconds(self, probe: bool = False) -> float:
         """One mode when every swept point runs (a failing sweep stops earlier); ``probe``: plus the points
         below a failing lowest QPS (they are slow: a point at 2.5 QPS takes (warm-up + measured) / 2.5 s)."""
-        pts = [self.point_seconds(self.length_qps) for _ in self.lengths] + [self.point_seconds(q) for q in self.qps]
+        shared = self.qps_length in self.lengths and self.length_qps in self.qps
+        pts = [self.point_seconds(self.length_qps) for _ in self.lengths] + [
+            self.point_seconds(q) for q in self.qps if not (shared and q == self.length_qps)]
         lower = self.qps[0] / 2
         while probe and lower >= self.qps_floor:
             pts.append(self.point_seconds(lower))
@@ -371,7 +375,18 @@ async def sweep_mode(m: ModeRun) -> dict[str, Any]:
     s = m.settings
     lengths = await run_sweep([float(x) for x in s.lengths],
                               lambda v: measure_point(m, "length", int(v), s.length_qps))
-    qps = await run_sweep(s.qps, lambda v: measure_point(m, "qps", s.qps_length, v), floor=s.qps_floor)
+    measured = {(p["length"], p["qps"]): p for p in lengths}
+
+    async def qps_point(v: float) -> dict[str, Any]:
+        # The length sweep's point at the QPS sweep's length and QPS ran the very same trace (same seeds):
+        # it is that point, not measured twice.
+        same = measured.get((s.qps_length, v))
+        if same is not None:
+            _log(f"{m.mode:11s} qps    length={s.qps_length:5d} qps={v:6.1f}: the length sweep's point (same trace)")
+            return {**same, "sweep": "qps", "shared_with": "length"}
+        return await measure_point(m, "qps", s.qps_length, v)
+
+    qps = await run_sweep(s.qps, qps_point, floor=s.qps_floor)
     pts = lengths + qps
     out = {"points": pts, "max_len_at_slo": sweep_limit(lengths, "length"), "max_qps_at_slo": sweep_limit(qps, "qps")}
     for key, swept, vals in (("length", lengths, s.lengths), ("QPS", qps, s.qps)):
@@ -555,7 +570,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
                  length_qps=args.length_qps or preset["length_qps"], qps=floats("--qps", args.qps, preset["qps"]),
                  qps_length=args.qps_length or preset["qps_length"], repeats=args.repeats or preset["repeats"],
                  slo_ms=args.slo_ms, gap_ms=args.cascade_gap_ms, measured=args.measured, warmup=args.warmup,
-                 seed=args.seed, out=Path(args.out), qps_floor=args.qps_floor)
+                 seed=args.seed, out=Path(args.out),
+                 qps_floor=args.qps_floor or preset["qps_floor"])
     checks = (("--users", s.users >= 1), ("--slo-ms", s.slo_ms > 0), ("--cascade-gap-ms", s.gap_ms >= 0),
               ("--length-qps", s.length_qps > 0), ("--qps-length", s.qps_length >= 1),
               ("--repeats", s.repeats >= 1), ("--measured", s.measured >= 1), ("--warmup", s.warmup >= 0),
