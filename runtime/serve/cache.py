@@ -118,11 +118,12 @@ class TieredKVCache:
         self._evict_device()
         return True
 
-    def reserve(self, tokens: int, base: PrefixKV | None = None) -> PrefixKV | None:
+    def reserve(self, tokens: int, base: PrefixKV | None = None, *, evict: bool = True) -> PrefixKV | None:
         """An arena range of ``tokens`` whose first ``base.length`` tokens hold ``base``'s K/V (empty without
         one), for a prefill to write its chunks into; the caller holds it (caches it with :meth:`put` or
-        releases it). Device entries are evicted LRU (to DRAM) until a range fits, compacting the arena when
-        enough tokens are free but scattered; None without an arena or when no range can be had."""
+        releases it). Device entries are evicted LRU (to DRAM) until a range fits (``evict``: for work whose
+        result is cached, not for a transient one), compacting the arena when enough tokens are free but
+        scattered; None without an arena or when no range can be had."""
         arena = self.arena
         if arena is None or tokens > arena.capacity:
             return None
@@ -135,7 +136,7 @@ class TieredKVCache:
                     block = arena.alloc(tokens)
                 if block is not None:
                     return arena.store(block, base) if base is not None else arena.prefix(block)
-                if not self._device:
+                if not evict or not self._device:
                     return None
                 self._evict_one()
         finally:

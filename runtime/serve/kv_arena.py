@@ -116,6 +116,10 @@ class KVArena:
         if tokens < 0:
             raise ValueError(f"tokens must be >= 0, got {tokens}")
         with self._lock:
+            if tokens == 0:  # holds nothing: always granted, even when the arena is full
+                block = ArenaBlock(0, 0)
+                self._blocks.add(block)
+                return block
             for i, (start, n) in enumerate(self._free):
                 if n >= tokens:
                     if n == tokens:

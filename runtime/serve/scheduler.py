@@ -121,9 +121,10 @@ class ComputeScheduler:
     max_step_tokens: int | None = None  # new tokens of one batched chunk step (at least one job); None: no bound
     on_tokens: Callable[[int, int], None] | None = None  # (computed, without incremental) per step
     on_compute: Callable[[str, float], None] | None = None  # (kind, seconds) per step
-    # (tokens, base) -> an arena range of ``tokens`` holding ``base``'s K/V (None: none could be had); with
-    # it a prefill or miss writes its chunks in place instead of concatenating (RankerConfig.kv_arena)
-    reserve: Callable[[int, PrefixKV | None], PrefixKV | None] | None = None
+    # (tokens, base, evict) -> an arena range of ``tokens`` holding ``base``'s K/V (None: none could be had);
+    # with it a prefill or miss writes its chunks in place instead of concatenating (RankerConfig.kv_arena).
+    # ``evict``: cached entries may be evicted for it (not for a miss without a base: its result is not cached)
+    reserve: Callable[..., PrefixKV | None] | None = None
     _hits: deque[_Hit] = field(default_factory=deque)
     _misses: deque[_Job] = field(default_factory=deque)
     _prefills: deque[_Job] = field(default_factory=deque)
@@ -185,7 +186,9 @@ class ComputeScheduler:
         fut = asyncio.get_running_loop().create_future()
         job = _Job(fut, self.clock(), items, ts, kv, kv.length, item, deadline)
         short = item is not None and base is None and len(items) <= self.engine.chunk  # ranked by full inference
-        room = self.reserve(len(items), base) if self.reserve is not None and not short and len(items) else None
+        room = None
+        if self.reserve is not None and not short and len(items):
+            room = self.reserve(len(items), base, evict=item is None or base is not None)
         if room is not None:
             job.kv, job.reserved = room, True
         if job.kv.pin():

@@ -257,3 +257,30 @@ async def test_ranker_with_arena_scores_as_full_inference(kit) -> None:
         assert service.arena.used_tokens == 36  # only the current version is held
     finally:
         await service.scheduler.stop()
+
+
+async def test_a_miss_uses_free_room_but_never_evicts_for_it(kit) -> None:
+    """A rank miss's prefix is not cached: it is computed in a free arena range (released afterwards) when one
+    is there, and aside otherwise — cached prefixes are not evicted for it."""
+    eng = RelayEngine(kit.make_model(max_len=120), max_suffix=8, chunk=16)
+    arena = KVArena(eng.model, 100, backend=eng.backend)
+    cache = TieredKVCache(arena.capacity_bytes, 1 << 30, 60.0, arena=arena)
+    sched = ComputeScheduler(eng, reserve=cache.reserve)
+    items, ts = history(70, seed=4)
+    item = eng.canonical(items[:60], ts[:60], items[60:], ts[60:], [5, 6], int(ts[-1]) + 1)
+    want = eng.rank_encode([item])[0]
+    reserved = []
+    real = cache.reserve
+    cache.reserve = lambda *a, **kw: reserved.append(r := real(*a, **kw)) or r  # type: ignore[method-assign]
+    sched.reserve = cache.reserve
+    sched.start()
+    try:
+        got, _ = await sched.rank_full(item)  # 100 tokens free: computed in the arena
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+        assert isinstance(reserved[-1], ArenaKV) and arena.free_tokens == 100
+        cache.put("a", "v", eng.prefill(*history(50, seed=5)))
+        got, _ = await sched.rank_full(item)  # 50 free < 60: aside, and "a" stays on the device
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+        assert reserved[-1] is None and cache.tier_of("a", "v") == "device" and arena.free_tokens == 50
+    finally:
+        await sched.stop()
