@@ -140,6 +140,9 @@ def hstu_attention_with_prefix(
     The result equals the rows of the new tokens in :func:`hstu_attention` over the whole sequence (``N`` is
     constant, so the prefix's K/V do not depend on what follows it).
 
+    On ``triton``, per-sequence tensors that are views of one storage (a serving KV arena's token ranges,
+    in any order, with gaps) are read in place by start row and length; others are concatenated per call.
+
     ``plan`` (:func:`make_prefix_plan`, one per forward) lets every layer reuse what depends only on the
     batch (masks, bias indices, device offsets); without one each call builds its own.
     """

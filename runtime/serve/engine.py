@@ -7,7 +7,9 @@ with latency-critical work); ranking then runs only the short-term tokens and th
 layers, attending to the cached prefix. The model does the compute (:meth:`HSTU.prefill_kv`,
 :meth:`HSTU.encode_with_prefix`, over :func:`grstack.kernels.hstu_attention_with_prefix`); this engine
 canonicalises requests, batches them and keeps the K/V in the layout the kernels' backend wants
-(head-major [H, P, d] on CPU, token-major [P, H, d] for Triton on CUDA).
+(head-major [H, P, d] on CPU, token-major [P, H, d] for Triton on CUDA). A prefix may live in a per-replica
+KV arena (:mod:`grstack.runtime.serve.kv_arena`): then :meth:`RelayEngine.extend` writes each chunk into its
+reserved range in place, and ranking passes views of the arena.
 
 Token layout of one ranking request, identical for the cached and the full path::
 
@@ -166,7 +168,8 @@ class RelayEngine:
     # -- prefill ------------------------------------------------------------------------------------
     @torch.no_grad()
     def extend(self, prefix: PrefixKV, items: np.ndarray, ts: np.ndarray) -> PrefixKV:
-        """K/V of ``prefix`` followed by the tokens ``items`` (one chunk of a prefill)."""
+        """K/V of ``prefix`` followed by the tokens ``items`` (one chunk of a prefill): written in place when
+        ``prefix`` has the room reserved (a KV arena range), else concatenated into new tensors."""
         n = len(items)
         if n == 0:
             return prefix
@@ -184,9 +187,10 @@ class RelayEngine:
     @torch.no_grad()
     def extend_many(self, prefixes: Sequence[PrefixKV], items: Sequence[np.ndarray],
                     ts: Sequence[np.ndarray]) -> list[PrefixKV]:
-        """:meth:`extend` of several users' prefixes at once: one model call jagged over the sequences (the
-        model returns the new tokens' K/V of all sequences in order; they are split per sequence here).
-        A single non-empty sequence goes through :meth:`extend` itself."""
+        """:meth:`extend` of several users' prefixes at once: one model call jagged over the sequences. A
+        prefix with room reserved in a KV arena gets its new K/V written in place; the others' come back from
+        the model in order and are split and concatenated per sequence here. A single non-empty sequence goes
+        through :meth:`extend` itself."""
         out = list(prefixes)
         live = [b for b in range(len(prefixes)) if len(items[b])]
         if len(live) == 1:

@@ -16,6 +16,10 @@ prefills are not, but a prefill must not starve: after ``prefill_every`` consecu
 prefills waiting, one prefill step runs. Chunking (and ``max_step_tokens``, a bound on the tokens of one
 batched step) keeps any rank from waiting behind more than one step of long prefills.
 
+With a KV arena (``reserve``), a prefill or miss reserves its whole prefix's range when queued (the base copied
+into it once) and its chunks are written in place; a queued rank pins the range of its prefix, so eviction
+can neither move nor reuse it before the rank has read it.
+
 Overload: the rank queues (hits and misses together) hold at most ``max_queue`` requests and the prefill
 queue ``max_prefill_queue``; beyond that a submission raises :class:`QueueFull` at once (the ranker answers
 503 with ``Retry-After``), nothing already queued is touched. A rank may carry a deadline (scheduler
