@@ -128,3 +128,40 @@ def test_shared_base_rejects_unrelated_tensors() -> None:
     assert attention.shared_base([a[1:3], b[0:2]]) is None
     base, starts = attention.shared_base([a[3:5], a.new_zeros(0, 2, 4), a[0:2]])
     assert starts == [3, 0, 0] and base.shape == (5, 2, 4) and base.data_ptr() == a.data_ptr()
+
+
+def test_serving_engine_on_triton_writes_and_reads_a_token_major_arena(device) -> None:
+    """The relay engine on the Triton backend: a chunked prefill written in place into a token-major arena
+    and a rank batch read from its views (out of order, with a gap) equal the concatenating path."""
+    import numpy as np
+
+    from grstack.runtime.model.hstu import HSTU
+    from grstack.runtime.serve.engine import RelayEngine
+    from grstack.runtime.serve.kv_arena import ArenaKV, KVArena
+
+    torch.manual_seed(0)
+    model = HSTU(50, max_len=40, d_model=16, num_blocks=2, num_heads=2, dqk=8, dv=8, dropout=0.0,
+                 input_dropout=0.0, time_buckets=16)
+    eng = RelayEngine(model, device=device, max_suffix=4, chunk=8, backend="triton")
+    arena = KVArena(eng.model, 64, backend=eng.backend)
+    assert arena.layout.seq_dim == 0
+    rng = np.random.default_rng(0)
+    reqs, plain, views = [], [], []
+    for n in (20, 9):
+        items, ts = rng.integers(1, 51, n + 3), 1_000 + np.cumsum(rng.integers(1, 5000, n + 3))
+        reqs.append(eng.canonical(items[:n], ts[:n], items[n:], ts[n:], [1, 2], int(ts[-1]) + 1))
+        plain.append(eng.prefill(reqs[-1].long_items, reqs[-1].long_ts))
+        arena.alloc(5)
+        views.append(eng.prefill(reqs[-1].long_items, reqs[-1].long_ts, arena.prefix(arena.alloc(n))))
+        assert isinstance(views[-1], ArenaKV)
+        for a, b in zip((*plain[-1].keys, *plain[-1].values), (*views[-1].keys, *views[-1].values), strict=True):
+            _close(b.cpu(), a.cpu(), 1e-6, "prefix K/V")
+    real = triton_hstu.hstu_attention_with_prefix_triton
+    with mock.patch.object(triton_hstu, "hstu_attention_with_prefix_triton", wraps=real) as spy:
+        got = eng.rank_cached(views[::-1], reqs[::-1])
+    assert spy.call_count == 2 and all(c.kwargs.get("prefix_starts") is not None for c in spy.call_args_list)
+    assert all(c.args[4].data_ptr() == arena.keys[i].data_ptr() + 5 * arena.keys[i].stride(0) * 4
+               for i, c in enumerate(spy.call_args_list))  # read in place, from the first range (row 5)
+    want = eng.rank_cached(plain[::-1], reqs[::-1])
+    for g, w in zip(got, want, strict=True):
+        _close(g.cpu(), w.cpu(), 2e-5, "scores")
