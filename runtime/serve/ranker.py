@@ -128,6 +128,15 @@ class _Metrics:
         entries = Gauge("grstack_ranker_cache_entries", "prefixes held", ["tier"], registry=r)
         entries.labels("device").set_function(lambda: service.cache.entries("device"))
         entries.labels("dram").set_function(lambda: service.cache.entries("dram"))
+        arena = service.arena
+        if arena is not None:
+            tokens = Gauge("grstack_ranker_kv_arena_tokens", "KV arena tokens: capacity, used, largest free range",
+                           ["state"], registry=r)
+            tokens.labels("capacity").set_function(lambda: arena.capacity)
+            tokens.labels("used").set_function(lambda: arena.used_tokens)
+            tokens.labels("largest_free").set_function(arena.largest_free)
+            moves = Gauge("grstack_ranker_kv_arena_compactions", "KV arena compactions so far", registry=r)
+            moves.set_function(lambda: arena.compactions)
         depth = Gauge("grstack_ranker_queue_depth", "requests waiting for compute", ["queue"], registry=r)
         for q in ("hits", "misses", "prefills"):
             depth.labels(q).set_function(lambda q=q: service.scheduler.depth()[q])

@@ -13,6 +13,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client import generate_latest
 
 from grstack.kernels import PrefixLayout
 from grstack.runtime.serve.cache import TieredKVCache
@@ -255,6 +256,8 @@ async def test_ranker_with_arena_scores_as_full_inference(kit) -> None:
                                                   b["candidates"], b["timestamp"])])[0]
             np.testing.assert_allclose(np.array(res.scores), full.numpy(), atol=1e-5)
         assert service.arena.used_tokens == 36  # only the current version is held
+        metrics = generate_latest(service.metrics.registry).decode()
+        assert 'grstack_ranker_kv_arena_tokens{state="used"} 36.0' in metrics
     finally:
         await service.scheduler.stop()
 
