@@ -140,6 +140,9 @@ def hstu_attention_with_prefix(
     The result equals the rows of the new tokens in :func:`hstu_attention` over the whole sequence (``N`` is
     constant, so the prefix's K/V do not depend on what follows it).
 
+    On ``triton``, per-sequence tensors that are views of one storage (a serving KV arena's token ranges,
+    in any order, with gaps) are read in place by start row and length; others are concatenated per call.
+
     ``plan`` (:func:`make_prefix_plan`, one per forward) lets every layer reuse what depends only on the
     batch (masks, bias indices, device offsets); without one each call builds its own.
     """
@@ -167,10 +170,51 @@ def hstu_attention_with_prefix(
     return hstu_attention_with_prefix_cpu(q, k, v, offsets, k_prefix, v_prefix, plan=plan, **kwargs)
 
 
+def shared_base(parts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]] | None:
+    """When every non-empty part is a view of one storage along dim 0 with equal strides (a KV arena's token
+    ranges), a view spanning them all and each part's first row in it (0 for an empty part); else None."""
+    live = [p for p in parts if p.shape[0]]
+    if not live:
+        return (parts[0], [0] * len(parts)) if parts else None
+    first = live[0]
+    storage, stride, inner = first.untyped_storage().data_ptr(), first.stride(), first.shape[1:]
+    if stride[-1] != 1 or stride[0] <= 0:
+        return None
+    for p in live:
+        if (p.untyped_storage().data_ptr() != storage or p.stride() != stride or p.shape[1:] != inner
+                or p.dtype != first.dtype):
+            return None
+    lo = min(p.storage_offset() for p in live)
+    if any((p.storage_offset() - lo) % stride[0] for p in live):
+        return None
+    rows = max((p.storage_offset() - lo) // stride[0] + p.shape[0] for p in live)
+    base = first.as_strided((rows, *inner), stride, lo)
+    return base, [(p.storage_offset() - lo) // stride[0] if p.shape[0] else 0 for p in parts]
+
+
 def _prefix_triton(q, k, v, offsets, k_prefix, v_prefix, plan: PrefixPlan, *, prefix_timestamps, **kwargs):
-    """The fused kernel takes one jagged [sum_P, H, d] prefix: per-sequence tensors are concatenated (per
-    layer); the prefix offsets and timestamps once per plan."""
+    """The fused kernel reads each sequence's prefix from a start row and a length in one [T, H, d] tensor
+    per layer. When the per-sequence tensors are views of one KV arena (and the timestamps of its timestamp
+    row, at the same rows) they are read in place: no copy. Otherwise they are concatenated per layer (the
+    prefix offsets and timestamps once per plan)."""
     from grstack.kernels import triton_hstu
+
+    arena = [shared_base(k_prefix), shared_base(v_prefix)]
+    if prefix_timestamps is not None:
+        arena.append(shared_base(prefix_timestamps))
+    if all(a is not None for a in arena) and all(a[1] == arena[0][1] for a in arena):
+        starts_list = arena[0][1]
+
+        def arena_addressing() -> tuple[torch.Tensor, torch.Tensor]:
+            starts = torch.tensor(starts_list, dtype=torch.int64)
+            lengths = torch.tensor(plan.prefix_lengths, dtype=torch.int64)
+            return starts.to(q.device), lengths.to(q.device)
+
+        starts, lengths = cached(plan, ("triton_prefix_arena", q.device, tuple(starts_list)), arena_addressing)
+        pts = arena[2][0] if prefix_timestamps is not None else None
+        return triton_hstu.hstu_attention_with_prefix_triton(
+            q, k, v, offsets, arena[0][0], arena[1][0], prefix_starts=starts, prefix_lengths=lengths,
+            prefix_timestamps=pts, **kwargs)
 
     def join(parts: Sequence[torch.Tensor]) -> torch.Tensor:
         return parts[0] if len(parts) == 1 else torch.cat(list(parts))

@@ -6,8 +6,9 @@
   layer, so they are computed once per :class:`PrefixPlan` (one per forward) and every layer only gathers its
   weights; against the prefix they are computed once per distinct query (position, timestamp) — all
   candidates share one — and expanded by row.
-- Each sequence's cached prefix is one [H, P, d] tensor per layer (head-major, contiguous:
-  :data:`grstack.kernels.plan.HEAD_MAJOR`), so ``q @ k^T`` is a plain batched matmul with no copy, and
+- Each sequence's cached prefix is one [H, P, d] tensor per layer (head-major:
+  :data:`grstack.kernels.plan.HEAD_MAJOR`; contiguous, or a view of a serving KV arena [H, T, d] whose rows
+  are contiguous), so ``q @ k^T`` is a plain batched matmul with no copy, and
   prefix and new tokens are two blocks instead of a concatenation.
 - Every new row may see every prefix token (prefix tokens precede all new tokens and are all history, given
   ``num_targets[b] <= S_b``), so the prefix block needs no mask: its ``allowed / N`` is the constant ``1 / N``.

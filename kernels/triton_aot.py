@@ -23,7 +23,7 @@ from grstack.kernels.triton_util import is_interpreted
 _PTR = {
     **dict.fromkeys(["Q", "K", "V", "KP", "VP", "OUT", "DO", "DQ", "DK", "DV"], "*{dt}"),
     **dict.fromkeys(["X", "U", "Y", "G", "DX", "DU", "TABLE", "GRAD"], "*{dt}"),
-    **dict.fromkeys(["seq_offsets", "prefix_offsets", "num_targets", "TS", "TSP", "IDS"], "*i64"),
+    **dict.fromkeys(["seq_offsets", "prefix_starts", "prefix_lengths", "num_targets", "TS", "TSP", "IDS"], "*i64"),
     **dict.fromkeys(["pos_w", "time_w", "DPOS", "DTIME", "W", "B", "MEAN", "RSTD", "DW_PART", "DB_PART",
                      "DTABLE"], "*fp32"),
     **dict.fromkeys(["tile_seq", "tile_blk"], "*i32"),

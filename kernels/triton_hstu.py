@@ -76,7 +76,7 @@ def _fwd_sweep(acc, q, gi, row_ok, hist, ts_i, K, V, TSK, key_tok0, gpos0, lo, h
 
 
 @triton.jit
-def _hstu_fwd(Q, K, V, KP, VP, OUT, seq_offsets, prefix_offsets, num_targets, TS, TSP, pos_w, time_w,
+def _hstu_fwd(Q, K, V, KP, VP, OUT, seq_offsets, prefix_starts, prefix_lengths, num_targets, TS, TSP, pos_w, time_w,
               tile_seq, tile_blk,
               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
               stride_kpt, stride_kph, stride_vpt, stride_vph, stride_ot, stride_oh,
@@ -93,8 +93,8 @@ def _hstu_fwd(Q, K, V, KP, VP, OUT, seq_offsets, prefix_offsets, num_targets, TS
     P = 0
     p0 = seq0
     if HAS_PREFIX:
-        p0 = tl.load(prefix_offsets + b).to(tl.int64)
-        P = (tl.load(prefix_offsets + b + 1) - p0).to(tl.int32)
+        p0 = tl.load(prefix_starts + b).to(tl.int64)
+        P = tl.load(prefix_lengths + b).to(tl.int32)
     L = P + S
     hist = L
     if HAS_TARGETS:
@@ -307,7 +307,7 @@ def _common(q, k, v, timestamps, pos_w, time_w, num_targets):
 
 
 def _forward(q, k, v, offsets, timestamps, pos_w, time_w, num_targets, max_seq_len,
-             k_prefix=None, v_prefix=None, prefix_offsets=None, prefix_timestamps=None):
+             k_prefix=None, v_prefix=None, prefix_starts=None, prefix_lengths=None, prefix_timestamps=None):
     interpreted, flags, num_pos, num_tb, (pw, tw, ts, nt) = _common(q, k, v, timestamps, pos_w, time_w,
                                                                      num_targets)
     n_tok, num_heads, _ = q.shape
@@ -322,7 +322,8 @@ def _forward(q, k, v, offsets, timestamps, pos_w, time_w, num_targets, max_seq_l
     vp = v_prefix if has_prefix else v
     tsp = prefix_timestamps if has_prefix and flags["HAS_TIME"] else ts
     _hstu_fwd[(tile_seq.numel(), num_heads)](
-        q, k, v, kp, vp, out, offsets, prefix_offsets if has_prefix else offsets, nt, ts, tsp, pw, tw,
+        q, k, v, kp, vp, out, offsets, prefix_starts if has_prefix else offsets,
+        prefix_lengths if has_prefix else offsets, nt, ts, tsp, pw, tw,
         tile_seq, tile_blk,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kp.stride(0), kp.stride(1), vp.stride(0), vp.stride(1), out.stride(0), out.stride(1),
@@ -407,8 +408,10 @@ def hstu_attention_with_prefix_triton(
     offsets: torch.Tensor,
     k_prefix: torch.Tensor,
     v_prefix: torch.Tensor,
-    prefix_offsets: torch.Tensor,
+    prefix_offsets: torch.Tensor | None = None,
     *,
+    prefix_starts: torch.Tensor | None = None,
+    prefix_lengths: torch.Tensor | None = None,
     max_seq_len: int,
     timestamps: torch.Tensor | None = None,
     prefix_timestamps: torch.Tensor | None = None,
@@ -416,11 +419,21 @@ def hstu_attention_with_prefix_triton(
     time_weight: torch.Tensor | None = None,
     num_targets: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Forward only (serving): new tokens attend to their sequence's cached prefix K/V and to themselves."""
+    """Forward only (serving): new tokens attend to their sequence's cached prefix K/V and to themselves.
+
+    Sequence b's prefix is tokens ``prefix_starts[b] .. prefix_starts[b] + prefix_lengths[b] - 1`` of
+    ``k_prefix``/``v_prefix`` [T, H, d] (and ``prefix_timestamps`` [T]): ranges may be in any order, with gaps
+    (a KV arena holding many users' prefixes, read in place). ``prefix_offsets`` [B + 1] is the jagged
+    special case (prefixes concatenated in batch order) and is used when the two are not given.
+    """
     if time_weight is not None and timestamps is not None and prefix_timestamps is None:
         raise ValueError("prefix_timestamps are required with timestamps and time_weight")
+    if prefix_starts is None or prefix_lengths is None:
+        if prefix_offsets is None:
+            raise ValueError("give prefix_offsets, or prefix_starts and prefix_lengths")
+        prefix_starts, prefix_lengths = prefix_offsets[:-1], prefix_offsets[1:] - prefix_offsets[:-1]
     with torch.no_grad():
         q, k, v, k_prefix, v_prefix = (_last_dim_contiguous(t) for t in (q, k, v, k_prefix, v_prefix))
         return _forward(q, k, v, offsets, timestamps, pos_weight, time_weight, num_targets, max_seq_len,
-                        k_prefix=k_prefix, v_prefix=v_prefix, prefix_offsets=prefix_offsets,
-                        prefix_timestamps=prefix_timestamps)
+                        k_prefix=k_prefix, v_prefix=v_prefix, prefix_starts=prefix_starts,
+                        prefix_lengths=prefix_lengths, prefix_timestamps=prefix_timestamps)

@@ -183,8 +183,9 @@ class HSTU(nn.Module):
                            prefix_keys: Sequence[Sequence[torch.Tensor]],
                            prefix_values: Sequence[Sequence[torch.Tensor]],
                            prefix_timestamps: Sequence[torch.Tensor], *, num_targets: torch.Tensor | None = None,
-                           return_kv: bool = False, backend: str | None = None
-                           ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+                           return_kv: bool = False, backend: str | None = None,
+                           kv_out: tuple[Sequence[Sequence[torch.Tensor] | None],
+                                         Sequence[Sequence[torch.Tensor] | None]] | None = None) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         """Outputs [sum_S, d] of new tokens that follow cached prefixes.
 
         Sequence b's new tokens are ``item_ids[offsets[b]:offsets[b+1]]`` (S_b of them, timestamps alike).
@@ -195,7 +196,9 @@ class HSTU(nn.Module):
         result equals :meth:`encode`'s rows for these tokens on the whole sequences.
 
         With ``return_kv``, also the new tokens' per-layer keys and values in :meth:`prefix_layout` (tokens of
-        all sequences in order), else two empty lists.
+        all sequences in order), else two empty lists. ``kv_out`` (keys, values), indexed ``[b][layer]``: tensors
+        in :meth:`prefix_layout` of ``S_b`` tokens (e.g. views of a KV arena) the new tokens' keys and values are
+        written into (None for a sequence: not written) — no intermediate tensors, no concatenation by the caller.
         """
         layout = self.prefix_layout(backend)
         plens = [layout.length(keys[0]) for keys in prefix_keys]
@@ -210,6 +213,12 @@ class HSTU(nn.Module):
         for li, layer in enumerate(self.layers):
             x, k, v = layer.forward_with_prefix(x, offsets, ts, num_targets, [p[li] for p in prefix_keys],
                                                 [p[li] for p in prefix_values], pts, plan, backend)
+            if kv_out is not None:
+                for b in range(plan.batch_size):
+                    if kv_out[0][b] is not None:
+                        n0, n1 = plan.offsets[b], plan.offsets[b + 1]
+                        layout.to_tokens(kv_out[0][b][li]).copy_(k[n0:n1])
+                        layout.to_tokens(kv_out[1][b][li]).copy_(v[n0:n1])
             if return_kv:
                 new_k.append(layout.from_tokens(k))
                 new_v.append(layout.from_tokens(v))
@@ -217,22 +226,39 @@ class HSTU(nn.Module):
 
     def prefill_kv(self, item_ids: torch.Tensor, timestamps: torch.Tensor, keys: Sequence[torch.Tensor] | None = None,
                    values: Sequence[torch.Tensor] | None = None, prefix_timestamps: torch.Tensor | None = None,
-                   *, backend: str | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                   *, backend: str | None = None,
+                   out: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None = None
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per-layer keys and values of one sequence's prefix — what a relay cache stores, in
         :meth:`prefix_layout` — extended by the tokens ``item_ids`` (with ``timestamps``).
 
         ``keys``/``values``/``prefix_timestamps``: the prefix computed so far (None: empty), so a long prefix
         can be prefilled in chunks; the result does not depend on the chunking.
+
+        ``out`` (keys, values): per-layer destinations of ``P + n`` tokens (``P`` the prefix's length, ``n``
+        the new tokens'; e.g. views of a KV arena reserved for the whole prefix, whose first ``P`` tokens are
+        the prefix): the new K/V are written into their last ``n`` tokens in place and ``out`` is returned, so
+        a chunked prefill copies nothing (without it each chunk concatenates, O(P^2 / chunk) copies).
         """
+        layout = self.prefix_layout(backend)
         if keys is None or values is None:
             keys, values = self.empty_prefix_kv(backend)
             prefix_timestamps = timestamps.new_zeros(0)
-        if item_ids.numel() == 0:
-            return list(keys), list(values)
-        offsets = torch.tensor([0, item_ids.numel()], dtype=torch.int64, device=item_ids.device)
+        p, n = layout.length(keys[0]), item_ids.numel()
+        if out is not None and any(layout.length(t) != p + n for t in (*out[0], *out[1])):
+            raise ValueError(f"out must hold {p + n} tokens per layer (the prefix and the new tokens)")
+        if n == 0:
+            return (list(out[0]), list(out[1])) if out is not None else (list(keys), list(values))
+        offsets = torch.tensor([0, n], dtype=torch.int64, device=item_ids.device)
+        dest = None
+        if out is not None:
+            tail = lambda ts: [t.narrow(layout.seq_dim, p, n) for t in ts]  # noqa: E731
+            dest = ([tail(out[0])], [tail(out[1])])
         _, new_k, new_v = self.encode_with_prefix(item_ids, timestamps, offsets, [keys], [values],
-                                                  [prefix_timestamps], return_kv=True, backend=backend)
-        layout = self.prefix_layout(backend)
+                                                  [prefix_timestamps], return_kv=dest is None, backend=backend,
+                                                  kv_out=dest)
+        if out is not None:
+            return list(out[0]), list(out[1])
         return ([layout.cat([a, b]) for a, b in zip(keys, new_k, strict=True)],
                 [layout.cat([a, b]) for a, b in zip(values, new_v, strict=True)])
 

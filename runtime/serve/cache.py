@@ -4,6 +4,12 @@ Entries are keyed by user and versioned by the hash of the prefix they hold: a u
 and storing a new version drops the old one from both tiers. Entries evicted from the device tier move to
 DRAM; a later lookup promotes them back to the device exactly once even when many requests ask at the same
 time (single-flight: the others await the same promotion). Used from one asyncio event loop only.
+
+With a KV arena (``arena``, :mod:`grstack.runtime.serve.kv_arena`) the device tier is the arena: an entry
+is a token range of it (bytes = tokens x bytes per token), :meth:`TieredKVCache.reserve` hands out ranges
+(evicting device entries LRU to DRAM until one fits, compacting when enough tokens are free but scattered),
+an evicted entry is copied out to host memory and its range freed, and a promoted one is copied into a fresh
+range.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import Literal
 import numpy as np
 
 from grstack.runtime.serve.engine import PrefixKV
+from grstack.runtime.serve.kv_arena import ArenaKV, KVArena
 from grstack.runtime.serve.prefix import prefix_hash
 
 Tier = Literal["device", "dram"]
@@ -54,6 +61,7 @@ class TieredKVCache:
     to_device: Callable[[PrefixKV], Awaitable[PrefixKV]] | None = None
     clock: Callable[[], float] = time.monotonic
     stats: CacheStats = field(default_factory=CacheStats)
+    arena: KVArena | None = None  # the device tier's storage (device_bytes should be its capacity_bytes)
 
     def __post_init__(self) -> None:
         self._device: OrderedDict[str, _Entry] = OrderedDict()
@@ -97,33 +105,73 @@ class TieredKVCache:
         nbytes = kv.nbytes
         if nbytes > self.device_bytes:
             self.stats.rejected_too_large += 1
+            kv.release()
             return False
+        if self.arena is not None and not (isinstance(kv, ArenaKV) and kv.arena is self.arena):
+            stored = self.reserve(kv.length, kv)  # plain tensors (a promotion, a fallback) are copied in
+            if stored is None:
+                self.stats.rejected_too_large += 1
+                return False
+            kv = stored
         self._device[user] = _Entry(version, kv, nbytes)
         self.device_used += nbytes
         self._evict_device()
         return True
 
+    def reserve(self, tokens: int, base: PrefixKV | None = None, *, evict: bool = True) -> PrefixKV | None:
+        """An arena range of ``tokens`` whose first ``base.length`` tokens hold ``base``'s K/V (empty without
+        one), for a prefill to write its chunks into; the caller holds it (caches it with :meth:`put` or
+        releases it). Device entries are evicted LRU (to DRAM) until a range fits (``evict``: for work whose
+        result is cached, not for a transient one), compacting the arena when enough tokens are free but
+        scattered; None without an arena or when no range can be had."""
+        arena = self.arena
+        if arena is None or tokens > arena.capacity:
+            return None
+        held = base is not None and base.pin()  # neither freed nor moved while ranges are made
+        try:
+            while True:
+                block = arena.alloc(tokens)
+                if block is None and arena.free_tokens >= tokens:
+                    arena.compact()
+                    block = arena.alloc(tokens)
+                if block is not None:
+                    return arena.store(block, base) if base is not None else arena.prefix(block)
+                if not evict or not self._device:
+                    return None
+                self._evict_one()
+        finally:
+            if held:
+                base.unpin()  # type: ignore[union-attr]
+
     def _drop(self, user: str) -> None:
         e = self._device.pop(user, None)
         if e is not None:
             self.device_used -= e.nbytes
+            e.kv.release()
         e = self._dram.pop(user, None)
         if e is not None:
             self.dram_used -= e.nbytes
 
     def _evict_device(self) -> None:
         while self.device_used > self.device_bytes and self._device:
-            user, e = self._device.popitem(last=False)
-            self.device_used -= e.nbytes
-            self.stats.evictions_to_dram += 1
-            self._to_dram(user, e)
+            self._evict_one()
+
+    def _evict_one(self) -> None:
+        user, e = self._device.popitem(last=False)
+        self.device_used -= e.nbytes
+        self.stats.evictions_to_dram += 1
+        self._to_dram(user, e)
+        e.kv.release()  # an arena range is freed once the copy out is made (and nobody computes on it)
 
     def _to_dram(self, user: str, e: _Entry) -> None:
         if e.nbytes > self.dram_bytes or self.dram_ttl_s <= 0:
             self.stats.dram_dropped += 1
             return
         self.expire()
-        self._dram[user] = _Entry(e.version, self.to_host(e.kv), e.nbytes, self.clock() + self.dram_ttl_s)
+        host = self.to_host(e.kv)
+        if isinstance(host, ArenaKV):  # never keep views of a range that is about to be reused
+            host = host.to(host.arena.device)
+        self._dram[user] = _Entry(e.version, host, e.nbytes, self.clock() + self.dram_ttl_s)
         self.dram_used += e.nbytes
         while self.dram_used > self.dram_bytes:
             _, old = self._dram.popitem(last=False)
@@ -184,8 +232,8 @@ class TieredKVCache:
         self.stats.promotions += 1
         self.stats.dram_hits += count
         current = self._device.get(user) or self._dram.get(user)
-        if current is None:  # nobody stored a newer version while we were copying
-            self.put(user, version, kv)
+        if current is None and self.put(user, version, kv):  # nobody stored a newer version while we copied
+            kv = self._device[user].kv  # with an arena: the copy in its fresh range
         fut.set_result(kv)
         del self._promoting[key]
         return kv, "dram"

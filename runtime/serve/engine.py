@@ -7,7 +7,9 @@ with latency-critical work); ranking then runs only the short-term tokens and th
 layers, attending to the cached prefix. The model does the compute (:meth:`HSTU.prefill_kv`,
 :meth:`HSTU.encode_with_prefix`, over :func:`grstack.kernels.hstu_attention_with_prefix`); this engine
 canonicalises requests, batches them and keeps the K/V in the layout the kernels' backend wants
-(head-major [H, P, d] on CPU, token-major [P, H, d] for Triton on CUDA).
+(head-major [H, P, d] on CPU, token-major [P, H, d] for Triton on CUDA). A prefix may live in a per-replica
+KV arena (:mod:`grstack.runtime.serve.kv_arena`): then :meth:`RelayEngine.extend` writes each chunk into its
+reserved range in place, and ranking passes views of the arena.
 
 Token layout of one ranking request, identical for the cached and the full path::
 
@@ -87,6 +89,28 @@ class PrefixKV:
         return PrefixKV([k.pin_memory() for k in self.keys], [v.pin_memory() for v in self.values],
                         self.timestamps.pin_memory())
 
+    # A prefix held in a KV arena (runtime/serve/kv_arena.py, ArenaKV) overrides these: room reserved after
+    # it for in-place growth, and the hold/pin protocol of its arena range. Plain tensors need none of it.
+    @property
+    def room(self) -> int:
+        """Tokens that can be appended in place (:meth:`RelayEngine.extend` writes them without a copy)."""
+        return 0
+
+    @property
+    def live(self) -> bool:
+        """False once the storage behind the views was freed (an arena range evicted and reused)."""
+        return True
+
+    def pin(self) -> bool:
+        """Compute is about to read it: keep its storage alive and in place until :meth:`unpin`."""
+        return True
+
+    def unpin(self) -> None:
+        pass
+
+    def release(self) -> None:
+        """The holder of a reserved prefix (a finished prefill's result) gives it up without caching it."""
+
 
 @dataclass
 class RankItem:
@@ -144,11 +168,18 @@ class RelayEngine:
     # -- prefill ------------------------------------------------------------------------------------
     @torch.no_grad()
     def extend(self, prefix: PrefixKV, items: np.ndarray, ts: np.ndarray) -> PrefixKV:
-        """K/V of ``prefix`` followed by the tokens ``items`` (one chunk of a prefill)."""
+        """K/V of ``prefix`` followed by the tokens ``items`` (one chunk of a prefill): written in place when
+        ``prefix`` has the room reserved (a KV arena range), else concatenated into new tensors."""
         n = len(items)
         if n == 0:
             return prefix
         ids_t, ts_t = self._tensor(items), self._tensor(ts)
+        if prefix.room >= n:  # reserved in a KV arena: write the new K/V in place, no concatenation
+            grown = prefix.grown(n)  # type: ignore[attr-defined]
+            self.model.prefill_kv(ids_t, ts_t, prefix.keys, prefix.values, prefix.timestamps,
+                                  backend=self.backend, out=(grown.keys, grown.values))
+            grown.timestamps[prefix.length:].copy_(ts_t)
+            return grown
         keys, values = self.model.prefill_kv(ids_t, ts_t, prefix.keys, prefix.values, prefix.timestamps,
                                              backend=self.backend)
         return PrefixKV(keys, values, torch.cat([prefix.timestamps, ts_t]))
@@ -156,9 +187,10 @@ class RelayEngine:
     @torch.no_grad()
     def extend_many(self, prefixes: Sequence[PrefixKV], items: Sequence[np.ndarray],
                     ts: Sequence[np.ndarray]) -> list[PrefixKV]:
-        """:meth:`extend` of several users' prefixes at once: one model call jagged over the sequences (the
-        model returns the new tokens' K/V of all sequences in order; they are split per sequence here).
-        A single non-empty sequence goes through :meth:`extend` itself."""
+        """:meth:`extend` of several users' prefixes at once: one model call jagged over the sequences. A
+        prefix with room reserved in a KV arena gets its new K/V written in place; the others' come back from
+        the model in order and are split and concatenated per sequence here. A single non-empty sequence goes
+        through :meth:`extend` itself."""
         out = list(prefixes)
         live = [b for b in range(len(prefixes)) if len(items[b])]
         if len(live) == 1:
@@ -170,23 +202,41 @@ class RelayEngine:
         ids_t = self._tensor(np.concatenate([items[b] for b in live]))
         ts_t = self._tensor(np.concatenate([ts[b] for b in live]))
         offsets = self._tensor(np.concatenate([[0], np.cumsum(lens)]))
+        # Sequences with room reserved in a KV arena get their new K/V written in place; the others' come back
+        # from the model and are concatenated onto their prefix.
+        layout = self.model.prefix_layout(self.backend)
+        grown = {b: prefixes[b].grown(n) for b, n in zip(live, lens, strict=True)  # type: ignore[attr-defined]
+                 if prefixes[b].room >= n}
+
+        def tail(tensors: list[torch.Tensor], b: int) -> list[torch.Tensor]:
+            return [t.narrow(layout.seq_dim, prefixes[b].length, len(items[b])) for t in tensors]
+
+        dest = None
+        if grown:
+            dest = ([tail(grown[b].keys, b) if b in grown else None for b in live],
+                    [tail(grown[b].values, b) if b in grown else None for b in live])
         _, new_k, new_v = self.model.encode_with_prefix(
             ids_t, ts_t, offsets, [prefixes[b].keys for b in live], [prefixes[b].values for b in live],
-            [prefixes[b].timestamps for b in live], return_kv=True, backend=self.backend)
-        layout = self.model.prefix_layout(self.backend)
+            [prefixes[b].timestamps for b in live], return_kv=len(grown) < len(live), backend=self.backend,
+            kv_out=dest)
+        split_ts = torch.split(ts_t, lens)
         split_k = [torch.split(k, lens, dim=layout.seq_dim) for k in new_k]
         split_v = [torch.split(v, lens, dim=layout.seq_dim) for v in new_v]
-        split_ts = torch.split(ts_t, lens)
         for j, b in enumerate(live):
             p = prefixes[b]
+            if b in grown:
+                grown[b].timestamps[p.length:].copy_(split_ts[j])
+                out[b] = grown[b]
+                continue
             out[b] = PrefixKV([layout.cat([k, parts[j]]) for k, parts in zip(p.keys, split_k, strict=True)],
                               [layout.cat([v, parts[j]]) for v, parts in zip(p.values, split_v, strict=True)],
                               torch.cat([p.timestamps, split_ts[j]]))
         return out
 
-    def prefill_steps(self, items: np.ndarray, ts: np.ndarray) -> Iterator[PrefixKV]:
-        """Yields the growing prefix after each chunk; the last value is the whole prefix's K/V."""
-        prefix = self.empty_prefix()
+    def prefill_steps(self, items: np.ndarray, ts: np.ndarray, into: PrefixKV | None = None) -> Iterator[PrefixKV]:
+        """Yields the growing prefix after each chunk; the last value is the whole prefix's K/V. ``into``: an
+        empty prefix with room reserved (a KV arena block) that the chunks are written into in place."""
+        prefix = self.empty_prefix() if into is None else into
         if len(items) == 0:
             yield prefix
             return
@@ -194,9 +244,9 @@ class RelayEngine:
             prefix = self.extend(prefix, items[start:start + self.chunk], ts[start:start + self.chunk])
             yield prefix
 
-    def prefill(self, items: np.ndarray, ts: np.ndarray) -> PrefixKV:
+    def prefill(self, items: np.ndarray, ts: np.ndarray, into: PrefixKV | None = None) -> PrefixKV:
         prefix = self.empty_prefix()
-        for prefix in self.prefill_steps(items, ts):  # noqa: B007
+        for prefix in self.prefill_steps(items, ts, into):  # noqa: B007
             pass
         return prefix
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ from grstack.runtime.serve.http import (
     parse_body,
     route_template,
 )
+from grstack.runtime.serve.kv_arena import KVArena
 from grstack.runtime.serve.placement import PlacementStore, Replica
 from grstack.runtime.serve.scheduler import ComputeScheduler, DeadlineExceeded, QueueFull, Timing
 from grstack.runtime.serve.schemas import (
@@ -63,6 +65,7 @@ from grstack.runtime.serve.schemas import (
 
 log = logging.getLogger(__name__)
 DEADLINE_HEADER = "X-Grstack-Deadline-Ms"
+KV_ARENA_ENV = "GRSTACK_KV_ARENA"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -88,6 +91,10 @@ class RankerConfig:
     max_body_bytes: int = MAX_BODY_BYTES
     lease_ttl_s: float = 5.0
     num_threads: int | None = 1  # torch intra-op threads on CPU (process-wide); None keeps torch's default
+    # The device tier as one pre-allocated KV arena of device_cache_bytes (runtime/serve/kv_arena.py):
+    # prefills write in place, rank batches read views (no per-batch concatenation). None: $GRSTACK_KV_ARENA
+    # (1/0) if set, else on for CUDA only.
+    kv_arena: bool | None = None
 
 
 class _Metrics:
@@ -121,6 +128,15 @@ class _Metrics:
         entries = Gauge("grstack_ranker_cache_entries", "prefixes held", ["tier"], registry=r)
         entries.labels("device").set_function(lambda: service.cache.entries("device"))
         entries.labels("dram").set_function(lambda: service.cache.entries("dram"))
+        arena = service.arena
+        if arena is not None:
+            tokens = Gauge("grstack_ranker_kv_arena_tokens", "KV arena tokens: capacity, used, largest free range",
+                           ["state"], registry=r)
+            tokens.labels("capacity").set_function(lambda: arena.capacity)
+            tokens.labels("used").set_function(lambda: arena.used_tokens)
+            tokens.labels("largest_free").set_function(arena.largest_free)
+            moves = Gauge("grstack_ranker_kv_arena_compactions", "KV arena compactions so far", registry=r)
+            moves.set_function(lambda: arena.compactions)
         depth = Gauge("grstack_ranker_queue_depth", "requests waiting for compute", ["queue"], registry=r)
         for q in ("hits", "misses", "prefills"):
             depth.labels(q).set_function(lambda q=q: service.scheduler.depth()[q])
@@ -147,14 +163,21 @@ class RankerService:
         # On CUDA an eviction's device-to-host copy runs on a side stream, so the event loop never blocks on it.
         copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         to_host = (lambda kv: kv.to_host_async(copy_stream)) if copy_stream is not None else (lambda kv: kv.to("cpu"))
-        self.cache = TieredKVCache(cfg.device_cache_bytes, cfg.dram_cache_bytes, cfg.dram_ttl_s,
-                                   to_host=to_host, to_device=self._to_device if device.type != "cpu" else None)
+        use_arena = cfg.kv_arena
+        if use_arena is None:  # GRSTACK_KV_ARENA=1/0 overrides the by-device default (operators, tests)
+            env = os.environ.get(KV_ARENA_ENV)
+            use_arena = env.strip().lower() not in ("0", "false", "no", "") if env is not None else device.type == "cuda"
+        self.arena = (KVArena.from_budget(self.engine.model, cfg.device_cache_bytes, backend=self.engine.backend)
+                      if use_arena else None)
+        self.cache = TieredKVCache(cfg.device_cache_bytes, cfg.dram_cache_bytes, cfg.dram_ttl_s, to_host=to_host,
+                                   to_device=self._to_device if device.type != "cpu" else None, arena=self.arena)
         self.metrics = _Metrics(self)
         self.scheduler = ComputeScheduler(self.engine, max_batch=cfg.max_batch,
                                           on_batch=self.metrics.batch.observe, max_queue=cfg.max_queue,
                                           max_prefill_queue=cfg.max_prefill_queue,
                                           retry_after_s=cfg.retry_after_s, max_step_tokens=cfg.max_step_tokens,
-                                          on_tokens=self._on_tokens, on_compute=self._on_compute)
+                                          on_tokens=self._on_tokens, on_compute=self._on_compute,
+                                          reserve=self.cache.reserve if self.arena is not None else None)
         self.store = store
         self.replica_id = cfg.replica_id or ""
         self.url = ""
@@ -337,6 +360,8 @@ class RankerService:
                     kv = None
                 tier = "device" if kv is not None else None
                 joined = kv is not None
+        if kv is not None and not kv.live:  # evicted after its prefill and its arena range freed: a miss
+            kv, tier, joined = None, None, False
         self.metrics.lookups.labels("joined" if joined else (tier or "miss")).inc()
         self._joined += joined
         timing: Timing

@@ -16,6 +16,10 @@ prefills are not, but a prefill must not starve: after ``prefill_every`` consecu
 prefills waiting, one prefill step runs. Chunking (and ``max_step_tokens``, a bound on the tokens of one
 batched step) keeps any rank from waiting behind more than one step of long prefills.
 
+With a KV arena (``reserve``), a prefill or miss reserves its whole prefix's range when queued (the base copied
+into it once) and its chunks are written in place; a queued rank pins the range of its prefix, so eviction
+can neither move nor reuse it before the rank has read it.
+
 Overload: the rank queues (hits and misses together) hold at most ``max_queue`` requests and the prefill
 queue ``max_prefill_queue``; beyond that a submission raises :class:`QueueFull` at once (the ranker answers
 503 with ``Retry-After``), nothing already queued is touched. A rank may carry a deadline (scheduler
@@ -83,6 +87,8 @@ class _Job:
     item: RankItem | None = None
     deadline: float | None = None
     started: float | None = None
+    reserved: bool = False  # kv is a KV-arena range of the whole prefix, held by this job until it ends
+    pinned: list[PrefixKV] = field(default_factory=list)  # prefixes compute reads, pinned until the job ends
 
     @property
     def tokens(self) -> int:
@@ -119,6 +125,10 @@ class ComputeScheduler:
     max_step_tokens: int | None = None  # new tokens of one batched chunk step (at least one job); None: no bound
     on_tokens: Callable[[int, int], None] | None = None  # (computed, without incremental) per step
     on_compute: Callable[[str, float], None] | None = None  # (kind, seconds) per step
+    # (tokens, base, evict) -> an arena range of ``tokens`` holding ``base``'s K/V (None: none could be had);
+    # with it a prefill or miss writes its chunks in place instead of concatenating (RankerConfig.kv_arena).
+    # ``evict``: cached entries may be evicted for it (not for a miss without a base: its result is not cached)
+    reserve: Callable[..., PrefixKV | None] | None = None
     _hits: deque[_Hit] = field(default_factory=deque)
     _misses: deque[_Job] = field(default_factory=deque)
     _prefills: deque[_Job] = field(default_factory=deque)
@@ -172,15 +182,38 @@ class ComputeScheduler:
     def _job(self, items: Any, ts: Any, base: PrefixKV | None, item: RankItem | None = None,
              deadline: float | None = None) -> _Job:
         items, ts = np.asarray(items, dtype=np.int64), np.asarray(ts, dtype=np.int64)
+        if base is not None and not base.live:  # its arena range was freed: compute from scratch
+            base = None
         kv = base if base is not None else self.engine.empty_prefix()
         if kv.length > len(items):
             raise ValueError(f"the base prefix ({kv.length} tokens) is longer than the prefix ({len(items)})")
         fut = asyncio.get_running_loop().create_future()
-        return _Job(fut, self.clock(), items, ts, kv, kv.length, item, deadline)
+        job = _Job(fut, self.clock(), items, ts, kv, kv.length, item, deadline)
+        short = item is not None and base is None and len(items) <= self.engine.chunk  # ranked by full inference
+        room = None
+        if self.reserve is not None and not short and len(items):
+            room = self.reserve(len(items), base, evict=item is None or base is not None)
+        if room is not None:
+            job.kv, job.reserved = room, True
+        if job.kv.pin():
+            job.pinned.append(job.kv)
+        return job
+
+    def _end(self, job: _Job, *, keep: bool) -> None:
+        """The job is off the queues: unpin what it read; its reserved range goes with the result when
+        ``keep`` (the caller caches or releases it), else it is released now."""
+        for kv in job.pinned:
+            kv.unpin()
+        job.pinned.clear()
+        if job.reserved and not keep:
+            job.kv.release()
+        job.reserved = False
 
     async def rank_cached(self, kv: PrefixKV, item: RankItem,
                           deadline: float | None = None) -> tuple[torch.Tensor, Timing]:
         self._admit_rank()
+        if not kv.pin():
+            raise ValueError("the cached prefix was evicted and its arena range freed before the rank was queued")
         fut = asyncio.get_running_loop().create_future()
         self._hits.append(_Hit(kv, item, fut, self.clock(), deadline))
         self._wake.set()
@@ -188,7 +221,9 @@ class ComputeScheduler:
 
     async def rank_full(self, item: RankItem, deadline: float | None = None) -> tuple[torch.Tensor, Timing]:
         """Ranks a cache miss: its whole prefix is computed on the critical path."""
-        (logits, _), timing = await self._submit_miss(item, None, deadline)
+        (logits, kv), timing = await self._submit_miss(item, None, deadline)
+        if kv is not None:  # not cached: a reserved arena range is given back
+            kv.release()
         return logits, timing
 
     async def rank_extend(self, item: RankItem, base: PrefixKV,
@@ -266,8 +301,15 @@ class ComputeScheduler:
             self.on_tokens(computed, without)
 
     async def _step_hits(self, loop: asyncio.AbstractEventLoop) -> None:
-        batch = [self._hits.popleft() for _ in range(min(self.max_batch, len(self._hits)))]
-        batch = [h for h in batch if not h.future.cancelled()]
+        popped = [self._hits.popleft() for _ in range(min(self.max_batch, len(self._hits)))]
+        try:
+            await self._rank_hits(loop, popped)
+        finally:
+            for h in popped:
+                h.kv.unpin()
+
+    async def _rank_hits(self, loop: asyncio.AbstractEventLoop, popped: list[_Hit]) -> None:
+        batch = [h for h in popped if not h.future.cancelled()]
         now = self.clock()
         for h in [h for h in batch if self._expired(h.deadline, now)]:
             self._drop(h.future)
@@ -307,6 +349,7 @@ class ComputeScheduler:
         now = self.clock()
         while self._misses and len(batch) < self.max_batch and self._short_miss(self._misses[0]):
             job = self._misses.popleft()
+            self._end(job, keep=False)  # full inference: nothing read from or written to a reserved range
             if self._expired(job.deadline, now):
                 self._drop(job.future)
             elif not job.future.cancelled():
@@ -342,9 +385,11 @@ class ComputeScheduler:
             job = queue[i]
             if job.future.done():
                 del queue[i]
+                self._end(job, keep=False)
                 continue
             if self._expired(job.deadline, now):  # before its first chunk, or between chunks
                 del queue[i]
+                self._end(job, keep=False)
                 self._drop(job.future)
                 continue
             n = min(self.engine.chunk, job.remaining)
@@ -412,11 +457,13 @@ class ComputeScheduler:
                 continue
             self._remove(j)
             value = kv if j.item is None else (lg, kv)
+            self._end(j, keep=not j.future.done())
             if not j.future.done():
                 j.future.set_result((value, Timing((j.started - j.enqueued) * 1e3, (end - j.started) * 1e3)))
 
     def _fail(self, job: _Job, exc: Exception) -> None:
         self._remove(job)
+        self._end(job, keep=False)
         if not job.future.done():
             job.future.set_exception(exc)
 
