@@ -12,6 +12,8 @@ BENCHES: tuple[tuple[str, str, str], ...] = (
     ("train", "grstack.runtime.bench.train", "distributed training engine: balancing, pipelining, embeddings"),
     ("simulate", "grstack.runtime.bench.simulate", "modelled scaling to 128-1536 workers (a model, not a measurement)"),
     ("serve", "grstack.runtime.bench.serve", "relay-race ranking: P99 vs length and QPS, relay on/off"),
+    ("relay-engine", "grstack.runtime.bench.relay_engine", "the serving engine on one device: prefill, cached and "
+                                                           "full ranks, KV arena on/off"),
     ("quality", "grstack.runtime.bench.quality", "train + evaluate a config, report quality and throughput"),
     ("mfu", "grstack.runtime.bench.mfu", "model FLOPs utilisation of training steps on a device"),
 )

@@ -66,6 +66,8 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--qps-floor", type=float, default=None,
                         help="a mode failing the lowest QPS is probed down by halves to this (default 2.5; "
                              "--quick 10)")
+    parser.add_argument("--min-user-gap-s", type=float, default=1.0,
+                        help="one user's consecutive visits are at least this far apart (default 1 s)")
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(func=run)
 
@@ -85,13 +87,14 @@ class Settings:
     seed: int
     out: Path
     qps_floor: float = QPS_FLOOR
+    min_user_gap_s: float = 1.0
     timeout_s: float = 10.0  # the load generator's; the router answers 504 at the SLO long before
     pops: dict[int, Population] = field(default_factory=dict)
 
     def trace_config(self, length: int, qps: float, repeat: int) -> TraceConfig:
         return TraceConfig(users=self.users, length=length, qps=qps, warmup=self.warmup, measured=self.measured,
                            gap_ms=self.gap_ms, max_short=MAX_SUFFIX, candidates=CANDIDATES,
-                           seed=self.seed + repeat)
+                           min_user_gap_s=self.min_user_gap_s, seed=self.seed + repeat)
 
     def trace(self, length: int, qps: float, repeat: int) -> Trace:
         seed = self.seed + repeat
@@ -571,11 +574,12 @@ def settings_from(args: argparse.Namespace) -> Settings:
                  qps_length=args.qps_length or preset["qps_length"], repeats=args.repeats or preset["repeats"],
                  slo_ms=args.slo_ms, gap_ms=args.cascade_gap_ms, measured=args.measured, warmup=args.warmup,
                  seed=args.seed, out=Path(args.out),
-                 qps_floor=args.qps_floor or preset["qps_floor"])
+                 qps_floor=args.qps_floor or preset["qps_floor"], min_user_gap_s=args.min_user_gap_s)
     checks = (("--users", s.users >= 1), ("--slo-ms", s.slo_ms > 0), ("--cascade-gap-ms", s.gap_ms >= 0),
               ("--length-qps", s.length_qps > 0), ("--qps-length", s.qps_length >= 1),
               ("--repeats", s.repeats >= 1), ("--measured", s.measured >= 1), ("--warmup", s.warmup >= 0),
-              ("--lengths", min(s.lengths) >= 1), ("--qps-floor", s.qps_floor > 0))
+              ("--lengths", min(s.lengths) >= 1), ("--qps-floor", s.qps_floor > 0),
+              ("--min-user-gap-s", s.min_user_gap_s >= 0))
     for flag, ok in checks:
         if not ok:
             raise UserError(f"{flag}: must be positive (--warmup and --cascade-gap-ms may be 0)")

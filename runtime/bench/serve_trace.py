@@ -48,6 +48,7 @@ class TraceConfig:
     burst_prob: float = 0.3
     window_h: float = 24.0
     zipf: float = 1.1
+    min_user_gap_s: float = 1.0  # wall-clock gap between one user's consecutive visits, at least
     seed: int = 0
 
 
@@ -131,6 +132,42 @@ def _session_probs(z: np.ndarray, sessions: np.ndarray, visits_per_session: floa
     return p
 
 
+def _cap_per_user(idx: np.ndarray, user_of: np.ndarray, ts: np.ndarray, cap: int) -> np.ndarray:
+    """The earliest ``cap`` of each user's events among ``idx``, in time order."""
+    by_user = idx[np.lexsort((ts[idx], user_of[idx]))]
+    users = user_of[by_user]
+    first = np.ones(len(by_user), dtype=bool)
+    first[1:] = users[1:] != users[:-1]
+    start = np.maximum.accumulate(np.where(first, np.arange(len(by_user)), 0))
+    kept = by_user[np.arange(len(by_user)) - start < cap]
+    return kept[np.argsort(ts[kept], kind="stable")]
+
+
+def _spaced(order: np.ndarray, user_of: np.ndarray, wall: np.ndarray, min_gap: float) -> np.ndarray:
+    """Wall times with each user's consecutive visits at least ``min_gap`` apart (later ones pushed back;
+    the linear rescale alone would put a session's visits milliseconds apart)."""
+    out = wall.copy()
+    last: dict[int, float] = {}
+    for k, e in enumerate(order):
+        u = int(user_of[e])
+        if u in last and out[k] < last[u] + min_gap:
+            out[k] = last[u] + min_gap
+        last[u] = out[k]
+    return out
+
+
+def _rescaled(order: np.ndarray, user_of: np.ndarray, unit: np.ndarray, target_s: float,
+              min_gap: float) -> np.ndarray:
+    """Stream times (``unit``: scaled to [0, 1]) stretched linearly and then spaced per user, with the stretch
+    chosen by bisection so that the visits span ``target_s`` (the point's mean rate is its QPS)."""
+    lo, hi = 0.0, target_s
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        span = float(_spaced(order, user_of, unit * mid, min_gap).max())
+        lo, hi = (mid, hi) if span < target_s else (lo, mid)
+    return _spaced(order, user_of, unit * lo, min_gap)
+
+
 def build_trace(pop: Population, cfg: TraceConfig) -> Trace:
     """The visits of one point: ``cfg.warmup + cfg.measured`` of them, in send order."""
     rng = np.random.default_rng([cfg.seed, 7])  # which visits: the same at every length and QPS
@@ -150,6 +187,9 @@ def build_trace(pop: Population, cfg: TraceConfig) -> Trace:
         if sessions.sum() * per_session >= 1.3 * needed or window > 400 * 86_400:
             break
         window *= 2
+    # One user cannot ask for rankings faster than every min_user_gap_s: a point lasting needed/qps seconds
+    # holds at most this many of a user's visits (a higher QPS comes from more users, not faster ones).
+    cap = max(1, int(needed / cfg.qps / cfg.min_user_gap_s) + 1) if cfg.min_user_gap_s > 0 else needed
     z = zipf_weights(np.diff(pop.offsets).astype(np.float64), cfg.zipf)
     p = _session_probs(z, sessions, per_session, int(needed * 1.15))
     while True:
@@ -160,7 +200,7 @@ def build_trace(pop: Population, cfg: TraceConfig) -> Trace:
         sess_chosen = np.zeros(int(sess_id[-1]) + 1, dtype=bool)
         sess_chosen[sess_id[chosen_sess]] = True
         later = sess_chosen[sess_id] & ~pop.session_first & (rng.random(len(pop.ts)) < cfg.burst_prob)
-        idx = np.flatnonzero(chosen | later)
+        idx = _cap_per_user(np.flatnonzero(chosen | later), user_of, pop.ts, cap)
         if len(idx) >= needed or np.all(p[sessions > 0] >= 1.0):
             break
         p = np.minimum(1.0, p * 1.5)
@@ -172,7 +212,9 @@ def build_trace(pop: Population, cfg: TraceConfig) -> Trace:
                         f"(more --users, or fewer --measured/--warmup)")
     t_vis = pop.ts[order]
     span = max(1.0, float(t_vis[-1] - t_vis[0]))
-    wall = (t_vis - t_vis[0]) * ((needed / cfg.qps) / span)
+    wall = _rescaled(order, user_of, (t_vis - t_vis[0]) / span, needed / cfg.qps, cfg.min_user_gap_s)
+    send = np.argsort(wall, kind="stable")  # spacing keeps each user's order; the visits go in send order
+    order, wall = order[send], wall[send]
     gaps = cfg.gap_ms / 1e3 * fill.uniform(1 - cfg.jitter, 1 + cfg.jitter, needed)
     trace = Trace(cfg, num_items=pop.num_items)
     base: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -199,7 +241,7 @@ def build_trace(pop: Population, cfg: TraceConfig) -> Trace:
                                   long_items=long_items, long_ts=long_ts, short_items=short_items,
                                   short_ts=short_ts, candidates=fill.integers(1, pop.num_items + 1, cfg.candidates),
                                   session=int(sess_id[e]), grew=None if prev is None else len(long_items) > prev))
-    trace.shape = trace_shape(trace, n_users, float(t_vis[-1] - t_vis[0]) / 3600.0)
+    trace.shape = trace_shape(trace, n_users, float(t_vis.max() - t_vis.min()) / 3600.0)
     return trace
 
 
@@ -213,6 +255,13 @@ def trace_shape(trace: Trace, population_users: int, span_h: float) -> dict[str,
         sessions.setdefault(v.user, set()).add(v.session)
     repeat = [v.grew for v in trace.visits if v.grew is not None]
     q = np.quantile(per_user, [0.5, 0.9, 0.99, 1.0]) if len(per_user) else [0, 0, 0, 0]
+    last: dict[int, float] = {}
+    gaps = []
+    for v in trace.visits:
+        if v.user in last:
+            gaps.append(v.wall_s - last[v.user])
+        last[v.user] = v.wall_s
+    walls = [v.wall_s for v in trace.visits]
     return {"population_users": population_users, "users": len(per_user), "visits": len(trace.visits),
             "visits_per_user_p50": float(q[0]), "visits_per_user_p90": float(q[1]),
             "visits_per_user_p99": float(q[2]), "visits_per_user_max": float(q[3]),
@@ -222,4 +271,6 @@ def trace_shape(trace: Trace, population_users: int, span_h: float) -> dict[str,
             "max_long_term_len": trace.max_long,
             "repeat_visit_fraction": len(repeat) / max(1, len(trace.visits)),
             "prefix_grew_fraction": (sum(repeat) / len(repeat)) if repeat else None,
-            "stream_span_h": span_h}
+            "stream_span_h": span_h, "wall_span_s": (max(walls) - min(walls)) if walls else 0.0,
+            "user_gap_wall_s_p50": float(np.median(gaps)) if gaps else None,
+            "user_gap_wall_s_min": float(min(gaps)) if gaps else None}

@@ -6,8 +6,8 @@ Modules: ``engine`` (relay inference on HSTU), ``cache`` (device LRU + DRAM expa
 ``ring`` (consistent hashing with bounded load), ``placement`` / ``etcd_store`` (placement stores),
 ``local`` (router + ranker processes on one machine), ``loadgen`` (open-loop load), ``demo``.
 
-Other packages import from here, never a submodule: the model artefact's loaders, ``RelayEngine``, the
-router (``Router``, ``RouterConfig``, ``start_router``, ``TriggerConfig``), ``spawn_ranker``, the load
+Other packages import from here, never a submodule: the model artefact's loaders, ``RelayEngine``,
+``KVArena``, the router (``Router``, ``RouterConfig``, ``start_router``, ``TriggerConfig``), ``spawn_ranker``, the load
 generator and ``serve_demo``. Exports load lazily, so importing this package (as ``grstack --help`` does,
 through ``serve.cli``) stays light.
 """
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from grstack.runtime.serve.artifact import load_ranking_model, write_untrained_model
     from grstack.runtime.serve.demo import serve_demo
     from grstack.runtime.serve.engine import RelayEngine
+    from grstack.runtime.serve.kv_arena import KVArena
     from grstack.runtime.serve.loadgen import Request, latency_summary, poisson_times, run_open_loop
     from grstack.runtime.serve.local import spawn_ranker
     from grstack.runtime.serve.router import Router, RouterConfig, start_router
@@ -31,6 +32,7 @@ _EXPORTS = {
     "write_untrained_model": "grstack.runtime.serve.artifact",
     "serve_demo": "grstack.runtime.serve.demo",
     "RelayEngine": "grstack.runtime.serve.engine",
+    "KVArena": "grstack.runtime.serve.kv_arena",
     "Request": "grstack.runtime.serve.loadgen",
     "latency_summary": "grstack.runtime.serve.loadgen",
     "poisson_times": "grstack.runtime.serve.loadgen",
@@ -43,6 +45,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "KVArena",
     "RelayEngine",
     "Request",
     "Router",

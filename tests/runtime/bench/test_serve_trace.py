@@ -35,7 +35,10 @@ def test_warmup_then_measured_visits_in_send_order(trace):
     assert len(trace.visits) == CFG.warmup + CFG.measured
     walls = [v.wall_s for v in trace.visits]
     assert walls == sorted(walls) and walls[0] == 0.0
-    assert [v.t for v in trace.visits] == sorted(v.t for v in trace.visits)
+    by_user: dict[int, list[int]] = {}
+    for v in trace.visits:
+        by_user.setdefault(v.user, []).append(v.t)
+    assert all(ts == sorted(ts) for ts in by_user.values())  # each user's visits keep their stream order
 
 
 def test_long_term_fixed_within_a_session_and_grows_between_sessions(trace):
@@ -69,13 +72,24 @@ def test_signal_precedes_rank_by_the_jittered_gap(trace):
 
 
 @pytest.mark.parametrize("qps", [10.0, 80.0])
-def test_rescaled_rate_is_the_points_qps_and_bursts_keep_their_shape(pop, trace, qps):
+def test_mean_rate_is_the_points_qps_and_a_user_never_visits_faster_than_the_gap(pop, qps):
     t = build_trace(pop, TraceConfig(**{**CFG.__dict__, "qps": qps}))
     n = len(t.visits)
-    assert n / t.visits[-1].wall_s == pytest.approx(qps, rel=1e-9)
-    # the same visits at another rate: wall times scale linearly
-    ratio = np.array([v.wall_s for v in t.visits[1:]]) / np.array([v.wall_s for v in trace.visits[1:]])
-    assert np.allclose(ratio, CFG.qps / qps)
+    assert n / t.visits[-1].wall_s == pytest.approx(qps, rel=1e-3)
+    last: dict[int, float] = {}
+    counts: dict[int, int] = {}
+    for v in t.visits:
+        assert v.wall_s >= last.get(v.user, -1e9) + CFG.min_user_gap_s - 1e-9
+        last[v.user] = v.wall_s
+        counts[v.user] = counts.get(v.user, 0) + 1
+    # a higher QPS comes from more users, each capped at what fits the point at one visit per gap
+    assert max(counts.values()) <= int(n / qps / CFG.min_user_gap_s) + 1
+    assert t.shape["user_gap_wall_s_min"] >= CFG.min_user_gap_s - 1e-9
+
+
+def test_without_the_gap_the_linear_rescale_compresses_sessions_into_milliseconds(pop):
+    t = build_trace(pop, TraceConfig(**{**CFG.__dict__, "min_user_gap_s": 0.0}))
+    assert t.shape["user_gap_wall_s_p50"] < 0.1  # why the gap exists: a day squeezed into seconds
 
 
 def test_visits_are_skewed_towards_heavy_users(trace):
