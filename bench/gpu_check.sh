@@ -18,6 +18,8 @@
 #   mfu.json           `grstack bench mfu` on configs/kuairand-27k-hstu-large.yaml (bf16, ~0.2B parameters)
 #   kernel_tests.txt   tests/kernels on CUDA with compiled kernels (no interpreter)
 #   kernels.json       `grstack bench kernels --device cuda --json`
+#   relay_engine.json  `grstack bench relay-engine --device cuda --json`: the serving engine on CUDA (fused Triton
+#                      prefix attention; prefill, cached and full ranks at 1K/4K/8K tokens, KV arena on and off)
 set -u
 START=$(date +%s)
 BUDGET=${GPU_CHECK_BUDGET_S:-480}
@@ -82,6 +84,9 @@ GRSTACK_KERNEL_TEST_DEVICE=cuda step kernel_tests 150 60 "$OUT/kernel_tests.txt"
   "$PY" -P -m pytest -q -p no:cacheprovider -o addopts="--import-mode=importlib" tests/kernels \
   -k "not compile_for_hopper"
 
+step relay_engine 90 30 "$OUT/relay_engine.json" \
+  "$PY" -P -m grstack.runtime.cli bench relay-engine --device cuda --json
+
 step bench_kernels 200 60 "$OUT/kernels.json" \
   "$PY" -P -m grstack.runtime.cli bench kernels --device cuda --json
 
@@ -104,6 +109,11 @@ m = load("mfu.json")
 if m:
     print(f"mfu: {m.get('flops_per_step', 0) / 1e12:.2f} TFLOP/step, step {m.get('step_ms')} ms, "
           f"{m.get('achieved_tflops')} TFLOP/s of {m.get('peak_tflops')} peak: MFU {m.get('mfu')}")
+r = load("relay_engine.json")
+for c in (r or {}).get("cases", []):
+    print(f"relay_engine L={c['length']:5d}: prefill {c['prefill_ms']:.2f} ms (arena {c['prefill_arena_ms']:.2f}), "
+          f"{c['batch']} cached ranks {c['rank_cached_batch_ms']:.2f} ms (arena {c['rank_cached_batch_arena_ms']:.2f}), "
+          f"full rank {c['rank_full_ms']:.2f} ms, max |diff| {c['max_abs_score_diff']}")
 k = load("kernels.json")
 for c in (k or {}).get("cases", []):
     print(f"kernels {c.get('name', '?'):14s} jagged {c.get('jagged_ms', 0):9.2f} ms  padded {c.get('padded_ms', 0):9.2f} ms  "
