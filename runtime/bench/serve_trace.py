@@ -143,29 +143,32 @@ def _cap_per_user(idx: np.ndarray, user_of: np.ndarray, ts: np.ndarray, cap: int
     return kept[np.argsort(ts[kept], kind="stable")]
 
 
-def _spaced(order: np.ndarray, user_of: np.ndarray, wall: np.ndarray, min_gap: float) -> np.ndarray:
-    """Wall times with each user's consecutive visits at least ``min_gap`` apart (later ones pushed back;
-    the linear rescale alone would put a session's visits milliseconds apart)."""
-    out = wall.copy()
-    last: dict[int, float] = {}
-    for k, e in enumerate(order):
-        u = int(user_of[e])
-        if u in last and out[k] < last[u] + min_gap:
-            out[k] = last[u] + min_gap
-        last[u] = out[k]
-    return out
+def _schedule(order: np.ndarray, user_of: np.ndarray, qps: float, min_gap: float,
+              rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Send times: Poisson arrivals at ``qps``, each given to the earliest visit (in stream order) whose user
+    has not visited in the last ``min_gap`` seconds. Returns the visits in send order and their times.
 
-
-def _rescaled(order: np.ndarray, user_of: np.ndarray, unit: np.ndarray, target_s: float,
-              min_gap: float) -> np.ndarray:
-    """Stream times (``unit``: scaled to [0, 1]) stretched linearly and then spaced per user, with the stretch
-    chosen by bisection so that the visits span ``target_s`` (the point's mean rate is its QPS)."""
-    lo, hi = 0.0, target_s
-    for _ in range(40):
-        mid = (lo + hi) / 2
-        span = float(_spaced(order, user_of, unit * mid, min_gap).max())
-        lo, hi = (mid, hi) if span < target_s else (lo, mid)
-    return _spaced(order, user_of, unit * lo, min_gap)
+    A linear rescale of the stream's own times would squeeze a day into the point (a user's visits
+    milliseconds apart); stretching it and pushing visits apart instead piles them up at multiples of the gap.
+    This keeps the aggregate rate Poisson at the point's QPS, each user's visits in their stream order and at
+    least ``min_gap`` apart, and the visits otherwise in stream order."""
+    pending = [int(e) for e in order]
+    slots = np.cumsum(rng.exponential(1.0 / qps, len(pending)))
+    slots -= slots[0]
+    ready: dict[int, float] = {}
+    sent, times = [], []
+    now = 0.0
+    for slot in slots:
+        now = max(now, float(slot))
+        pick = next((i for i, e in enumerate(pending) if ready.get(int(user_of[e]), -np.inf) <= now), None)
+        if pick is None:  # every waiting user visited within the gap: the earliest to become ready goes next
+            pick = min(range(len(pending)), key=lambda i: ready[int(user_of[pending[i]])])
+            now = ready[int(user_of[pending[pick]])]
+        e = pending.pop(pick)
+        ready[int(user_of[e])] = now + min_gap
+        sent.append(e)
+        times.append(now)
+    return np.asarray(sent, dtype=np.int64), np.asarray(times)
 
 
 def build_trace(pop: Population, cfg: TraceConfig) -> Trace:
@@ -189,7 +192,8 @@ def build_trace(pop: Population, cfg: TraceConfig) -> Trace:
         window *= 2
     # One user cannot ask for rankings faster than every min_user_gap_s: a point lasting needed/qps seconds
     # holds at most this many of a user's visits (a higher QPS comes from more users, not faster ones).
-    cap = max(1, int(needed / cfg.qps / cfg.min_user_gap_s) + 1) if cfg.min_user_gap_s > 0 else needed
+    # (half of it: a heavy user must share the arrivals with everyone else and still fit in the point)
+    cap = max(1, int(0.5 * needed / cfg.qps / cfg.min_user_gap_s) + 1) if cfg.min_user_gap_s > 0 else needed
     z = zipf_weights(np.diff(pop.offsets).astype(np.float64), cfg.zipf)
     p = _session_probs(z, sessions, per_session, int(needed * 1.15))
     while True:
@@ -211,10 +215,7 @@ def build_trace(pop: Population, cfg: TraceConfig) -> Trace:
         raise UserError(f"bench serve: {n_users} users give only {len(order)} visits; need {needed} "
                         f"(more --users, or fewer --measured/--warmup)")
     t_vis = pop.ts[order]
-    span = max(1.0, float(t_vis[-1] - t_vis[0]))
-    wall = _rescaled(order, user_of, (t_vis - t_vis[0]) / span, needed / cfg.qps, cfg.min_user_gap_s)
-    send = np.argsort(wall, kind="stable")  # spacing keeps each user's order; the visits go in send order
-    order, wall = order[send], wall[send]
+    order, wall = _schedule(order, user_of, cfg.qps, cfg.min_user_gap_s, np.random.default_rng([cfg.seed, 13]))
     gaps = cfg.gap_ms / 1e3 * fill.uniform(1 - cfg.jitter, 1 + cfg.jitter, needed)
     trace = Trace(cfg, num_items=pop.num_items)
     base: dict[int, tuple[np.ndarray, np.ndarray]] = {}

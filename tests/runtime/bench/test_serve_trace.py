@@ -75,7 +75,7 @@ def test_signal_precedes_rank_by_the_jittered_gap(trace):
 def test_mean_rate_is_the_points_qps_and_a_user_never_visits_faster_than_the_gap(pop, qps):
     t = build_trace(pop, TraceConfig(**{**CFG.__dict__, "qps": qps}))
     n = len(t.visits)
-    assert n / t.visits[-1].wall_s == pytest.approx(qps, rel=1e-3)
+    assert 0.7 * qps < n / t.visits[-1].wall_s < 1.3 * qps  # Poisson arrivals at the point's QPS
     last: dict[int, float] = {}
     counts: dict[int, int] = {}
     for v in t.visits:
@@ -83,16 +83,18 @@ def test_mean_rate_is_the_points_qps_and_a_user_never_visits_faster_than_the_gap
         last[v.user] = v.wall_s
         counts[v.user] = counts.get(v.user, 0) + 1
     # a higher QPS comes from more users, each capped at what fits the point at one visit per gap
-    assert max(counts.values()) <= int(n / qps / CFG.min_user_gap_s) + 1
+    assert max(counts.values()) <= int(0.5 * n / qps / CFG.min_user_gap_s) + 1
     assert t.shape["user_gap_wall_s_min"] >= CFG.min_user_gap_s - 1e-9
 
 
-def test_without_the_gap_the_linear_rescale_compresses_sessions_into_milliseconds(pop):
+def test_without_the_gap_a_heavy_users_burst_arrives_back_to_back(pop):
     t = build_trace(pop, TraceConfig(**{**CFG.__dict__, "min_user_gap_s": 0.0}))
-    assert t.shape["user_gap_wall_s_p50"] < 0.1  # why the gap exists: a day squeezed into seconds
+    assert t.shape["user_gap_wall_s_p50"] < 0.5 * CFG.min_user_gap_s  # why the gap exists
 
 
-def test_visits_are_skewed_towards_heavy_users(trace):
+def test_visits_are_skewed_towards_heavy_users(pop):
+    # at a low rate the per-user cap (what fits the point at one visit per gap) leaves the Zipf skew alone
+    trace = build_trace(pop, TraceConfig(**{**CFG.__dict__, "qps": 2.0}))
     users = np.array([v.user for v in trace.visits])
     counts = np.sort(np.bincount(users, minlength=CFG.users))[::-1]
     top = counts[: int(np.ceil(0.01 * CFG.users))].sum() / len(users)
