@@ -9,9 +9,9 @@ import pytest
 
 pytestmark = pytest.mark.integration
 
-TINY = ["--users", "50", "--lengths", "48", "--qps", "40", "--length-qps", "40", "--qps-length", "48",
+TINY = ["--users", "200", "--lengths", "48", "--qps", "40", "--length-qps", "40", "--qps-length", "48",
         "--measured", "30", "--warmup", "8", "--repeats", "1", "--qps-floor", "40", "--slo-ms", "5000",
-        "--cascade-gap-ms", "20"]
+        "--cascade-gap-ms", "20", "--min-user-gap-s", "0.2"]
 
 
 def test_tiny_run_reports_every_mode_the_overload_run_and_the_score_check(tmp_path):
@@ -22,7 +22,7 @@ def test_tiny_run_reports_every_mode_the_overload_run_and_the_score_check(tmp_pa
     proto = out["protocol"]
     assert proto["prefill_on_clock"] is True and proto["preload"] is False
     assert (proto["users"], proto["measured_requests_min"], proto["repeats"], proto["cascade_gap_ms"],
-            proto["slo_ms"], proto["rankers"], proto["warmup_visits"]) == (50, 30, 1, 20.0, 5000.0, 2, 8)
+            proto["slo_ms"], proto["rankers"], proto["warmup_visits"]) == (200, 30, 1, 20.0, 5000.0, 2, 8)
     assert out["slo_ms"] == 5000.0
     for mode in (out["baseline"], out["relay"], *out["ablations"].values()):
         assert {"points", "max_len_at_slo", "max_qps_at_slo"} <= set(mode)
