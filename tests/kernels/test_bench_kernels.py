@@ -30,7 +30,8 @@ def test_bench_prints_one_json_object(monkeypatch, capsys):
         assert case["device"] == "cpu" and case["backend"] == "reference"
         assert case["jagged_ms"] > 0 and case["padded_ms"] > 0
         assert case["jagged_peak_bytes"] > 0 and case["padded_peak_bytes"] > 0
-        assert case["max_abs_diff"] < 1e-5
+        assert case["max_abs_diff"] < 1e-5 and case["max_abs_diff_naive"] < 1e-5
+        assert case["padded_naive_ms"] > 0 and isinstance(case["host_syncs"], int)
     assert result["cases"][0]["lengths"] == {"batch": 4, "tokens": 26, "mean": 6.5, "max": 17}
     assert "memory_method" in result and result["quick"] is True
 
@@ -55,3 +56,30 @@ def test_cuda_without_a_gpu_is_a_user_error(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert cli.main(["bench", "kernels", "--device", "cuda"]) == 2
     assert capsys.readouterr().err.startswith("error: --device cuda")
+
+
+def test_the_good_padded_baseline_has_the_naive_ones_gradients():
+    g = torch.Generator().manual_seed(1)
+    inp = bench._inputs([5, 9, 2], "cpu", torch.float64, 2, 4, 4, 10, seed=1)
+    grads = {}
+    for impl in ("padded", "padded_naive"):
+        q, k, v = (inp[n].detach().requires_grad_() for n in ("q", "k", "v"))
+        pw, tw = inp["pos_weight"].double().requires_grad_(), inp["time_weight"].double().requires_grad_()
+        if impl == "padded":
+            out = bench._padded_good(q, k, v, inp, bench.padded_prep(inp), pw, tw)
+        else:
+            from grstack.kernels import hstu_attention
+
+            out = hstu_attention(q, k, v, inp["offsets"], backend="padded", max_seq_len=10,
+                                 timestamps=inp["timestamps"], pos_weight=pw, time_weight=tw)
+        out.backward(torch.randn(out.shape, generator=g, dtype=out.dtype))
+        grads[impl] = [t.grad for t in (q, k, v, pw, tw)]
+        g = torch.Generator().manual_seed(1)
+    for a, b in zip(grads["padded"], grads["padded_naive"], strict=True):
+        assert torch.allclose(a, b, atol=1e-10)
+
+
+def test_host_syncs_are_counted_and_the_methods_restored():
+    before = torch.Tensor.tolist
+    assert bench.count_host_syncs(lambda: (torch.ones(2).tolist(), torch.ones(1).item(), torch.ones(1).cpu())) == 3
+    assert torch.Tensor.tolist is before
