@@ -76,14 +76,23 @@ def _merge_classes(by_class: dict[int, list[int]], lengths: list[int], overhead:
     return runs  # longest first
 
 
-def make_plan(offsets: torch.Tensor, steps_per_octave: int = 4, group_overhead: int = 4096) -> JaggedPlan:
+def make_plan(offsets: torch.Tensor, steps_per_octave: int = 4, group_overhead: int = 4096, *,
+              lengths: Sequence[int] | None = None) -> JaggedPlan:
     """Groups sequences of similar length; empty sequences are skipped.
 
     ``group_overhead`` (in attention elements per head, see :func:`_merge_classes`) trades padding for fewer
-    groups; 0 keeps one group per length class.
+    groups; 0 keeps one group per length class. ``lengths``: the sequences' lengths on the host, as the batch
+    builder knows them; given, the plan never reads ``offsets`` back from the device (no host sync).
     """
-    offs = offsets.to("cpu", torch.int64)
-    lengths = (offs[1:] - offs[:-1]).tolist()
+    if lengths is None:
+        offs = offsets.to("cpu", torch.int64)
+        lengths = (offs[1:] - offs[:-1]).tolist()
+    else:
+        lengths = [int(n) for n in lengths]
+        if len(lengths) != offsets.numel() - 1:
+            raise ValueError(f"{len(lengths)} lengths for {offsets.numel() - 1} sequences")
+        offs = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+        offs[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
     device = offsets.device
     by_class: dict[int, list[int]] = {}
     for b, length in enumerate(lengths):

@@ -42,7 +42,11 @@ def _blocks(d: int) -> tuple[int, int]:
 
 
 class _EmbeddingGather(torch.autograd.Function):
+    """Rows keep the table's dtype under autocast (as ``torch.nn.functional.embedding``); the gradient is
+    accumulated in fp32."""
+
     @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, table, ids):
         check_device(_gather_fwd, table, ids)
         if table.stride(-1) != 1:
@@ -63,6 +67,7 @@ class _EmbeddingGather(torch.autograd.Function):
         return out.reshape(*ids.shape, d)
 
     @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, grad):
         (flat,) = ctx.saved_tensors
         rows, d = ctx.table_shape

@@ -24,39 +24,52 @@ import triton
 import triton.language as tl
 
 from grstack.kernels.bias import TIME_BUCKET_DIV
+from grstack.kernels.triton_tuning import TileConfig, TuneKey, max_len_bucket, run_tuned
 from grstack.kernels.triton_util import block_dim, check_device, dot_precision, jagged_tiles, mm
 
 _GRAD_SLOTS = 32
 
 
 @triton.jit
-def _scores(q, k, gi, gj, row_ok, col_ok, hist, ts_i, ts_j, pos_w, time_w, num_pos, num_tb,
-            HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-            TB_DIV: tl.constexpr):
-    """Biased scores [BM, BN], the allowed-pair mask and the two table indices of every pair."""
-    s = mm(q, tl.trans(k), UPCAST, PRECISION)
-    allowed = (row_ok[:, None] & col_ok[None, :] & (gj[None, :] <= gi[:, None])
-               & ((gj[None, :] < hist) | (gj[None, :] == gi[:, None])))
-    pi = tl.minimum(gi, hist)
-    pj = tl.minimum(gj, hist)
-    dist = tl.minimum(tl.maximum(pi[:, None] - pj[None, :], 0), num_pos - 1)
-    bucket = tl.zeros_like(dist)
-    if HAS_POS:
-        s += tl.load(pos_w + dist).to(tl.float32)
-    if HAS_TIME:
-        dt = tl.maximum(tl.abs(ts_i[:, None] - ts_j[None, :]), 1).to(tl.float32)
-        lb = tl.floor(tl.log(dt) / TB_DIV)
-        bucket = tl.minimum(tl.maximum(lb, 0.0), num_tb).to(tl.int32)
-        s += tl.load(time_w + bucket).to(tl.float32)
-    return s, allowed, dist, bucket
+def _allowed(gi, gj, hist):
+    """Allowed (query, key) pairs by position: causal, and candidate keys only for themselves. Arguments are
+    broadcastable 2-D index tensors (queries as rows, or as columns in the key-major backward)."""
+    return (gj <= gi) & ((gj < hist) | (gj == gi))
 
 
 @triton.jit
-def _fwd_sweep(acc, q, gi, row_ok, hist, ts_i, K, V, TSK, key_tok0, gpos0, lo, hi, stride_kt, stride_vt,
+def _pos_index(gi, gj, hist, num_pos):
+    """Relative-position table index: candidates all sit at position ``hist``."""
+    return tl.minimum(tl.maximum(tl.minimum(gi, hist) - tl.minimum(gj, hist), 0), num_pos - 1)
+
+
+@triton.jit
+def _time_index(ts_i, ts_j, num_tb, TB_DIV: tl.constexpr):
+    """Time-bucket table index (:func:`grstack.kernels.bias.time_buckets`) of the query and key times."""
+    dt = tl.maximum(tl.abs(ts_i - ts_j), 1).to(tl.float32)
+    return tl.minimum(tl.maximum(tl.floor(tl.log(dt) / TB_DIV), 0.0), num_tb).to(tl.int32)
+
+
+@triton.jit
+def _biased(s, gi, gj, hist, ts_i, ts_j, pos_w, time_w, num_pos, num_tb,
+            HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, TB_DIV: tl.constexpr):
+    if HAS_POS:
+        s += tl.load(pos_w + _pos_index(gi, gj, hist, num_pos)).to(tl.float32)
+    if HAS_TIME:
+        s += tl.load(time_w + _time_index(ts_i, ts_j, num_tb, TB_DIV)).to(tl.float32)
+    return s
+
+
+@triton.jit
+def _fwd_sweep(acc, q, gi, hist, ts_i, K, V, TSK, key_tok0, gpos0, lo, hi, stride_kt, stride_vt,
                pos_w, time_w, num_pos, num_tb, inv_n, offs_dk, offs_dv, D_QK, D_V,
-               HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, UPCAST: tl.constexpr,
+               MASKED: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, UPCAST: tl.constexpr,
                PRECISION: tl.constexpr, TB_DIV: tl.constexpr, BLOCK_N: tl.constexpr):
-    """acc += A[:, lo:hi] @ V[lo:hi] for one key range; K/V/TSK point at this head's token 0."""
+    """acc += A[:, lo:hi] @ V[lo:hi] for one key range; K/V/TSK point at this head's token 0.
+
+    Keys past ``hi`` load as zeros (their values add nothing); ``MASKED`` applies the causal/candidate
+    structure, which only blocks on the diagonal or holding candidates need.
+    """
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         col_ok = offs_n < hi
@@ -65,19 +78,22 @@ def _fwd_sweep(acc, q, gi, row_ok, hist, ts_i, K, V, TSK, key_tok0, gpos0, lo, h
                     mask=col_ok[:, None] & (offs_dk[None, :] < D_QK), other=0.0)
         v = tl.load(V + tok[:, None] * stride_vt + offs_dv[None, :],
                     mask=col_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
-        ts_j = ts_i
+        ts_j = offs_n
         if HAS_TIME:
             ts_j = tl.load(TSK + tok, mask=col_ok, other=0)
-        s, allowed, _, _ = _scores(q, k, gi, gpos0 + offs_n, row_ok, col_ok, hist, ts_i, ts_j, pos_w, time_w,
-                                   num_pos, num_tb, HAS_POS, HAS_TIME, UPCAST, PRECISION, TB_DIV)
-        a = tl.where(allowed, s * tl.sigmoid(s) * inv_n, 0.0)
+        gj = gpos0 + offs_n
+        s = _biased(mm(q, tl.trans(k), UPCAST, PRECISION), gi[:, None], gj[None, :], hist, ts_i[:, None],
+                    ts_j[None, :], pos_w, time_w, num_pos, num_tb, HAS_POS, HAS_TIME, TB_DIV)
+        a = s * tl.sigmoid(s) * inv_n
+        if MASKED:
+            a = tl.where(_allowed(gi[:, None], gj[None, :], hist), a, 0.0)
         acc += mm(a.to(v.dtype), v, UPCAST, PRECISION)
     return acc
 
 
 @triton.jit
-def _hstu_fwd(Q, K, V, KP, VP, OUT, seq_offsets, prefix_starts, prefix_lengths, num_targets, TS, TSP, pos_w, time_w,
-              tile_seq, tile_blk,
+def _hstu_fwd(Q, K, V, KP, VP, OUT, seq_offsets, prefix_starts, prefix_lengths, num_targets, TS, TSQ, TSP,
+              pos_w, time_w, tile_seq, tile_blk,
               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
               stride_kpt, stride_kph, stride_vpt, stride_vph, stride_ot, stride_oh,
               inv_n, num_pos, num_tb, D_QK, D_V,
@@ -87,6 +103,8 @@ def _hstu_fwd(Q, K, V, KP, VP, OUT, seq_offsets, prefix_starts, prefix_lengths, 
     pid = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     b = tl.load(tile_seq + pid)
+    if b < 0:
+        return
     start_m = tl.load(tile_blk + pid) * BLOCK_M
     seq0 = tl.load(seq_offsets + b).to(tl.int64)
     S = (tl.load(seq_offsets + b + 1) - seq0).to(tl.int32)
@@ -110,29 +128,77 @@ def _hstu_fwd(Q, K, V, KP, VP, OUT, seq_offsets, prefix_starts, prefix_lengths, 
                 mask=row_ok[:, None] & (offs_dk[None, :] < D_QK), other=0.0)
     ts_i = offs_m
     if HAS_TIME:
-        ts_i = tl.load(TS + tok_m, mask=row_ok, other=0)
+        ts_i = tl.load(TSQ + tok_m, mask=row_ok, other=0)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
     if HAS_PREFIX:
-        acc = _fwd_sweep(acc, q, gi, row_ok, hist, ts_i, KP + h * stride_kph, VP + h * stride_vph, TSP, p0, 0,
+        # every cached token is history before every new token: no structural mask
+        acc = _fwd_sweep(acc, q, gi, hist, ts_i, KP + h * stride_kph, VP + h * stride_vph, TSP, p0, 0,
                          0, P, stride_kpt, stride_vpt, pos_w, time_w, num_pos, num_tb, inv_n, offs_dk, offs_dv,
-                         D_QK, D_V, HAS_POS, HAS_TIME, UPCAST, PRECISION, TB_DIV, BLOCK_N)
-    # new keys in the history (causal), then the candidates' own diagonal block
+                         D_QK, D_V, False, HAS_POS, HAS_TIME, UPCAST, PRECISION, TB_DIV, BLOCK_N)
+    # new keys in the history: whole blocks below the diagonal unmasked, then the diagonal blocks masked;
+    # then the candidates' own diagonal block
     k1_end = tl.maximum(tl.minimum(hist - P, start_m + BLOCK_M), 0)
-    acc = _fwd_sweep(acc, q, gi, row_ok, hist, ts_i, K + h * stride_kh, V + h * stride_vh, TS, seq0, P,
-                     0, k1_end, stride_kt, stride_vt, pos_w, time_w, num_pos, num_tb, inv_n, offs_dk, offs_dv,
-                     D_QK, D_V, HAS_POS, HAS_TIME, UPCAST, PRECISION, TB_DIV, BLOCK_N)
+    mid = tl.maximum(tl.minimum(start_m, hist - P), 0) // BLOCK_N * BLOCK_N
+    acc = _fwd_sweep(acc, q, gi, hist, ts_i, K + h * stride_kh, V + h * stride_vh, TS, seq0, P,
+                     0, mid, stride_kt, stride_vt, pos_w, time_w, num_pos, num_tb, inv_n, offs_dk, offs_dv,
+                     D_QK, D_V, False, HAS_POS, HAS_TIME, UPCAST, PRECISION, TB_DIV, BLOCK_N)
+    acc = _fwd_sweep(acc, q, gi, hist, ts_i, K + h * stride_kh, V + h * stride_vh, TS, seq0, P,
+                     mid, k1_end, stride_kt, stride_vt, pos_w, time_w, num_pos, num_tb, inv_n, offs_dk, offs_dv,
+                     D_QK, D_V, True, HAS_POS, HAS_TIME, UPCAST, PRECISION, TB_DIV, BLOCK_N)
     if HAS_TARGETS:
         k2_start = tl.maximum(k1_end, start_m)
         k2_end = tl.minimum(S, start_m + BLOCK_M)
-        acc = _fwd_sweep(acc, q, gi, row_ok, hist, ts_i, K + h * stride_kh, V + h * stride_vh, TS, seq0, P,
+        acc = _fwd_sweep(acc, q, gi, hist, ts_i, K + h * stride_kh, V + h * stride_vh, TS, seq0, P,
                          k2_start, k2_end, stride_kt, stride_vt, pos_w, time_w, num_pos, num_tb, inv_n,
-                         offs_dk, offs_dv, D_QK, D_V, HAS_POS, HAS_TIME, UPCAST, PRECISION, TB_DIV, BLOCK_N)
+                         offs_dk, offs_dv, D_QK, D_V, True, HAS_POS, HAS_TIME, UPCAST, PRECISION, TB_DIV, BLOCK_N)
     tl.store(OUT + h * stride_oh + tok_m[:, None] * stride_ot + offs_dv[None, :], acc.to(OUT.dtype.element_ty),
              mask=row_ok[:, None] & (offs_dv[None, :] < D_V))
 
 
 @triton.jit
-def _hstu_bwd_kv(Q, K, V, DO, DK, DV, DPOS, DTIME, seq_offsets, num_targets, TS, pos_w, time_w,
+def _bwd_kv_sweep(dk, dv, k, v, gj, hist, ts_j, Q, DO, TSQ, seq0, lo, hi, end, stride_qt, stride_dot,
+                  DPOS, DTIME, pos_w, time_w, num_pos, num_tb, inv_n, offs_dk, offs_dv, D_QK, D_V,
+                  MASKED: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, POS_GRAD: tl.constexpr,
+                  TIME_GRAD: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, TB_DIV: tl.constexpr,
+                  BLOCK_M: tl.constexpr):
+    """Key-major: scores are [keys, queries], so dV += Aᵀ·dO and dK += dSᵀ·Q need no register transposes."""
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < end
+        tok_m = seq0 + offs_m
+        q = tl.load(Q + tok_m[:, None] * stride_qt + offs_dk[None, :],
+                    mask=row_ok[:, None] & (offs_dk[None, :] < D_QK), other=0.0)
+        do = tl.load(DO + tok_m[:, None] * stride_dot + offs_dv[None, :],
+                     mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+        ts_i = offs_m
+        if HAS_TIME:
+            ts_i = tl.load(TSQ + tok_m, mask=row_ok, other=0)
+        s = mm(k, tl.trans(q), UPCAST, PRECISION)
+        if HAS_POS:
+            pidx = _pos_index(offs_m[None, :], gj[:, None], hist, num_pos)
+            s += tl.load(pos_w + pidx).to(tl.float32)
+        if HAS_TIME:
+            tidx = _time_index(ts_i[None, :], ts_j[:, None], num_tb, TB_DIV)
+            s += tl.load(time_w + tidx).to(tl.float32)
+        sig = tl.sigmoid(s)
+        a = s * sig * inv_n
+        da = mm(v, tl.trans(do), UPCAST, PRECISION)
+        ds = da * inv_n * sig * (1.0 + s * (1.0 - sig))
+        if MASKED:
+            ok = _allowed(offs_m[None, :], gj[:, None], hist)
+            a = tl.where(ok, a, 0.0)
+            ds = tl.where(ok, ds, 0.0)
+        dv += mm(a.to(do.dtype), do, UPCAST, PRECISION)
+        dk += mm(ds.to(q.dtype), q, UPCAST, PRECISION)
+        if POS_GRAD:
+            tl.atomic_add(DPOS + pidx, ds, sem="relaxed")
+        if TIME_GRAD:
+            tl.atomic_add(DTIME + tidx, ds, sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
+def _hstu_bwd_kv(Q, K, V, DO, DK, DV, DPOS, DTIME, seq_offsets, num_targets, TS, TSQ, pos_w, time_w,
                  tile_seq, tile_blk,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                  stride_dkt, stride_dkh, stride_dvt, stride_dvh,
@@ -146,6 +212,8 @@ def _hstu_bwd_kv(Q, K, V, DO, DK, DV, DPOS, DTIME, seq_offsets, num_targets, TS,
     h32 = tl.program_id(1)
     h = h32.to(tl.int64)
     b = tl.load(tile_seq + pid)
+    if b < 0:
+        return
     start_n = tl.load(tile_blk + pid) * BLOCK_N
     seq0 = tl.load(seq_offsets + b).to(tl.int64)
     L = (tl.load(seq_offsets + b + 1) - seq0).to(tl.int32)
@@ -167,32 +235,29 @@ def _hstu_bwd_kv(Q, K, V, DO, DK, DV, DPOS, DTIME, seq_offsets, num_targets, TS,
     dk = tl.zeros((BLOCK_N, BLOCK_DQK), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_DV), dtype=tl.float32)
     slot = (pid * num_heads + h32) % GRAD_SLOTS
-    # history keys are seen by every later query; candidate keys only by themselves
+    dpos = DPOS + slot * num_pos
+    dtime = DTIME + slot * (num_tb + 1)
+    # history keys are seen by every later query; candidate keys only by themselves. Query blocks that start
+    # at or past the end of this key block see all of it when it is all history (no structural mask).
     q_end = tl.where(start_n < hist, L, tl.minimum(L, start_n + BLOCK_N))
-    for start_m in range(start_n, q_end, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        row_ok = offs_m < L
-        tok_m = seq0 + offs_m
-        q = tl.load(Q + h * stride_qh + tok_m[:, None] * stride_qt + offs_dk[None, :],
-                    mask=row_ok[:, None] & (offs_dk[None, :] < D_QK), other=0.0)
-        do = tl.load(DO + h * stride_doh + tok_m[:, None] * stride_dot + offs_dv[None, :],
-                     mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
-        ts_i = offs_m
-        if HAS_TIME:
-            ts_i = tl.load(TS + tok_m, mask=row_ok, other=0)
-        s, allowed, dist, bucket = _scores(q, k, offs_m, offs_n, row_ok, col_ok, hist, ts_i, ts_j, pos_w,
-                                           time_w, num_pos, num_tb, HAS_POS, HAS_TIME, UPCAST, PRECISION,
-                                           TB_DIV)
-        sig = tl.sigmoid(s)
-        a = tl.where(allowed, s * sig * inv_n, 0.0)
-        dv += mm(tl.trans(a.to(do.dtype)), do, UPCAST, PRECISION)
-        da = mm(do, tl.trans(v), UPCAST, PRECISION)
-        ds = tl.where(allowed, da * inv_n * sig * (1.0 + s * (1.0 - sig)), 0.0)
-        dk += mm(tl.trans(ds.to(q.dtype)), q, UPCAST, PRECISION)
-        if POS_GRAD:
-            tl.atomic_add(DPOS + slot * num_pos + dist, ds, mask=allowed, sem="relaxed")
-        if TIME_GRAD:
-            tl.atomic_add(DTIME + slot * (num_tb + 1) + bucket, ds, mask=allowed, sem="relaxed")
+    diag_end = tl.minimum(start_n + (BLOCK_N + BLOCK_M - 1) // BLOCK_M * BLOCK_M, q_end)
+    all_hist = start_n + BLOCK_N <= hist
+    Qh = Q + h * stride_qh
+    DOh = DO + h * stride_doh
+    dk, dv = _bwd_kv_sweep(dk, dv, k, v, offs_n, hist, ts_j, Qh, DOh, TSQ, seq0, start_n, diag_end, L,
+                           stride_qt, stride_dot, dpos, dtime, pos_w, time_w, num_pos, num_tb, inv_n, offs_dk,
+                           offs_dv, D_QK, D_V, True, HAS_POS, HAS_TIME, POS_GRAD, TIME_GRAD, UPCAST,
+                           PRECISION, TB_DIV, BLOCK_M)
+    dk, dv = _bwd_kv_sweep(dk, dv, k, v, offs_n, hist, ts_j, Qh, DOh, TSQ, seq0, diag_end,
+                           tl.where(all_hist, q_end, diag_end), L,
+                           stride_qt, stride_dot, dpos, dtime, pos_w, time_w, num_pos, num_tb, inv_n, offs_dk,
+                           offs_dv, D_QK, D_V, False, HAS_POS, HAS_TIME, POS_GRAD, TIME_GRAD, UPCAST,
+                           PRECISION, TB_DIV, BLOCK_M)
+    dk, dv = _bwd_kv_sweep(dk, dv, k, v, offs_n, hist, ts_j, Qh, DOh, TSQ, seq0, diag_end,
+                           tl.where(all_hist, diag_end, q_end), L,
+                           stride_qt, stride_dot, dpos, dtime, pos_w, time_w, num_pos, num_tb, inv_n, offs_dk,
+                           offs_dv, D_QK, D_V, True, HAS_POS, HAS_TIME, POS_GRAD, TIME_GRAD, UPCAST,
+                           PRECISION, TB_DIV, BLOCK_M)
     tl.store(DK + h * stride_dkh + tok_n[:, None] * stride_dkt + offs_dk[None, :], dk.to(DK.dtype.element_ty),
              mask=col_ok[:, None] & (offs_dk[None, :] < D_QK))
     tl.store(DV + h * stride_dvh + tok_n[:, None] * stride_dvt + offs_dv[None, :], dv.to(DV.dtype.element_ty),
@@ -200,9 +265,9 @@ def _hstu_bwd_kv(Q, K, V, DO, DK, DV, DPOS, DTIME, seq_offsets, num_targets, TS,
 
 
 @triton.jit
-def _bwd_q_sweep(dq, q, do, gi, row_ok, hist, ts_i, K, V, TS, seq0, lo, hi, stride_kt, stride_vt,
+def _bwd_q_sweep(dq, q, do, gi, hist, ts_i, K, V, TS, seq0, lo, hi, stride_kt, stride_vt,
                  pos_w, time_w, num_pos, num_tb, inv_n, offs_dk, offs_dv, D_QK, D_V,
-                 HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, UPCAST: tl.constexpr,
+                 MASKED: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, UPCAST: tl.constexpr,
                  PRECISION: tl.constexpr, TB_DIV: tl.constexpr, BLOCK_N: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -212,20 +277,22 @@ def _bwd_q_sweep(dq, q, do, gi, row_ok, hist, ts_i, K, V, TS, seq0, lo, hi, stri
                     mask=col_ok[:, None] & (offs_dk[None, :] < D_QK), other=0.0)
         v = tl.load(V + tok[:, None] * stride_vt + offs_dv[None, :],
                     mask=col_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
-        ts_j = ts_i
+        ts_j = offs_n
         if HAS_TIME:
             ts_j = tl.load(TS + tok, mask=col_ok, other=0)
-        s, allowed, _, _ = _scores(q, k, gi, offs_n, row_ok, col_ok, hist, ts_i, ts_j, pos_w, time_w,
-                                   num_pos, num_tb, HAS_POS, HAS_TIME, UPCAST, PRECISION, TB_DIV)
+        s = _biased(mm(q, tl.trans(k), UPCAST, PRECISION), gi[:, None], offs_n[None, :], hist, ts_i[:, None],
+                    ts_j[None, :], pos_w, time_w, num_pos, num_tb, HAS_POS, HAS_TIME, TB_DIV)
         sig = tl.sigmoid(s)
         da = mm(do, tl.trans(v), UPCAST, PRECISION)
-        ds = tl.where(allowed, da * inv_n * sig * (1.0 + s * (1.0 - sig)), 0.0)
+        ds = da * inv_n * sig * (1.0 + s * (1.0 - sig))
+        if MASKED:
+            ds = tl.where(_allowed(gi[:, None], offs_n[None, :], hist), ds, 0.0)
         dq += mm(ds.to(k.dtype), k, UPCAST, PRECISION)
     return dq
 
 
 @triton.jit
-def _hstu_bwd_q(Q, K, V, DO, DQ, seq_offsets, num_targets, TS, pos_w, time_w, tile_seq, tile_blk,
+def _hstu_bwd_q(Q, K, V, DO, DQ, seq_offsets, num_targets, TS, TSQ, pos_w, time_w, tile_seq, tile_blk,
                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                 stride_dqt, stride_dqh, inv_n, num_pos, num_tb, D_QK, D_V,
                 HAS_TARGETS: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
@@ -235,6 +302,8 @@ def _hstu_bwd_q(Q, K, V, DO, DQ, seq_offsets, num_targets, TS, pos_w, time_w, ti
     pid = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     b = tl.load(tile_seq + pid)
+    if b < 0:
+        return
     start_m = tl.load(tile_blk + pid) * BLOCK_M
     seq0 = tl.load(seq_offsets + b).to(tl.int64)
     L = (tl.load(seq_offsets + b + 1) - seq0).to(tl.int32)
@@ -252,36 +321,33 @@ def _hstu_bwd_q(Q, K, V, DO, DQ, seq_offsets, num_targets, TS, pos_w, time_w, ti
                  mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
     ts_i = offs_m
     if HAS_TIME:
-        ts_i = tl.load(TS + tok_m, mask=row_ok, other=0)
+        ts_i = tl.load(TSQ + tok_m, mask=row_ok, other=0)
     dq = tl.zeros((BLOCK_M, BLOCK_DQK), dtype=tl.float32)
     k1_end = tl.minimum(hist, start_m + BLOCK_M)
-    dq = _bwd_q_sweep(dq, q, do, offs_m, row_ok, hist, ts_i, K + h * stride_kh, V + h * stride_vh, TS, seq0,
-                      0, k1_end, stride_kt, stride_vt, pos_w, time_w, num_pos, num_tb, inv_n, offs_dk, offs_dv,
-                      D_QK, D_V, HAS_POS, HAS_TIME, UPCAST, PRECISION, TB_DIV, BLOCK_N)
+    mid = tl.maximum(tl.minimum(start_m, hist), 0) // BLOCK_N * BLOCK_N
+    Kh = K + h * stride_kh
+    Vh = V + h * stride_vh
+    dq = _bwd_q_sweep(dq, q, do, offs_m, hist, ts_i, Kh, Vh, TS, seq0, 0, mid, stride_kt, stride_vt,
+                      pos_w, time_w, num_pos, num_tb, inv_n, offs_dk, offs_dv, D_QK, D_V, False,
+                      HAS_POS, HAS_TIME, UPCAST, PRECISION, TB_DIV, BLOCK_N)
+    dq = _bwd_q_sweep(dq, q, do, offs_m, hist, ts_i, Kh, Vh, TS, seq0, mid, k1_end, stride_kt, stride_vt,
+                      pos_w, time_w, num_pos, num_tb, inv_n, offs_dk, offs_dv, D_QK, D_V, True,
+                      HAS_POS, HAS_TIME, UPCAST, PRECISION, TB_DIV, BLOCK_N)
     if HAS_TARGETS:
         k2_start = tl.maximum(k1_end, start_m)
         k2_end = tl.minimum(L, start_m + BLOCK_M)
-        dq = _bwd_q_sweep(dq, q, do, offs_m, row_ok, hist, ts_i, K + h * stride_kh, V + h * stride_vh, TS,
-                          seq0, k2_start, k2_end, stride_kt, stride_vt, pos_w, time_w, num_pos, num_tb, inv_n,
-                          offs_dk, offs_dv, D_QK, D_V, HAS_POS, HAS_TIME, UPCAST, PRECISION, TB_DIV, BLOCK_N)
+        dq = _bwd_q_sweep(dq, q, do, offs_m, hist, ts_i, Kh, Vh, TS, seq0, k2_start, k2_end, stride_kt,
+                          stride_vt, pos_w, time_w, num_pos, num_tb, inv_n, offs_dk, offs_dv, D_QK, D_V, True,
+                          HAS_POS, HAS_TIME, UPCAST, PRECISION, TB_DIV, BLOCK_N)
     tl.store(DQ + h * stride_dqh + tok_m[:, None] * stride_dqt + offs_dk[None, :], dq.to(DQ.dtype.element_ty),
              mask=row_ok[:, None] & (offs_dk[None, :] < D_QK))
-
-
-def _blocks(interpreted: bool, d: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps). Small tiles in the interpreter (numpy per program) keep tests fast."""
-    if interpreted:
-        return 16, 16, 1
-    if d <= 64:
-        return 64, 64, 4
-    return 64, 32, 4
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _common(q, k, v, timestamps, pos_w, time_w, num_targets):
+def _common(q, k, v, timestamps, query_timestamps, pos_w, time_w, num_targets):
     interpreted = check_device(_hstu_fwd, q, k, v)
     has_time = time_w is not None and timestamps is not None
     flags = dict(
@@ -297,92 +363,123 @@ def _common(q, k, v, timestamps, pos_w, time_w, num_targets):
     num_pos = pos_w.numel() if pos_w is not None else 1
     num_tb = time_w.numel() - 1 if has_time else 0
     dummy = q.new_zeros(1)
+    ts = timestamps if has_time else dummy
     tables = (
         pos_w if pos_w is not None else dummy,
         time_w if has_time else dummy,
-        timestamps if has_time else dummy,
+        ts,
+        query_timestamps if has_time and query_timestamps is not None else ts,
         num_targets if num_targets is not None else dummy,
     )
     return interpreted, flags, num_pos, num_tb, tables
 
 
-def _forward(q, k, v, offsets, timestamps, pos_w, time_w, num_targets, max_seq_len,
+def _features(flags: dict, **extra: bool) -> tuple[str, ...]:
+    names = ("HAS_TARGETS", "HAS_POS", "HAS_TIME", *extra)
+    return tuple(n for n in names if {**flags, **extra}.get(n))
+
+
+def _forward(q, k, v, offsets, timestamps, query_timestamps, pos_w, time_w, num_targets, max_seq_len,
              k_prefix=None, v_prefix=None, prefix_starts=None, prefix_lengths=None, prefix_timestamps=None):
-    interpreted, flags, num_pos, num_tb, (pw, tw, ts, nt) = _common(q, k, v, timestamps, pos_w, time_w,
-                                                                     num_targets)
+    interpreted, flags, num_pos, num_tb, (pw, tw, ts, tsq, nt) = _common(
+        q, k, v, timestamps, query_timestamps, pos_w, time_w, num_targets)
     n_tok, num_heads, _ = q.shape
     out = torch.empty((n_tok, num_heads, v.shape[-1]), dtype=v.dtype, device=v.device)
     if n_tok == 0 or num_heads == 0:
         return out
-    block_m, block_n, warps = _blocks(interpreted, max(q.shape[-1], v.shape[-1]))
-    lengths = (offsets[1:] - offsets[:-1]).cpu()
-    tile_seq, tile_blk = jagged_tiles(lengths, block_m, q.device)
     has_prefix = k_prefix is not None
     kp = k_prefix if has_prefix else k
     vp = v_prefix if has_prefix else v
     tsp = prefix_timestamps if has_prefix and flags["HAS_TIME"] else ts
-    _hstu_fwd[(tile_seq.numel(), num_heads)](
-        q, k, v, kp, vp, out, offsets, prefix_starts if has_prefix else offsets,
-        prefix_lengths if has_prefix else offsets, nt, ts, tsp, pw, tw,
-        tile_seq, tile_blk,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        kp.stride(0), kp.stride(1), vp.stride(0), vp.stride(1), out.stride(0), out.stride(1),
-        1.0 / max_seq_len, num_pos, num_tb, q.shape[-1], v.shape[-1],
-        HAS_PREFIX=has_prefix, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, **flags,
-    )
+
+    def launch(cfg: TileConfig) -> None:
+        tile_seq, tile_blk = jagged_tiles(offsets, n_tok, cfg.block_m)
+        _hstu_fwd[(tile_seq.numel(), num_heads)](
+            q, k, v, kp, vp, out, offsets, prefix_starts if has_prefix else offsets,
+            prefix_lengths if has_prefix else offsets, nt, ts, tsq, tsp, pw, tw,
+            tile_seq, tile_blk,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            kp.stride(0), kp.stride(1), vp.stride(0), vp.stride(1), out.stride(0), out.stride(1),
+            1.0 / max_seq_len, num_pos, num_tb, q.shape[-1], v.shape[-1],
+            HAS_PREFIX=has_prefix, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, **flags,
+        )
+
+    key = TuneKey("fwd", str(q.dtype), flags["BLOCK_DQK"], flags["BLOCK_DV"], num_heads,
+                  _features(flags, HAS_PREFIX=has_prefix), max_len_bucket(max_seq_len))
+    run_tuned(key, interpreted, launch)
     return out
 
 
 class _HstuAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, offsets, timestamps, pos_w, time_w, num_targets, max_seq_len):
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, q, k, v, offsets, timestamps, query_timestamps, pos_w, time_w, num_targets, max_seq_len):
         q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-        out = _forward(q, k, v, offsets, timestamps, pos_w, time_w, num_targets, max_seq_len)
-        ctx.save_for_backward(q, k, v, offsets, timestamps, pos_w, time_w, num_targets)
+        out = _forward(q, k, v, offsets, timestamps, query_timestamps, pos_w, time_w, num_targets, max_seq_len)
+        ctx.save_for_backward(q, k, v, offsets, timestamps, query_timestamps, pos_w, time_w, num_targets)
         ctx.max_seq_len = max_seq_len
         return out
 
     @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, dout):
-        q, k, v, offsets, timestamps, pos_w, time_w, num_targets = ctx.saved_tensors
-        dout = _last_dim_contiguous(dout)
-        interpreted, flags, num_pos, num_tb, (pw, tw, ts, nt) = _common(q, k, v, timestamps, pos_w, time_w,
-                                                                         num_targets)
-        pos_grad = pos_w is not None and ctx.needs_input_grad[5]
-        time_grad = flags["HAS_TIME"] and ctx.needs_input_grad[6]
-        dq = torch.zeros_like(q)
-        dk = torch.zeros_like(k)
-        dv = torch.zeros_like(v)
+        q, k, v, offsets, timestamps, query_timestamps, pos_w, time_w, num_targets = ctx.saved_tensors
+        dout = _last_dim_contiguous(dout).to(v.dtype)
+        interpreted, flags, num_pos, num_tb, (pw, tw, ts, tsq, nt) = _common(
+            q, k, v, timestamps, query_timestamps, pos_w, time_w, num_targets)
+        pos_grad = pos_w is not None and ctx.needs_input_grad[6]
+        time_grad = flags["HAS_TIME"] and ctx.needs_input_grad[7]
+        dq = torch.empty_like(q)
+        dk = torch.empty_like(k)
+        dv = torch.empty_like(v)
         dpos = torch.zeros((_GRAD_SLOTS, num_pos), dtype=torch.float32, device=q.device) if pos_grad else None
         dtime = (torch.zeros((_GRAD_SLOTS, num_tb + 1), dtype=torch.float32, device=q.device)
                  if time_grad else None)
         n_tok, num_heads, _ = q.shape
         if n_tok and num_heads:
-            block_m, block_n, warps = _blocks(interpreted, max(q.shape[-1], v.shape[-1]))
-            lengths = (offsets[1:] - offsets[:-1]).cpu()
-            seq_n, blk_n = jagged_tiles(lengths, block_n, q.device)
-            seq_m, blk_m = (seq_n, blk_n) if block_m == block_n else jagged_tiles(lengths, block_m, q.device)
             inv_n = 1.0 / ctx.max_seq_len
             dummy32 = torch.zeros(1, dtype=torch.float32, device=q.device)
-            _hstu_bwd_kv[(seq_n.numel(), num_heads)](
-                q, k, v, dout, dk, dv, dpos if pos_grad else dummy32, dtime if time_grad else dummy32,
-                offsets, nt, ts, pw, tw, seq_n, blk_n,
-                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-                inv_n, num_pos, num_tb, q.shape[-1], v.shape[-1], num_heads,
-                POS_GRAD=pos_grad, TIME_GRAD=time_grad, GRAD_SLOTS=_GRAD_SLOTS,
-                BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, **flags,
-            )
-            _hstu_bwd_q[(seq_m.numel(), num_heads)](
-                q, k, v, dout, dq, offsets, nt, ts, pw, tw, seq_m, blk_m,
-                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1),
-                inv_n, num_pos, num_tb, q.shape[-1], v.shape[-1],
-                BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, **flags,
-            )
+
+            def launch_kv(cfg: TileConfig) -> None:
+                for part in (dpos, dtime):
+                    if part is not None:
+                        part.zero_()
+                seq_n, blk_n = jagged_tiles(offsets, n_tok, cfg.block_n)
+                _hstu_bwd_kv[(seq_n.numel(), num_heads)](
+                    q, k, v, dout, dk, dv, dpos if pos_grad else dummy32, dtime if time_grad else dummy32,
+                    offsets, nt, ts, tsq, pw, tw, seq_n, blk_n,
+                    q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                    dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+                    inv_n, num_pos, num_tb, q.shape[-1], v.shape[-1], num_heads,
+                    POS_GRAD=pos_grad, TIME_GRAD=time_grad, GRAD_SLOTS=_GRAD_SLOTS,
+                    BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+                    num_stages=cfg.num_stages, **flags,
+                )
+
+            def launch_q(cfg: TileConfig) -> None:
+                seq_m, blk_m = jagged_tiles(offsets, n_tok, cfg.block_m)
+                _hstu_bwd_q[(seq_m.numel(), num_heads)](
+                    q, k, v, dout, dq, offsets, nt, ts, tsq, pw, tw, seq_m, blk_m,
+                    q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                    dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1),
+                    inv_n, num_pos, num_tb, q.shape[-1], v.shape[-1],
+                    BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+                    num_stages=cfg.num_stages, **flags,
+                )
+
+            common = (str(q.dtype), flags["BLOCK_DQK"], flags["BLOCK_DV"], num_heads)
+            bucket = max_len_bucket(ctx.max_seq_len)
+            run_tuned(TuneKey("bwd_kv", *common, _features(flags, POS_GRAD=pos_grad, TIME_GRAD=time_grad),
+                              bucket), interpreted, launch_kv)
+            run_tuned(TuneKey("bwd_q", *common, _features(flags), bucket), interpreted, launch_q)
+        else:
+            dq.zero_()
+            dk.zero_()
+            dv.zero_()
         dpos_w = dpos.sum(0).to(pos_w.dtype) if pos_grad else None
         dtime_w = dtime.sum(0).to(time_w.dtype) if time_grad else None
-        return dq, dk, dv, None, None, dpos_w, dtime_w, None, None
+        return dq, dk, dv, None, None, None, dpos_w, dtime_w, None, None
 
 
 def hstu_attention_triton(
@@ -396,9 +493,19 @@ def hstu_attention_triton(
     pos_weight: torch.Tensor | None = None,
     time_weight: torch.Tensor | None = None,
     num_targets: torch.Tensor | None = None,
+    query_timestamps: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Fused jagged HSTU attention; differentiable in q, k, v, pos_weight and time_weight."""
-    return _HstuAttention.apply(q, k, v, offsets, timestamps, pos_weight, time_weight, num_targets, max_seq_len)
+    """Fused jagged HSTU attention; differentiable in q, k, v, pos_weight and time_weight.
+
+    ``query_timestamps`` [sum_L]: the time each token queries at (the time bias buckets
+    ``query_timestamps[i] - timestamps[j]``); None: its own timestamp. Under CUDA autocast q, k and v run in
+    the autocast dtype (bf16 operands, fp32 accumulation) and the output has that dtype.
+    """
+    if torch.is_autocast_enabled("cuda") and q.is_cuda:
+        dtype = torch.get_autocast_dtype("cuda")
+        q, k, v = (t.to(dtype) for t in (q, k, v))
+    return _HstuAttention.apply(q, k, v, offsets, timestamps, query_timestamps, pos_weight, time_weight,
+                                num_targets, max_seq_len)
 
 
 def hstu_attention_with_prefix_triton(
@@ -418,6 +525,7 @@ def hstu_attention_with_prefix_triton(
     pos_weight: torch.Tensor | None = None,
     time_weight: torch.Tensor | None = None,
     num_targets: torch.Tensor | None = None,
+    query_timestamps: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Forward only (serving): new tokens attend to their sequence's cached prefix K/V and to themselves.
 
@@ -425,6 +533,7 @@ def hstu_attention_with_prefix_triton(
     ``k_prefix``/``v_prefix`` [T, H, d] (and ``prefix_timestamps`` [T]): ranges may be in any order, with gaps
     (a KV arena holding many users' prefixes, read in place). ``prefix_offsets`` [B + 1] is the jagged
     special case (prefixes concatenated in batch order) and is used when the two are not given.
+    ``query_timestamps`` [sum_S]: the new tokens' query times (see :func:`hstu_attention_triton`).
     """
     if time_weight is not None and timestamps is not None and prefix_timestamps is None:
         raise ValueError("prefix_timestamps are required with timestamps and time_weight")
@@ -434,6 +543,7 @@ def hstu_attention_with_prefix_triton(
         prefix_starts, prefix_lengths = prefix_offsets[:-1], prefix_offsets[1:] - prefix_offsets[:-1]
     with torch.no_grad():
         q, k, v, k_prefix, v_prefix = (_last_dim_contiguous(t) for t in (q, k, v, k_prefix, v_prefix))
-        return _forward(q, k, v, offsets, timestamps, pos_weight, time_weight, num_targets, max_seq_len,
+        return _forward(q, k, v, offsets, timestamps, query_timestamps, pos_weight, time_weight, num_targets,
+                        max_seq_len,
                         k_prefix=k_prefix, v_prefix=v_prefix, prefix_starts=prefix_starts,
                         prefix_lengths=prefix_lengths, prefix_timestamps=prefix_timestamps)

@@ -88,17 +88,24 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _row_block(d_pow2: int) -> int:
-    return max(1, min(16, 4096 // d_pow2))
+    """Rows per program: at most 2,048 elements, so the backward's five row tiles fit in registers (4,096
+    spilled at d=256 in fp32 on sm_90)."""
+    return max(1, min(16, 2048 // d_pow2))
 
 
 class _LayerNormMul(torch.autograd.Function):
+    """Statistics and the normalisation in fp32 whatever the inputs; under autocast x (the fp32 residual
+    stream) and u (a bf16 projection) may differ, and the result has their promoted dtype, as torch's
+    ``layer_norm(x) * u`` would."""
+
     @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, x, u, weight, bias, eps):
         check_device(_ln_mul_fwd, x, u)
         shape = x.shape
         x2, u2 = _rows(x), _rows(u)
         n, d = x2.shape
-        y = torch.empty((n, d), dtype=x.dtype, device=x.device)
+        y = torch.empty((n, d), dtype=torch.promote_types(x.dtype, u.dtype), device=x.device)
         mean = torch.empty(n, dtype=torch.float32, device=x.device)
         rstd = torch.empty(n, dtype=torch.float32, device=x.device)
         block_d = triton.next_power_of_2(d)
@@ -114,6 +121,7 @@ class _LayerNormMul(torch.autograd.Function):
         return y.reshape(shape)
 
     @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, grad):
         x2, u2, weight, bias, mean, rstd = ctx.saved_tensors
         g = _rows(grad)

@@ -48,20 +48,32 @@ def block_dim(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-def jagged_tiles(lengths_cpu: torch.Tensor, block: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def jagged_tiles(offsets: torch.Tensor, num_tokens: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One tile per ``block`` tokens of each sequence: (sequence index, block index), longest sequences first.
 
-    Only tiles that hold tokens are launched, so a heavy-tailed batch costs ``sum_b ceil(L_b / block)``
-    programs per head instead of ``B * ceil(L_max / block)``; launching the long sequences' tiles first
-    balances the tail.
+    Built on the offsets' device with no host synchronisation, so a forward or backward never waits on the
+    device and can be captured in a CUDA graph. The list has a fixed length that the host knows without
+    reading the offsets, ``num_tokens // block + B`` (an upper bound of ``sum_b ceil(L_b / block)``); the
+    tiles past the real ones have sequence index -1 and their programs return at once. Only tiles that hold
+    tokens do work, so a heavy-tailed batch costs ``sum_b ceil(L_b / block)`` programs per head instead of
+    ``B * ceil(L_max / block)``; launching the long sequences' tiles first balances the tail.
     """
-    lengths = lengths_cpu.to(torch.int64)
+    batch = offsets.numel() - 1
+    size = num_tokens // block + batch
+    if batch == 0:
+        empty = torch.full((size,), -1, dtype=torch.int32, device=offsets.device)
+        return empty, empty.clone()
+    lengths = (offsets[1:] - offsets[:-1]).to(torch.int64)
     order = torch.argsort(lengths, descending=True, stable=True)
     counts = (lengths[order] + block - 1) // block
-    seq = torch.repeat_interleave(order, counts)
-    starts = torch.cumsum(counts, 0) - counts
-    blk = torch.arange(int(counts.sum())) - torch.repeat_interleave(starts, counts)
-    return seq.to(device=device, dtype=torch.int32), blk.to(device=device, dtype=torch.int32)
+    ends = torch.cumsum(counts, 0)
+    t = torch.arange(size, device=offsets.device, dtype=torch.int64)
+    rank = torch.searchsorted(ends, t, right=True)
+    real = rank < batch
+    rank = rank.clamp(max=batch - 1)
+    seq = torch.where(real, order[rank], -1)
+    blk = torch.where(real, t - (ends - counts)[rank], 0)
+    return seq.to(torch.int32), blk.to(torch.int32)
 
 
 @triton.jit

@@ -19,6 +19,7 @@ import math
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 from grstack.runtime.errors import UserError
 
@@ -32,6 +33,11 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="accepted for symmetry: the output is always JSON")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per case (default 3, 5 on CUDA)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compile-report", action="store_true",
+                        help="compile every fused kernel configuration for an NVIDIA target (no GPU needed) and "
+                             "print registers, spill bytes and shared memory per kernel instead of timing")
+    parser.add_argument("--arch", type=int, default=90, help="--compile-report: compute capability (90: H100/H200)")
+    parser.add_argument("--workers", type=int, default=2, help="--compile-report: compiler processes")
     parser.add_argument("--threads", type=int, default=1,
                         help="CPU threads for torch (default 1: on a shared machine more threads make OpenMP "
                              "barriers wait for descheduled workers, which distorts many-small-op timings)")
@@ -79,7 +85,8 @@ def _inputs(lengths: list[int], device, dtype, heads: int, dqk: int, dv: int, ma
     to = dict(device=device)
     return dict(q=q.to(dtype=dtype, **to), k=k.to(dtype=dtype, **to), v=v.to(dtype=dtype, **to),
                 offsets=offsets.to(**to), timestamps=ts.to(**to), pos_weight=pos_w.to(**to),
-                time_weight=time_w.to(**to), grad=grad.to(dtype=dtype, **to), max_seq_len=max_seq_len)
+                time_weight=time_w.to(**to), grad=grad.to(dtype=dtype, **to), max_seq_len=max_seq_len,
+                lengths=list(lengths))
 
 
 class _GatherBincount:
@@ -144,30 +151,56 @@ def _padded_good(q, k, v, inp: dict, prep: dict, pw, tw):
 
     qp, kp, vp = pad(q), pad(k), pad(v)  # [B, L, H, d]
     scores = torch.matmul(qp.permute(0, 2, 1, 3), kp.permute(0, 2, 3, 1))  # [B, H, L, L]
-    bias = _GatherBincount.apply(pw, prep["dist"])[None] + _GatherBincount.apply(tw, prep["buckets"])  # [B, L, L]
-    scores = scores + bias.unsqueeze(1).to(scores.dtype)
+    if pw is not None:
+        bias = _GatherBincount.apply(pw, prep["dist"])[None] + _GatherBincount.apply(tw, prep["buckets"])
+        scores = scores + bias.unsqueeze(1).to(scores.dtype)  # [B, L, L] broadcast over heads
     attn = F.silu(scores) * (prep["causal"].to(scores.dtype) / inp["max_seq_len"])
     out = torch.matmul(attn, vp.permute(0, 2, 1, 3)).permute(0, 2, 1, 3)  # [B, L, H, dv]
     return torch.cat([out[b, :n] for b, n in enumerate(lengths)])
 
 
-def _step(impl: str, inp: dict, plan=None):
-    """One forward+backward; returns the output (detached). ``plan``: the jagged plan, or the padded
-    baseline's per-batch indices (built here when not given: each step pays its per-batch preparation)."""
+@dataclass(frozen=True)
+class Variant:
+    """What one timed step computes: with or without the two bias tables, their gradients, the backward."""
+
+    name: str
+    bias: bool = True
+    table_grads: bool = True
+    backward: bool = True
+
+
+FULL = Variant("fwd+bwd, bias, table grads")
+VARIANTS = (FULL, Variant("fwd+bwd, bias, frozen tables", table_grads=False),
+            Variant("fwd+bwd, no bias", bias=False, table_grads=False),
+            Variant("fwd, bias", table_grads=False, backward=False),
+            Variant("fwd, no bias", bias=False, table_grads=False, backward=False))
+
+
+def _step(impl: str, inp: dict, plan=None, variant: Variant = FULL):
+    """One step of ``variant`` (forward+backward by default); returns the output (detached). ``plan``: the
+    jagged plan, or the padded baseline's per-batch indices (built here when not given: each step pays its
+    per-batch preparation)."""
+    import torch
+
     from grstack.kernels import hstu_attention, make_plan
 
-    q, k, v = (inp[n].detach().requires_grad_() for n in ("q", "k", "v"))
-    pw, tw = inp["pos_weight"].detach().requires_grad_(), inp["time_weight"].detach().requires_grad_()
-    kw = dict(max_seq_len=inp["max_seq_len"], timestamps=inp["timestamps"], pos_weight=pw, time_weight=tw)
-    if impl == "padded":
-        out = _padded_good(q, k, v, inp, plan if plan is not None else padded_prep(inp), pw, tw)
-    elif impl == "padded_naive":
-        out = hstu_attention(q, k, v, inp["offsets"], backend="padded", **kw)
-    else:
-        if q.device.type == "cpu" and plan is None:
-            plan = make_plan(inp["offsets"])
-        out = hstu_attention(q, k, v, inp["offsets"], plan=plan, **kw)
-    out.backward(inp["grad"])
+    with torch.set_grad_enabled(variant.backward):
+        q, k, v = (inp[n].detach().requires_grad_(variant.backward) for n in ("q", "k", "v"))
+        pw, tw = (inp[n].detach().requires_grad_(variant.backward and variant.table_grads)
+                  for n in ("pos_weight", "time_weight"))
+        if not variant.bias:
+            pw = tw = None
+        kw = dict(max_seq_len=inp["max_seq_len"], timestamps=inp["timestamps"], pos_weight=pw, time_weight=tw)
+        if impl == "padded":
+            out = _padded_good(q, k, v, inp, plan if plan is not None else padded_prep(inp), pw, tw)
+        elif impl == "padded_naive":
+            out = hstu_attention(q, k, v, inp["offsets"], backend="padded", **kw)
+        else:
+            if q.device.type == "cpu" and plan is None:
+                plan = make_plan(inp["offsets"], lengths=inp["lengths"])
+            out = hstu_attention(q, k, v, inp["offsets"], plan=plan, **kw)
+        if variant.backward:
+            out.backward(inp["grad"])
     return out.detach()
 
 
@@ -251,8 +284,63 @@ def attention_flops(lengths: list[int], heads: int, dqk: int, dv: int) -> int:
     return pairs * heads * 6 * (dqk + dv)
 
 
+def compile_report(arch: int, quick: bool, workers: int) -> dict:
+    """Runs :mod:`grstack.kernels.triton_aot` in a subprocess (the kernels must be imported without
+    ``TRITON_INTERPRET``) and collects its records; progress on stderr."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    cmd = [sys.executable, "-P", "-m", "grstack.kernels.triton_aot", "--arch", str(arch), "--workers",
+           str(max(1, workers))] + (["--quick"] if quick else [])
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    records = []
+    for line in proc.stdout:
+        rec = json.loads(line)
+        records.append(rec)
+        cfg = rec["config"]
+        _log(f"  {rec['kernel']} d={cfg.get('block_dqk', '-')} {'+'.join(cfg['features']) or 'plain'} "
+             f"tile {cfg.get('block_m', '-')}x{cfg.get('block_n', '-')} warps {cfg['num_warps']}: "
+             f"{rec['n_regs']} registers, {rec['n_spills']} B spilled")
+    err = proc.stderr.read()
+    if proc.wait() != 0:
+        tail = err.strip().splitlines()[-1] if err.strip() else f"exit {proc.returncode}"
+        raise UserError(f"--compile-report: compiling for sm_{arch} failed: {tail}")
+    return {"compile": records, "target": f"sm_{arch}", "quick": quick,
+            "spill_free": all(r["n_spills"] == 0 and r["spill_load_bytes"] == 0 for r in records),
+            "seconds": round(time.perf_counter() - start, 1)}
+
+
+def _variants(inp: dict, lengths: list[int], heads: int, d: int, reps: int, cuda: bool) -> list[dict]:
+    """The same batch without bias-table gradients, without bias, and forward only, fused against padded."""
+    out = []
+    for variant in VARIANTS[1:]:
+        jagged_ms = _time_ms(lambda v=variant: _step("jagged", inp, variant=v), reps, cuda)
+        padded_ms = _time_ms(lambda v=variant: _step("padded", inp, variant=v), reps, cuda)
+        row = {"variant": variant.name, "bias": variant.bias, "table_grads": variant.table_grads,
+               "backward": variant.backward, "jagged_ms": round(jagged_ms, 3), "padded_ms": round(padded_ms, 3),
+               "speedup": round(padded_ms / jagged_ms, 3)}
+        if cuda:
+            flops = attention_flops(lengths, heads, d, d) // (1 if variant.backward else 3)
+            row["jagged_tflops"] = round(flops / jagged_ms / 1e9, 2)
+            row["jagged_share_of_peak"] = round(flops / jagged_ms / 1e9 / H200_BF16_PEAK_TFLOPS, 4)
+        _log(f"  {variant.name}: jagged {jagged_ms:.1f} ms, padded {padded_ms:.1f} ms, {row['speedup']}x")
+        out.append(row)
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
+
+    if args.compile_report:
+        try:
+            import triton.backends.nvidia  # noqa: F401
+        except ImportError as exc:
+            raise UserError("--compile-report needs Triton's NVIDIA backend (pip install triton)") from exc
+        print(json.dumps(compile_report(args.arch, args.quick, args.workers)))
+        return 0
 
     from grstack.kernels import make_plan, select_backend
 
@@ -267,14 +355,20 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if cuda else torch.float32
-    heads, dqk, dv = (4, 64, 64) if cuda else (4, 16, 16)
+    heads = 4
+    # the headline head size first: d=64 on accelerators (the kernels' main target), d=16 on CPU (the
+    # KuaiRand-27K configs' size); the other one after it
+    dims = (64, 16) if cuda else ((16,) if args.quick else (16, 64))
+    dqk = dv = dims[0]
     reps = args.reps or (5 if cuda else 3)
     backend = select_backend(device)
     cases = []
-    for name, lengths in _cases(args.device, args.quick, args.seed):
+    for d, (name, lengths) in ((d, c) for d in dims for c in _cases(args.device, args.quick, args.seed)):
         max_seq_len = max(lengths) + 1
-        inp = _inputs(lengths, device, dtype, heads, dqk, dv, max_seq_len, args.seed)
-        _log(f"{name}: {len(lengths)} sequences, {sum(lengths)} tokens, max {max(lengths)}")
+        inp = _inputs(lengths, device, dtype, heads, d, d, max_seq_len, args.seed)
+        if d != dims[0]:
+            name = f"{name}@d{d}"
+        _log(f"{name}: {len(lengths)} sequences, {sum(lengths)} tokens, max {max(lengths)}, d={d}")
         jagged = _step("jagged", inp)
         padded = _step("padded", inp)
         naive = _step("padded_naive", inp)
@@ -290,7 +384,7 @@ def run(args: argparse.Namespace) -> int:
         padded_peak = peak(lambda inp=inp: _step("padded", inp))
         syncs = count_host_syncs(lambda inp=inp: _step("jagged", inp))
         case = {
-            "name": name, "device": args.device, "backend": backend,
+            "name": name, "device": args.device, "backend": backend, "d": d,
             "lengths": {"batch": len(lengths), "tokens": sum(lengths), "mean": round(sum(lengths) / len(lengths), 1),
                         "max": max(lengths)},
             "jagged_ms": round(jagged_ms, 3), "padded_ms": round(padded_ms, 3),
@@ -303,11 +397,11 @@ def run(args: argparse.Namespace) -> int:
             "max_abs_diff": diff, "max_abs_diff_naive": diff_naive,
         }
         if not cuda:
-            plan = make_plan(inp["offsets"])
+            plan = make_plan(inp["offsets"], lengths=lengths)
             case["jagged_ms_plan_reused"] = round(
                 _time_ms(lambda inp=inp, plan=plan: _step("jagged", inp, plan), 1 if slow else reps, False), 3)
         else:
-            flops = attention_flops(lengths, heads, dqk, dv)
+            flops = attention_flops(lengths, heads, d, d)
             case["flops"] = flops
             case["jagged_tflops"] = round(flops / jagged_ms / 1e9, 2)
             case["padded_tflops"] = round(flops / padded_ms / 1e9, 2)
@@ -316,17 +410,19 @@ def run(args: argparse.Namespace) -> int:
         _log(f"  jagged {jagged_ms:.1f} ms, padded {padded_ms:.1f} ms (naive {naive_ms:.1f}), speedup "
              f"{case['speedup']}x, host syncs {syncs}, "
              f"memory {jagged_peak / 2**20:.1f} MiB vs {padded_peak / 2**20:.1f} MiB")
+        case["variants"] = [] if slow else _variants(inp, lengths, heads, d, reps, cuda)
         cases.append(case)
         del inp
     result = {
         "cases": cases,
         "quick": args.quick,
         "dtype": str(dtype).removeprefix("torch."),
-        "heads": heads, "dqk": dqk, "dv": dv,
+        "heads": heads, "dqk": dqk, "dv": dv, "head_dims": list(dims),
         "cpu_threads": torch.get_num_threads(),
         "bias": "relative position + log time buckets (129), causal, no candidates",
-        "timing_method": ("median of reps after one warm-up, forward+backward (gradients of q, k, v and both "
-                          "bias tables); CPU jagged_ms includes building the plan for the batch, "
+        "timing_method": ("median of reps after one warm-up; each case's headline fields are forward+backward "
+                          "with both bias tables and their gradients, its variants drop the table gradients, the "
+                          "bias, or the backward; CPU jagged_ms includes building the plan for the batch, "
                           "jagged_ms_plan_reused is a later layer reusing it" + (
                               "; CUDA synchronized around each rep" if cuda else "")),
         "memory_method": ("torch.cuda.max_memory_allocated above the bytes allocated before the step" if cuda else

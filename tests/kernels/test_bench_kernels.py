@@ -31,8 +31,12 @@ def test_bench_prints_one_json_object(monkeypatch, capsys):
         assert case["jagged_ms"] > 0 and case["padded_ms"] > 0
         assert case["jagged_peak_bytes"] > 0 and case["padded_peak_bytes"] > 0
         assert case["max_abs_diff"] < 1e-5 and case["max_abs_diff_naive"] < 1e-5
-        assert case["padded_naive_ms"] > 0 and isinstance(case["host_syncs"], int)
+        assert case["padded_naive_ms"] > 0 and case["host_syncs"] == 0
     assert result["cases"][0]["lengths"] == {"batch": 4, "tokens": 26, "mean": 6.5, "max": 17}
+    variants = result["cases"][0]["variants"]
+    assert [(v["bias"], v["table_grads"], v["backward"]) for v in variants] == [
+        (True, False, True), (False, False, True), (True, False, False), (False, False, False)]
+    assert all(v["jagged_ms"] > 0 and v["padded_ms"] > 0 for v in variants)
     assert "memory_method" in result and result["quick"] is True
 
 
@@ -43,7 +47,8 @@ def test_padded_memory_exceeds_jagged_on_a_skewed_batch(monkeypatch, capsys):
         assert cli.main(["bench", "kernels", "--reps", "1"]) == 0
     finally:
         torch.set_num_threads(threads)
-    (case,) = json.loads(capsys.readouterr().out)["cases"]
+    case, case64 = json.loads(capsys.readouterr().out)["cases"]
+    assert (case["name"], case["d"], case64["name"], case64["d"]) == ("skewed", 16, "skewed@d64", 64)
     # padded holds [32, H, 200, 200] score tensors; jagged only [1, H, 200, 200] and tiny blocks
     assert case["padded_peak_bytes"] > 5 * case["jagged_peak_bytes"]
 
