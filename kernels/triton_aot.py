@@ -34,7 +34,7 @@ _PTR = {
     **dict.fromkeys(["X", "U", "Y", "G", "DX", "DU", "TABLE", "GRAD"], "*{dt}"),
     **dict.fromkeys(["seq_offsets", "prefix_starts", "prefix_lengths", "num_targets", "TS", "TSQ", "TSP", "IDS"],
                     "*i64"),
-    **dict.fromkeys(["pos_w", "time_w", "DPOS", "DTIME", "W", "B", "MEAN", "RSTD", "DW_PART", "DB_PART",
+    **dict.fromkeys(["pos_w", "time_w", "DPOS_PART", "DPOS_SCAL", "DTIME_PART", "W", "B", "MEAN", "RSTD", "DW_PART", "DB_PART",
                      "DTABLE"], "*fp32"),
     **dict.fromkeys(["tile_seq", "tile_blk"], "*i32"),
 }
@@ -58,15 +58,21 @@ def _signature(fn, constexprs: dict, dtype: str) -> dict:
 def _attention_configs(quick: bool) -> Iterator[tuple[str, str, dict, triton_tuning.TileConfig]]:
     """(kernel name, dtype, constexprs, tile config) for every candidate the tuner may pick."""
     dims = (64,) if quick else HEAD_DIMS
+    # no features; every feature; (backward of keys only) both biases with frozen tables
+    variants = [("all", True, True)] if quick else [("none", False, False), ("all", True, True),
+                                                   ("frozen", True, False)]
     for d in dims:
-        for full in (True,) if quick else (False, True):
+        for label, full, grads in variants:
             common = dict(UPCAST=False, TB_DIV=triton_hstu.TIME_BUCKET_DIV, HAS_TARGETS=full, HAS_POS=full,
                           HAS_TIME=full, BLOCK_DQK=d, BLOCK_DV=d, PRECISION="tf32")
             extra = {"_hstu_fwd": dict(HAS_PREFIX=full),
-                     "_hstu_bwd_kv": dict(POS_GRAD=full, TIME_GRAD=full, GRAD_SLOTS=triton_hstu._GRAD_SLOTS),
+                     "_hstu_bwd_kv": dict(POS_GRAD=grads, TIME_GRAD=grads, BLOCK_TB=256),
                      "_hstu_bwd_q": {}}
             for name, kind in _ATTENTION.items():
-                for cfg in triton_tuning.candidates(kind, d):
+                if label == "frozen" and kind != "bwd_kv":
+                    continue
+                features = tuple(k for k, v in {**common, **extra[name]}.items() if v is True)
+                for cfg in triton_tuning.candidates(kind, d, features):
                     yield name, "bf16", dict(common, **extra[name], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n), cfg
 
 

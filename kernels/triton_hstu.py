@@ -8,9 +8,16 @@ weight tables by in-kernel indices), SiLU, the mask, the 1/N scale and ·V happe
 Key loops visit only blocks that can hold allowed pairs: for queries in the history, keys up to the
 diagonal; for candidate queries (``num_targets``), the history plus their own diagonal block.
 
-Backward: one kernel over key tiles computes dK, dV and the bias-table gradients (every (i, j) pair is
-visited exactly once there; table gradients go through fp32 atomics spread over ``_GRAD_SLOTS`` copies to
-limit contention), a second kernel over query tiles computes dQ without atomics.
+Blocks wholly below the diagonal and in the history skip the mask (only diagonal and candidate blocks need
+it); keys past a range load as zeros and add nothing, so validity masks sit on loads only.
+
+Backward: one kernel over key tiles computes dK, dV and the bias-table gradients, key-major (scores are
+[keys, queries], so no register tile is transposed); every (i, j) pair is visited exactly once there and
+the table gradients are reduced inside each program and written once, with no atomics (deterministic; see
+:func:`_hstu_bwd_kv`). A second kernel over query tiles computes dQ.
+
+Tiles and warps come from :mod:`grstack.kernels.triton_tuning` (spill-free candidates, autotuned on CUDA);
+the tile list is built on the device (no host sync).
 
 Serving: query tokens are positions ``P..P+S-1`` of a sequence whose first ``P`` tokens' K/V are cached;
 the same forward kernel first sweeps the cached prefix (all of it is visible to every new token), then the
@@ -19,6 +26,8 @@ new tokens' own K/V causally.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -26,8 +35,6 @@ import triton.language as tl
 from grstack.kernels.bias import TIME_BUCKET_DIV
 from grstack.kernels.triton_tuning import TileConfig, TuneKey, max_len_bucket, run_tuned
 from grstack.kernels.triton_util import block_dim, check_device, dot_precision, jagged_tiles, mm
-
-_GRAD_SLOTS = 32
 
 
 @triton.jit
@@ -156,12 +163,15 @@ def _hstu_fwd(Q, K, V, KP, VP, OUT, seq_offsets, prefix_starts, prefix_lengths, 
 
 
 @triton.jit
-def _bwd_kv_sweep(dk, dv, k, v, gj, hist, ts_j, Q, DO, TSQ, seq0, lo, hi, end, stride_qt, stride_dot,
-                  DPOS, DTIME, pos_w, time_w, num_pos, num_tb, inv_n, offs_dk, offs_dv, D_QK, D_V,
-                  MASKED: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, POS_GRAD: tl.constexpr,
-                  TIME_GRAD: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, TB_DIV: tl.constexpr,
-                  BLOCK_M: tl.constexpr):
-    """Key-major: scores are [keys, queries], so dV += Aᵀ·dO and dK += dSᵀ·Q need no register transposes."""
+def _bwd_kv_sweep(dk, dv, cand, scal0, scalc, th, k, v, gj, start_n, hist, ts_j, Q, DO, TSQ, seq0, lo, hi, end,
+                  stride_qt, stride_dot, PPLANE, pos_w, time_w, num_pos, num_tb, inv_n, offs_dk, offs_dv, D_QK, D_V,
+                  MASKED: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, HAS_TARGETS: tl.constexpr,
+                  POS_GRAD: tl.constexpr, TIME_GRAD: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                  TB_DIV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TB: tl.constexpr):
+    """Key-major: scores are [keys, queries], so dV += Aᵀ·dO and dK += dSᵀ·Q need no register transposes.
+
+    Bias-table gradients are reduced in the program, without atomics (see :func:`_hstu_bwd_kv`).
+    """
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         row_ok = offs_m < end
@@ -175,8 +185,7 @@ def _bwd_kv_sweep(dk, dv, k, v, gj, hist, ts_j, Q, DO, TSQ, seq0, lo, hi, end, s
             ts_i = tl.load(TSQ + tok_m, mask=row_ok, other=0)
         s = mm(k, tl.trans(q), UPCAST, PRECISION)
         if HAS_POS:
-            pidx = _pos_index(offs_m[None, :], gj[:, None], hist, num_pos)
-            s += tl.load(pos_w + pidx).to(tl.float32)
+            s += tl.load(pos_w + _pos_index(offs_m[None, :], gj[:, None], hist, num_pos)).to(tl.float32)
         if HAS_TIME:
             tidx = _time_index(ts_i[None, :], ts_j[:, None], num_tb, TB_DIV)
             s += tl.load(time_w + tidx).to(tl.float32)
@@ -191,29 +200,66 @@ def _bwd_kv_sweep(dk, dv, k, v, gj, hist, ts_j, Q, DO, TSQ, seq0, lo, hi, end, s
         dv += mm(a.to(do.dtype), do, UPCAST, PRECISION)
         dk += mm(ds.to(q.dtype), q, UPCAST, PRECISION)
         if POS_GRAD:
-            tl.atomic_add(DPOS + pidx, ds, sem="relaxed")
+            hq = offs_m[None, :] < hist
+            hk = gj[:, None] < hist
+            dist = offs_m[None, :] - gj[:, None]
+            regular = hq & hk & (dist < num_pos - 1)
+            scalc += tl.sum(tl.where(hq & hk & (dist >= num_pos - 1), ds, 0.0))
+            if HAS_TARGETS:
+                cand += tl.sum(tl.where(hk & (offs_m[None, :] >= hist), ds, 0.0), axis=1)
+                scal0 += tl.sum(tl.where(gj[:, None] >= hist, ds, 0.0))
+            # diagonal sums: rotate row jj left by jj, so column c holds the pairs with i - j = c (or c - BM)
+            jj = tl.arange(0, BLOCK_N)[:, None]
+            cc = tl.arange(0, BLOCK_M)[None, :]
+            rot = tl.gather(tl.where(regular, ds, 0.0), (jj + cc) % BLOCK_M, axis=1)
+            wrap = jj + cc >= BLOCK_M
+            base = start_m - start_n
+            pc = tl.arange(0, BLOCK_M)
+            tl.store(PPLANE + base + pc, tl.sum(tl.where(wrap, 0.0, rot), axis=0), mask=base + pc < num_pos)
+            lo_p = base - BLOCK_M + pc
+            tl.store(PPLANE + num_pos + lo_p, tl.sum(tl.where(wrap, rot, 0.0), axis=0),
+                     mask=(lo_p >= 0) & (lo_p < num_pos))
         if TIME_GRAD:
-            tl.atomic_add(DTIME + tidx, ds, sem="relaxed")
-    return dk, dv
+            nz = ds != 0.0
+            b_lo = tl.min(tl.where(nz, tidx, num_tb + 1))
+            b_hi = tl.max(tl.where(nz, tidx, -1))
+            tb = tl.arange(0, BLOCK_TB)
+            for bucket in range(b_lo, b_hi + 1):
+                th += tl.where(tb == bucket, tl.sum(tl.where(tidx == bucket, ds, 0.0)), 0.0)
+    return dk, dv, cand, scal0, scalc, th
 
 
 @triton.jit
-def _hstu_bwd_kv(Q, K, V, DO, DK, DV, DPOS, DTIME, seq_offsets, num_targets, TS, TSQ, pos_w, time_w,
-                 tile_seq, tile_blk,
+def _hstu_bwd_kv(Q, K, V, DO, DK, DV, DPOS_PART, DPOS_SCAL, DTIME_PART, seq_offsets, num_targets, TS, TSQ,
+                 pos_w, time_w, tile_seq, tile_blk,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                  stride_dkt, stride_dkh, stride_dvt, stride_dvh,
                  inv_n, num_pos, num_tb, D_QK, D_V, num_heads,
                  HAS_TARGETS: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
                  POS_GRAD: tl.constexpr, TIME_GRAD: tl.constexpr, UPCAST: tl.constexpr,
-                 PRECISION: tl.constexpr, TB_DIV: tl.constexpr, GRAD_SLOTS: tl.constexpr,
+                 PRECISION: tl.constexpr, TB_DIV: tl.constexpr, BLOCK_TB: tl.constexpr,
                  BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr):
+    """dK, dV of one key tile and head; with table gradients, this program's partial sums of them.
+
+    Position table: a query tile at distance ``base`` from the key tile holds the distances ``base + r``,
+    ``r`` in ``(-BLOCK_N, BLOCK_M)``; its diagonal sums (one rotation and two column sums) are written once
+    to plane 0 (``r >= 0``) and plane 1 (``r < 0``) of this program's row of ``DPOS_PART`` [rows, 3, num_pos]
+    (``BLOCK_M >= BLOCK_N`` keeps every position of a plane written by one query tile only); candidate
+    queries (all at position ``hist``) go to plane 2 per key, and distance 0 of candidate keys and distances
+    clamped to the table's end to ``DPOS_SCAL`` [rows, 2]. Time table: per tile, a loop over the buckets
+    present adds each bucket's sum to a register histogram, written once to ``DTIME_PART`` [rows, BLOCK_TB].
+    The host sums the rows: no atomics, the same result on every run.
+    """
     pid = tl.program_id(0)
     h32 = tl.program_id(1)
     h = h32.to(tl.int64)
     b = tl.load(tile_seq + pid)
     if b < 0:
         return
+    if POS_GRAD:
+        tl.static_assert(BLOCK_M >= BLOCK_N, "position-table gradients need BLOCK_M >= BLOCK_N")
+    row = pid.to(tl.int64) * num_heads + h
     start_n = tl.load(tile_blk + pid) * BLOCK_N
     seq0 = tl.load(seq_offsets + b).to(tl.int64)
     L = (tl.load(seq_offsets + b + 1) - seq0).to(tl.int32)
@@ -234,9 +280,11 @@ def _hstu_bwd_kv(Q, K, V, DO, DK, DV, DPOS, DTIME, seq_offsets, num_targets, TS,
         ts_j = tl.load(TS + tok_n, mask=col_ok, other=0)
     dk = tl.zeros((BLOCK_N, BLOCK_DQK), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_DV), dtype=tl.float32)
-    slot = (pid * num_heads + h32) % GRAD_SLOTS
-    dpos = DPOS + slot * num_pos
-    dtime = DTIME + slot * (num_tb + 1)
+    cand = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    th = tl.zeros((BLOCK_TB,), dtype=tl.float32)
+    scal0 = 0.0
+    scalc = 0.0
+    pplane = DPOS_PART + row * 3 * num_pos
     # history keys are seen by every later query; candidate keys only by themselves. Query blocks that start
     # at or past the end of this key block see all of it when it is all history (no structural mask).
     q_end = tl.where(start_n < hist, L, tl.minimum(L, start_n + BLOCK_N))
@@ -244,24 +292,36 @@ def _hstu_bwd_kv(Q, K, V, DO, DK, DV, DPOS, DTIME, seq_offsets, num_targets, TS,
     all_hist = start_n + BLOCK_N <= hist
     Qh = Q + h * stride_qh
     DOh = DO + h * stride_doh
-    dk, dv = _bwd_kv_sweep(dk, dv, k, v, offs_n, hist, ts_j, Qh, DOh, TSQ, seq0, start_n, diag_end, L,
-                           stride_qt, stride_dot, dpos, dtime, pos_w, time_w, num_pos, num_tb, inv_n, offs_dk,
-                           offs_dv, D_QK, D_V, True, HAS_POS, HAS_TIME, POS_GRAD, TIME_GRAD, UPCAST,
-                           PRECISION, TB_DIV, BLOCK_M)
-    dk, dv = _bwd_kv_sweep(dk, dv, k, v, offs_n, hist, ts_j, Qh, DOh, TSQ, seq0, diag_end,
-                           tl.where(all_hist, q_end, diag_end), L,
-                           stride_qt, stride_dot, dpos, dtime, pos_w, time_w, num_pos, num_tb, inv_n, offs_dk,
-                           offs_dv, D_QK, D_V, False, HAS_POS, HAS_TIME, POS_GRAD, TIME_GRAD, UPCAST,
-                           PRECISION, TB_DIV, BLOCK_M)
-    dk, dv = _bwd_kv_sweep(dk, dv, k, v, offs_n, hist, ts_j, Qh, DOh, TSQ, seq0, diag_end,
-                           tl.where(all_hist, diag_end, q_end), L,
-                           stride_qt, stride_dot, dpos, dtime, pos_w, time_w, num_pos, num_tb, inv_n, offs_dk,
-                           offs_dv, D_QK, D_V, True, HAS_POS, HAS_TIME, POS_GRAD, TIME_GRAD, UPCAST,
-                           PRECISION, TB_DIV, BLOCK_M)
+    dk, dv, cand, scal0, scalc, th = _bwd_kv_sweep(
+        dk, dv, cand, scal0, scalc, th, k, v, offs_n, start_n, hist, ts_j, Qh, DOh, TSQ, seq0, start_n, diag_end,
+        L, stride_qt, stride_dot, pplane, pos_w, time_w, num_pos, num_tb, inv_n, offs_dk, offs_dv, D_QK, D_V,
+        True, HAS_POS, HAS_TIME, HAS_TARGETS, POS_GRAD, TIME_GRAD, UPCAST, PRECISION, TB_DIV, BLOCK_M, BLOCK_N,
+        BLOCK_TB)
+    dk, dv, cand, scal0, scalc, th = _bwd_kv_sweep(
+        dk, dv, cand, scal0, scalc, th, k, v, offs_n, start_n, hist, ts_j, Qh, DOh, TSQ, seq0, diag_end,
+        tl.where(all_hist, q_end, diag_end), L, stride_qt, stride_dot, pplane, pos_w, time_w, num_pos, num_tb,
+        inv_n, offs_dk, offs_dv, D_QK, D_V, False, HAS_POS, HAS_TIME, HAS_TARGETS, POS_GRAD, TIME_GRAD, UPCAST,
+        PRECISION, TB_DIV, BLOCK_M, BLOCK_N, BLOCK_TB)
+    dk, dv, cand, scal0, scalc, th = _bwd_kv_sweep(
+        dk, dv, cand, scal0, scalc, th, k, v, offs_n, start_n, hist, ts_j, Qh, DOh, TSQ, seq0, diag_end,
+        tl.where(all_hist, diag_end, q_end), L, stride_qt, stride_dot, pplane, pos_w, time_w, num_pos, num_tb,
+        inv_n, offs_dk, offs_dv, D_QK, D_V, True, HAS_POS, HAS_TIME, HAS_TARGETS, POS_GRAD, TIME_GRAD, UPCAST,
+        PRECISION, TB_DIV, BLOCK_M, BLOCK_N, BLOCK_TB)
     tl.store(DK + h * stride_dkh + tok_n[:, None] * stride_dkt + offs_dk[None, :], dk.to(DK.dtype.element_ty),
              mask=col_ok[:, None] & (offs_dk[None, :] < D_QK))
     tl.store(DV + h * stride_dvh + tok_n[:, None] * stride_dvt + offs_dv[None, :], dv.to(DV.dtype.element_ty),
              mask=col_ok[:, None] & (offs_dv[None, :] < D_V))
+    if POS_GRAD:
+        if HAS_TARGETS:
+            pc = hist - offs_n  # candidate queries sit at position hist: distance hist - j
+            hk = offs_n < hist
+            tl.store(pplane + 2 * num_pos + pc, cand, mask=hk & (pc < num_pos - 1))
+            scalc += tl.sum(tl.where(hk & (pc >= num_pos - 1), cand, 0.0))
+        tl.store(DPOS_SCAL + row * 2, scal0)
+        tl.store(DPOS_SCAL + row * 2 + 1, scalc)
+    if TIME_GRAD:
+        tb = tl.arange(0, BLOCK_TB)
+        tl.store(DTIME_PART + row * BLOCK_TB + tb, th, mask=tb <= num_tb)
 
 
 @triton.jit
@@ -433,26 +493,30 @@ class _HstuAttention(torch.autograd.Function):
         dq = torch.empty_like(q)
         dk = torch.empty_like(k)
         dv = torch.empty_like(v)
-        dpos = torch.zeros((_GRAD_SLOTS, num_pos), dtype=torch.float32, device=q.device) if pos_grad else None
-        dtime = (torch.zeros((_GRAD_SLOTS, num_tb + 1), dtype=torch.float32, device=q.device)
-                 if time_grad else None)
         n_tok, num_heads, _ = q.shape
+        block_tb = triton.next_power_of_2(num_tb + 1)
+        parts: dict[str, torch.Tensor] = {}
         if n_tok and num_heads:
             inv_n = 1.0 / ctx.max_seq_len
             dummy32 = torch.zeros(1, dtype=torch.float32, device=q.device)
 
             def launch_kv(cfg: TileConfig) -> None:
-                for part in (dpos, dtime):
-                    if part is not None:
-                        part.zero_()
+                if pos_grad and cfg.block_m < cfg.block_n:  # the diagonal sums need BLOCK_M >= BLOCK_N
+                    cfg = dataclasses.replace(cfg, block_m=cfg.block_n)
                 seq_n, blk_n = jagged_tiles(offsets, n_tok, cfg.block_n)
+                rows = seq_n.numel() * num_heads
+                f32 = dict(dtype=torch.float32, device=q.device)
+                parts.update(
+                    pos=torch.zeros((rows, 3, num_pos), **f32) if pos_grad else dummy32,
+                    pos_scal=torch.zeros((rows, 2), **f32) if pos_grad else dummy32,
+                    time=torch.zeros((rows, block_tb), **f32) if time_grad else dummy32)
                 _hstu_bwd_kv[(seq_n.numel(), num_heads)](
-                    q, k, v, dout, dk, dv, dpos if pos_grad else dummy32, dtime if time_grad else dummy32,
+                    q, k, v, dout, dk, dv, parts["pos"], parts["pos_scal"], parts["time"],
                     offsets, nt, ts, tsq, pw, tw, seq_n, blk_n,
                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                     dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
                     inv_n, num_pos, num_tb, q.shape[-1], v.shape[-1], num_heads,
-                    POS_GRAD=pos_grad, TIME_GRAD=time_grad, GRAD_SLOTS=_GRAD_SLOTS,
+                    POS_GRAD=pos_grad, TIME_GRAD=time_grad, BLOCK_TB=block_tb,
                     BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
                     num_stages=cfg.num_stages, **flags,
                 )
@@ -477,8 +541,17 @@ class _HstuAttention(torch.autograd.Function):
             dq.zero_()
             dk.zero_()
             dv.zero_()
-        dpos_w = dpos.sum(0).to(pos_w.dtype) if pos_grad else None
-        dtime_w = dtime.sum(0).to(time_w.dtype) if time_grad else None
+        dpos_w = dtime_w = None
+        if pos_grad:
+            dpos_w = torch.zeros(num_pos, dtype=torch.float32, device=q.device)
+            if "pos" in parts:
+                dpos_w += parts["pos"].sum(dim=(0, 1))
+                dpos_w[0] += parts["pos_scal"][:, 0].sum()
+                dpos_w[num_pos - 1] += parts["pos_scal"][:, 1].sum()
+            dpos_w = dpos_w.to(pos_w.dtype)
+        if time_grad:
+            dtime_w = (parts["time"].sum(0)[:num_tb + 1] if "time" in parts
+                       else torch.zeros(num_tb + 1, dtype=torch.float32, device=q.device)).to(time_w.dtype)
         return dq, dk, dv, None, None, None, dpos_w, dtime_w, None, None
 
 

@@ -50,11 +50,12 @@ _CANDIDATES: dict[tuple[str, int], tuple[TileConfig, ...]] = {
     ("fwd", 32): (_T(64, 64, 8, 3), _T(64, 32, 4, 3), _T(128, 64, 8, 3)),
     ("fwd", 64): (_T(64, 64, 8, 3), _T(64, 32, 8, 3), _T(32, 32, 4, 3), _T(64, 16, 8, 2)),
     ("fwd", 128): (_T(64, 16, 8, 2),),
-    # key-major backward: block_n keys per program, block_m queries per inner step
-    ("bwd_kv", 16): (_T(32, 64, 8, 2), _T(16, 64, 4, 2), _T(32, 32, 8, 1)),
-    ("bwd_kv", 32): (_T(32, 64, 8, 2), _T(16, 64, 4, 2), _T(32, 32, 8, 1)),
-    ("bwd_kv", 64): (_T(32, 64, 8, 2), _T(32, 32, 8, 1), _T(32, 32, 4, 2), _T(16, 32, 8, 1)),
-    ("bwd_kv", 128): (_T(32, 32, 8, 1), _T(16, 32, 8, 1), _T(16, 16, 4, 1)),
+    # key-major backward: block_n keys per program, block_m queries per inner step (block_m >= block_n
+    # with position-table gradients)
+    ("bwd_kv", 16): (_T(32, 16, 8, 1), _T(32, 32, 8, 1), _T(16, 16, 4, 1), _T(32, 64, 8, 2), _T(16, 64, 4, 2)),
+    ("bwd_kv", 32): (_T(32, 16, 8, 1), _T(32, 16, 4, 1), _T(16, 16, 4, 1), _T(32, 64, 8, 2), _T(16, 64, 4, 2)),
+    ("bwd_kv", 64): (_T(32, 32, 8, 1), _T(32, 16, 8, 1), _T(32, 16, 4, 1), _T(32, 64, 8, 2), _T(16, 32, 8, 1)),
+    ("bwd_kv", 128): (_T(32, 16, 8, 1), _T(16, 16, 4, 1), _T(16, 32, 8, 1)),
     ("bwd_q", 16): (_T(64, 32, 4, 3), _T(64, 32, 8, 3), _T(64, 16, 8, 2)),
     ("bwd_q", 32): (_T(64, 32, 4, 3), _T(64, 32, 8, 3), _T(64, 16, 8, 2)),
     ("bwd_q", 64): (_T(64, 32, 8, 3), _T(64, 16, 8, 2)),
@@ -70,9 +71,15 @@ def max_len_bucket(max_seq_len: int) -> int:
 
 
 def candidates(kernel: str, block_d: int, features: tuple[str, ...] = ()) -> tuple[TileConfig, ...]:
-    """The configurations tried for ``kernel`` at padded head size ``block_d`` (the larger of dqk, dv)."""
-    del features  # one list per head size is spill-free for every feature set (see the compile report)
-    return _CANDIDATES[(kernel, min(max(triton.next_power_of_2(block_d), 16), 128))]
+    """The configurations tried for ``kernel`` at padded head size ``block_d`` (the larger of dqk, dv).
+
+    One list per head size is spill-free for every feature set (see the compile report); the position
+    table's gradient needs at least as many queries as keys per tile (``block_m >= block_n``).
+    """
+    options = _CANDIDATES[(kernel, min(max(triton.next_power_of_2(block_d), 16), 128))]
+    if kernel == "bwd_kv" and "POS_GRAD" in features:
+        options = tuple(c for c in options if c.block_m >= c.block_n)
+    return options
 
 
 def run_tuned(key: TuneKey, interpreted: bool, launch: Callable[[TileConfig], None]) -> TileConfig:
