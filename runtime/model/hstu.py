@@ -196,10 +196,14 @@ class HSTU(nn.Module):
         return x
 
     # -- relay inference: cached prefixes -----------------------------------------------------------
+    @property
+    def cached_prefix_exact(self) -> bool:
+        """Whether a prefix's cached K/V are exact: a token's K/V must not depend on what follows it, which the
+        ``next`` time bias breaks (module docstring)."""
+        return not (self.time_bias_query == "next" and self._uses_time())
+
     def _check_prefix_servable(self) -> None:
-        """Cached prefixes are exact only when a token's K/V do not depend on what follows it: not so with the
-        ``next`` time bias (module docstring)."""
-        if self.time_bias_query == "next" and self._uses_time():
+        if not self.cached_prefix_exact:
             raise ValueError("a model with model.time_bias_query=next cannot run on cached prefixes (the last "
                              "prefix token's keys and values depend on the next event's time, and the cache "
                              "does not keep its item id to recompute it); train with model.time_bias_query=self "
