@@ -85,14 +85,20 @@ def hstu_attention(
     num_targets: torch.Tensor | None = None,
     plan: JaggedPlan | None = None,
     backend: str | None = None,
+    query_timestamps: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Jagged HSTU attention (see :mod:`grstack.kernels.reference` for the exact math).
 
     q, k: [sum_L, H, dqk]; v: [sum_L, H, dv]; offsets: [B + 1]; returns [sum_L, H, dv]. Differentiable
-    in q, k, v, pos_weight and time_weight.
+    in q, k, v, pos_weight and time_weight. ``query_timestamps`` [sum_L] (int64, laid out like
+    ``timestamps``): each query token's time in the time bias, ``bucket(query_timestamps[i] - timestamps[j])``
+    (e.g. the time of the event after token i, Meta's convention); None: the token's own timestamp.
     """
+    _check_query_timestamps(query_timestamps, timestamps)
     kwargs = dict(max_seq_len=max_seq_len, timestamps=timestamps, pos_weight=pos_weight,
                   time_weight=time_weight, num_targets=num_targets)
+    if query_timestamps is not None:
+        kwargs["query_timestamps"] = query_timestamps
     name = select_backend(q.device, backend)
     if name == "padded":
         return hstu_attention_padded(q, k, v, offsets, **kwargs)
@@ -105,6 +111,16 @@ def hstu_attention(
 
         return npu.hstu_attention_npu(q, k, v, offsets, plan=plan, **kwargs)
     return hstu_attention_reference(q, k, v, offsets, plan=plan, **kwargs)
+
+
+def _check_query_timestamps(query_timestamps: torch.Tensor | None, timestamps: torch.Tensor | None) -> None:
+    if query_timestamps is None:
+        return
+    if timestamps is None:
+        raise ValueError("query_timestamps need timestamps (the keys' times)")
+    if query_timestamps.shape != timestamps.shape:
+        raise ValueError(f"query_timestamps {tuple(query_timestamps.shape)} must be laid out like timestamps "
+                         f"{tuple(timestamps.shape)}")
 
 
 def prefix_layout(device: torch.device, backend: str | None = None) -> PrefixLayout:
@@ -129,6 +145,7 @@ def hstu_attention_with_prefix(
     num_targets: torch.Tensor | None = None,
     plan: PrefixPlan | None = None,
     backend: str | None = None,
+    query_timestamps: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Serving attention of new tokens against a cached prefix (forward; no gradient is promised).
 
@@ -137,6 +154,8 @@ def hstu_attention_with_prefix(
     ``v_prefix[b]`` — one tensor per sequence, as a cache stores them, in :func:`prefix_layout`'s layout
     ([P_b, H, d] token-major or [H, P_b, d] head-major); ``timestamps`` [sum_S] / ``prefix_timestamps[b]``
     [P_b] likewise. ``num_targets`` [B] counts candidate tokens at the end of the new tokens (at most S_b).
+    ``query_timestamps`` [sum_S]: the new tokens' query times in the time bias, as in :func:`hstu_attention`
+    (the prefix's tokens are keys only; None: their own timestamps).
     The result equals the rows of the new tokens in :func:`hstu_attention` over the whole sequence (``N`` is
     constant, so the prefix's K/V do not depend on what follows it).
 
@@ -152,6 +171,7 @@ def hstu_attention_with_prefix(
         raise ValueError(f"{len(k_prefix)} prefix keys and {len(v_prefix)} prefix values for {batch} sequences")
     if time_weight is not None and timestamps is not None and prefix_timestamps is None:
         raise ValueError("prefix_timestamps are required with timestamps and time_weight")
+    _check_query_timestamps(query_timestamps, timestamps)
     if plan is None:
         layout = _PREFIX_LAYOUTS[name]
         plan = make_prefix_plan(offsets, [layout.length(kp) for kp in k_prefix])
@@ -159,6 +179,8 @@ def hstu_attention_with_prefix(
         return v.new_zeros(v.shape)
     kwargs = dict(max_seq_len=max_seq_len, timestamps=timestamps, prefix_timestamps=prefix_timestamps,
                   pos_weight=pos_weight, time_weight=time_weight, num_targets=num_targets)
+    if query_timestamps is not None:
+        kwargs["query_timestamps"] = query_timestamps
     if name == "triton":
         return _prefix_triton(q, k, v, offsets, k_prefix, v_prefix, plan, **kwargs)
     if name == "padded":

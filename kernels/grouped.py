@@ -81,8 +81,10 @@ def _row_chunks(length: int, heads: int, group_size: int) -> list[tuple[int, int
 
 
 def _chunks(plan: JaggedPlan, heads: int, max_seq_len: int, dtype: torch.dtype, num_pos: int | None,
-            num_tb: int | None, timestamps: torch.Tensor | None, num_targets: torch.Tensor | None) -> list[_Chunk]:
-    """Masks and bias-table indices of every chunk; depends on the batch, not on the layer."""
+            num_tb: int | None, timestamps: torch.Tensor | None, num_targets: torch.Tensor | None,
+            query_timestamps: torch.Tensor | None = None) -> list[_Chunk]:
+    """Masks and bias-table indices of every chunk; depends on the batch, not on the layer.
+    ``query_timestamps``: each query row's time in the time bucket (None: its own timestamp)."""
 
     def build() -> list[_Chunk]:
         out = []
@@ -90,13 +92,16 @@ def _chunks(plan: JaggedPlan, heads: int, max_seq_len: int, dtype: torch.dtype, 
             G, L = g.index.shape
             device = g.index.device
             ar = torch.arange(L, device=device)
-            hist = pos = ts = None
+            hist = pos = ts = qts = None
             if num_targets is not None:
                 hist = (g.lengths - num_targets[g.seq]).clamp(min=0)
                 pos = torch.minimum(ar[None, :], hist[:, None])  # [G, L]
             if num_tb is not None:
                 ext = torch.cat([timestamps, timestamps.new_zeros(1)])
                 ts = ext[g.index]  # [G, L]
+                qts = ts
+                if query_timestamps is not None:
+                    qts = torch.cat([query_timestamps, query_timestamps.new_zeros(1)])[g.index]
             for r0, r1 in _row_chunks(L, heads, G):
                 i, j = ar[r0:r1, None], ar[None, :r1]
                 allowed = (i >= j)[None]
@@ -109,7 +114,7 @@ def _chunks(plan: JaggedPlan, heads: int, max_seq_len: int, dtype: torch.dtype, 
                     dist = (pos[:, r0:r1, None] - pos[:, None, :r1]) if pos is not None else (i - j)[None]
                     index = dist.clamp(0, num_pos - 1)
                 if num_tb is not None:
-                    bucket = time_buckets(ts[:, r0:r1, None] - ts[:, None, :r1], num_tb)
+                    bucket = time_buckets(qts[:, r0:r1, None] - ts[:, None, :r1], num_tb)
                     index = bucket if index is None else index * (num_tb + 1) + bucket
                 if index is not None:
                     index = index.to(torch.int32).contiguous()
@@ -117,8 +122,9 @@ def _chunks(plan: JaggedPlan, heads: int, max_seq_len: int, dtype: torch.dtype, 
         return out
 
     key = ("chunks", heads, max_seq_len, dtype, num_pos, num_tb, tensor_key(timestamps),
-           tensor_key(num_targets))
-    return cached(plan, key, build, keep_alive=[t for t in (timestamps, num_targets) if t is not None])
+           tensor_key(num_targets), tensor_key(query_timestamps))
+    keep = [t for t in (timestamps, num_targets, query_timestamps) if t is not None]
+    return cached(plan, key, build, keep_alive=keep)
 
 
 def _gather(x: torch.Tensor, layout: _Layout) -> torch.Tensor:
@@ -214,13 +220,15 @@ class _GroupedHSTU(torch.autograd.Function):
 
 def grouped_hstu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: JaggedPlan, *,
                            max_seq_len: int, timestamps: torch.Tensor | None, pos_weight: torch.Tensor | None,
-                           time_weight: torch.Tensor | None, num_targets: torch.Tensor | None) -> torch.Tensor:
-    """[sum_L, H, d] q, k and [sum_L, H, dv] v -> [sum_L, H, dv] over the plan's length groups."""
+                           time_weight: torch.Tensor | None, num_targets: torch.Tensor | None,
+                           query_timestamps: torch.Tensor | None = None) -> torch.Tensor:
+    """[sum_L, H, d] q, k and [sum_L, H, dv] v -> [sum_L, H, dv] over the plan's length groups
+    (``query_timestamps``: the query rows' times in the time bias, None: their own timestamps)."""
     has_pos = pos_weight is not None
     has_time = time_weight is not None and timestamps is not None
     layout = _layout(plan, q.shape[1])
     chunks = _chunks(plan, q.shape[1], max_seq_len, q.dtype, pos_weight.numel() if has_pos else None,
                      time_weight.numel() - 1 if has_time else None, timestamps if has_time else None,
-                     num_targets)
+                     num_targets, query_timestamps if has_time else None)
     return _GroupedHSTU.apply(q, k, v, pos_weight, time_weight if has_time else None, layout, chunks, has_pos,
                               has_time)

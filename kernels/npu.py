@@ -37,12 +37,13 @@ def hstu_attention_npu(
     time_weight: torch.Tensor | None = None,
     num_targets: torch.Tensor | None = None,
     plan: JaggedPlan | None = None,
+    query_timestamps: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Jagged HSTU attention on an NPU; same signature and math as the reference."""
     _require_torch_npu()
     return hstu_attention_reference(q, k, v, offsets, max_seq_len=max_seq_len, timestamps=timestamps,
                                     pos_weight=pos_weight, time_weight=time_weight, num_targets=num_targets,
-                                    plan=plan)
+                                    plan=plan, query_timestamps=query_timestamps)
 
 
 def hstu_attention_with_prefix_npu(
@@ -60,10 +61,12 @@ def hstu_attention_with_prefix_npu(
     time_weight: torch.Tensor | None = None,
     num_targets: torch.Tensor | None = None,
     plan: PrefixPlan | None = None,
+    query_timestamps: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Cached-prefix attention on an NPU (head-major prefix K/V, like the CPU path)."""
     _require_torch_npu()
     return hstu_attention_with_prefix_cpu(q, k, v, offsets, k_prefix, v_prefix, max_seq_len=max_seq_len,
                                           timestamps=timestamps, prefix_timestamps=prefix_timestamps,
                                           pos_weight=pos_weight, time_weight=time_weight,
-                                          num_targets=num_targets, plan=plan)
+                                          num_targets=num_targets, plan=plan,
+                                          query_timestamps=query_timestamps)

@@ -4,7 +4,7 @@
 
 - Bias indices (position distances, log time buckets) and masks depend only on the batch, not on the
   layer, so they are computed once per :class:`PrefixPlan` (one per forward) and every layer only gathers its
-  weights; against the prefix they are computed once per distinct query (position, timestamp) — all
+  weights; against the prefix they are computed once per distinct query (position, query time) — all
   candidates share one — and expanded by row.
 - Each sequence's cached prefix is one [H, P, d] tensor per layer (head-major:
   :data:`grstack.kernels.plan.HEAD_MAJOR`; contiguous, or a view of a serving KV arena [H, T, d] whose rows
@@ -41,8 +41,9 @@ class _Seq:
 
 def _tables(plan: PrefixPlan, device: torch.device, dtype: torch.dtype, max_seq_len: int, num_pos: int | None,
             num_tb: int | None, timestamps: torch.Tensor | None, prefix_timestamps: Sequence[torch.Tensor] | None,
-            num_targets: torch.Tensor | None) -> tuple[_Seq, ...]:
-    """Per non-empty sequence: masks and bias-table indices (depend on the batch, not on the layer)."""
+            num_targets: torch.Tensor | None, query_timestamps: torch.Tensor | None) -> tuple[_Seq, ...]:
+    """Per non-empty sequence: masks and bias-table indices (depend on the batch, not on the layer).
+    ``query_timestamps``: the new tokens' query times in the time bucket (None: their own timestamps)."""
 
     def build() -> tuple[_Seq, ...]:
         nts = num_targets.tolist() if num_targets is not None else [0] * plan.batch_size
@@ -58,24 +59,26 @@ def _tables(plan: PrefixPlan, device: torch.device, dtype: torch.dtype, max_seq_
             li = torch.arange(n, device=device)
             allowed = (li[None, :] <= li[:, None]) & ((gi[None, :] < hist) | (li[None, :] == li[:, None]))
             ts_i = timestamps[n0:n1] if num_tb is not None else torch.zeros_like(pos_i)
-            # All candidates share one position and one timestamp, so their bias rows against the prefix are
-            # equal: compute the [rows, P] tables once per distinct (position, timestamp).
-            uniq, rows = torch.unique(torch.stack([pos_i, ts_i.to(pos_i.dtype)], 1), dim=0, return_inverse=True)
+            qt_i = query_timestamps[n0:n1] if num_tb is not None and query_timestamps is not None else ts_i
+            # All candidates share one position and one query time, so their bias rows against the prefix are
+            # equal: compute the [rows, P] tables once per distinct (position, query time).
+            uniq, rows = torch.unique(torch.stack([pos_i, qt_i.to(pos_i.dtype)], 1), dim=0, return_inverse=True)
             pos_pre = pos_new = tb_pre = tb_new = None
             if num_pos is not None:
                 pos_pre = (uniq[:, 0:1] - torch.arange(p, device=device)[None, :]).clamp(0, num_pos - 1)
                 pos_new = (pos_i[:, None] - pos_i[None, :]).clamp(0, num_pos - 1)
             if num_tb is not None:
                 tb_pre = time_buckets(uniq[:, 1:2] - prefix_timestamps[b][None, :], num_tb)
-                tb_new = time_buckets(ts_i[:, None] - ts_i[None, :], num_tb)
+                tb_new = time_buckets(qt_i[:, None] - ts_i[None, :], num_tb)
             seqs.append(_Seq(b, n0, n1, rows, pos_pre, pos_new, tb_pre, tb_new, allowed.to(dtype) / max_seq_len))
         return tuple(seqs)
 
     ts = timestamps if num_tb is not None else None
+    qts = query_timestamps if num_tb is not None else None
     pts = list(prefix_timestamps) if num_tb is not None else []
     key = ("prefix_cpu", device, dtype, max_seq_len, num_pos, num_tb, tensor_key(ts),
-           tuple(tensor_key(t) for t in pts), tensor_key(num_targets))
-    keep = [t for t in (ts, num_targets) if t is not None] + pts
+           tuple(tensor_key(t) for t in pts), tensor_key(num_targets), tensor_key(qts))
+    keep = [t for t in (ts, num_targets, qts) if t is not None] + pts
     return cached(plan, key, build, keep_alive=keep)
 
 
@@ -102,10 +105,12 @@ def hstu_attention_with_prefix_cpu(
     time_weight: torch.Tensor | None = None,
     num_targets: torch.Tensor | None = None,
     plan: PrefixPlan | None = None,
+    query_timestamps: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q, k: [sum_S, H, dqk]; v: [sum_S, H, dv]; per sequence ``k_prefix[b]`` [H, P_b, dqk] and
     ``v_prefix[b]`` [H, P_b, dv] (head-major). Returns [sum_S, H, dv]: the new tokens' rows of the
-    full-sequence attention."""
+    full-sequence attention. ``query_timestamps`` [sum_S]: the new tokens' query times in the time bias
+    (None: their own timestamps)."""
     if plan is None:
         plan = make_prefix_plan(offsets, [kp.shape[1] for kp in k_prefix])
     has_time = time_weight is not None and timestamps is not None
@@ -113,7 +118,8 @@ def hstu_attention_with_prefix_cpu(
         raise ValueError("prefix_timestamps are required with timestamps and time_weight")
     seqs = _tables(plan, q.device, q.dtype, max_seq_len,
                    pos_weight.numel() if pos_weight is not None else None,
-                   time_weight.numel() - 1 if has_time else None, timestamps, prefix_timestamps, num_targets)
+                   time_weight.numel() - 1 if has_time else None, timestamps, prefix_timestamps, num_targets,
+                   query_timestamps)
     # bias tables in the compute dtype once per call, not per sequence
     if pos_weight is not None and pos_weight.dtype != q.dtype:
         pos_weight = pos_weight.to(q.dtype)

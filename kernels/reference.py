@@ -5,12 +5,14 @@ for plain causal training) and history length ``Hn = L - M``::
 
     pos_i   = min(i, Hn)                                  # candidates all sit at the next position
     allowed = (j <= i) and (j < Hn or j == i)              # causal; candidates see history and themselves
-    bias    = pos_w[clamp(pos_i - pos_j, 0, N - 1)] + time_w[bucket(ts_i - ts_j)]
+    bias    = pos_w[clamp(pos_i - pos_j, 0, N - 1)] + time_w[bucket(qts_i - ts_j)]
     A       = SiLU(q_i . k_j + bias) * allowed / N          # N = max_seq_len, a constant
     out_i   = sum_j A_ij v_j
 
 ``N`` is a constant, so a prefix's keys and values never depend on what is appended after it — the
-property relay inference relies on. ``bucket`` is :func:`grstack.kernels.bias.time_buckets`.
+property relay inference relies on. ``bucket`` is :func:`grstack.kernels.bias.time_buckets`. ``qts_i`` is
+token i's query time: ``query_timestamps[i]`` when given (e.g. the time of the event after token i, Meta's
+convention), else its own timestamp ``ts_i``.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ def _dense_block(
     v: torch.Tensor,  # [G, L, H, dv]
     lengths: torch.Tensor,  # [G]
     ts: torch.Tensor | None,  # [G, L]
+    qts: torch.Tensor | None,  # [G, L] query times (None: ts)
     num_targets: torch.Tensor | None,  # [G]
     pos_w: torch.Tensor | None,
     time_w: torch.Tensor | None,
@@ -62,7 +65,8 @@ def _dense_block(
     if pos_w is not None:
         bias = pos_w[dist.clamp(0, pos_w.numel() - 1)]
     if time_w is not None and ts is not None:
-        tb = time_w[time_buckets(ts[:, :, None] - ts[:, None, :], time_w.numel() - 1)]
+        qts = ts if qts is None else qts
+        tb = time_w[time_buckets(qts[:, :, None] - ts[:, None, :], time_w.numel() - 1)]
         bias = tb if bias is None else bias + tb
     if bias is not None:
         scores = scores + bias.unsqueeze(1).to(scores.dtype)
@@ -83,6 +87,7 @@ def hstu_attention_reference(
     time_weight: torch.Tensor | None = None,
     num_targets: torch.Tensor | None = None,
     plan: JaggedPlan | None = None,
+    query_timestamps: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Jagged [sum_L, H, d] in, [sum_L, H, dv] out; computed per length group, never padded to L_max.
 
@@ -94,7 +99,8 @@ def hstu_attention_reference(
     if not plan.groups:
         return v.new_zeros((q.shape[0], q.shape[1], v.shape[-1]))
     return grouped_hstu_attention(q, k, v, plan, max_seq_len=max_seq_len, timestamps=timestamps,
-                                  pos_weight=pos_weight, time_weight=time_weight, num_targets=num_targets)
+                                  pos_weight=pos_weight, time_weight=time_weight, num_targets=num_targets,
+                                  query_timestamps=query_timestamps)
 
 
 def hstu_attention_padded(
@@ -108,6 +114,7 @@ def hstu_attention_padded(
     pos_weight: torch.Tensor | None = None,
     time_weight: torch.Tensor | None = None,
     num_targets: torch.Tensor | None = None,
+    query_timestamps: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The dense padded implementation of the same math ([B, L_max, L_max] bias): baseline and oracle."""
     lengths = offsets[1:] - offsets[:-1]
@@ -115,7 +122,8 @@ def hstu_attention_padded(
         return v.new_zeros(v.shape)
     qp, kp, vp = (jagged_to_padded(t, offsets) for t in (q, k, v))
     tp = jagged_to_padded(timestamps, offsets) if timestamps is not None else None
-    out = _dense_block(qp, kp, vp, lengths, tp, num_targets, pos_weight, time_weight, max_seq_len)
+    qtp = jagged_to_padded(query_timestamps, offsets) if query_timestamps is not None else None
+    out = _dense_block(qp, kp, vp, lengths, tp, qtp, num_targets, pos_weight, time_weight, max_seq_len)
     return padded_to_jagged(out, offsets)
 
 
@@ -134,12 +142,14 @@ def hstu_attention_with_prefix_reference(
     time_weight: torch.Tensor | None = None,
     num_targets: torch.Tensor | None = None,
     plan: PrefixPlan | None = None,
+    query_timestamps: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The plain formulation of the cached-prefix op (the oracle of its fast paths).
 
     Per sequence b, the new tokens (``offsets``, S_b of them) are positions ``P_b..P_b+S_b-1`` of a sequence
     whose first ``P_b`` tokens' K/V are ``k_prefix[b]``, ``v_prefix[b]`` ([P_b, H, d], token-major).
-    ``num_targets`` counts the candidates among the new tokens. Returns [sum_S, H, dv], equal to the
+    ``num_targets`` counts the candidates among the new tokens; ``query_timestamps`` [sum_S] are the new tokens'
+    query times (None: their own timestamps; the prefix's tokens are keys only). Returns [sum_S, H, dv], equal to the
     full-sequence attention's rows for the new tokens. Computed directly on the [S_b, P_b + S_b] rectangle of
     each sequence (prefix and new K/V concatenated, one mask).
     """
@@ -169,7 +179,8 @@ def hstu_attention_with_prefix_reference(
             bias = pos_weight[dist.clamp(0, pos_weight.numel() - 1)]
         if has_time:
             ts = torch.cat([prefix_timestamps[b], timestamps[s0:s1]])
-            tb = time_weight[time_buckets(ts[n_pre:, None] - ts[None, :], time_weight.numel() - 1)]
+            qts = timestamps[s0:s1] if query_timestamps is None else query_timestamps[s0:s1]
+            tb = time_weight[time_buckets(qts[:, None] - ts[None, :], time_weight.numel() - 1)]
             bias = tb if bias is None else bias + tb
         if bias is not None:
             scores = scores + bias.unsqueeze(0).to(scores.dtype)

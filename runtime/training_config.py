@@ -48,6 +48,11 @@ class ModelConfig(_Strict):
     time_buckets: int = Field(128, ge=1)
     position_bias: bool = True
     time_bias: bool = True
+    time_bias_query: Literal["self", "next"] = Field(
+        "self", description="HSTU time bias: self: bucket(|ts_i - ts_j|), query token i's own time; next: "
+        "bucket(ts_next(i) - ts_j), the time of the event after token i (the moment being predicted, Meta's "
+        "convention; the last history token uses the first candidate's time, or its own without candidates). "
+        "next cannot be served from cached prefixes")
     ranking_head: bool = Field(True, description="HSTU: train the candidate ranking head too")
     ffn_mult: int = Field(1, ge=1, description="SASRec: feed-forward width multiplier")
 

@@ -18,6 +18,6 @@ def build_model(cfg: ModelConfig, num_items: int, max_len: int, num_tasks: int =
     if cfg.type == "hstu":
         kwargs.pop("ffn_mult")
         return HSTU(num_items, max_len=max_len, num_tasks=num_tasks, **kwargs)
-    for key in ("dqk", "dv", "time_buckets", "position_bias", "time_bias", "ranking_head"):
+    for key in ("dqk", "dv", "time_buckets", "position_bias", "time_bias", "time_bias_query", "ranking_head"):
         kwargs.pop(key)
     return SASRec(num_items, max_len=max_len, **kwargs)

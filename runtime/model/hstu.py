@@ -16,6 +16,13 @@ sequence's first ``P`` tokens do not depend on what follows. :meth:`HSTU.prefill
 prefix cache stores, in the layout the attention backend wants: :func:`grstack.kernels.prefix_layout`);
 :meth:`HSTU.encode_with_prefix` runs only new tokens (short-term history, candidates) at positions
 ``P, P + 1, ...`` against them, equal to :meth:`HSTU.encode`'s rows for those tokens on the whole sequence.
+
+Time bias query (``time_bias_query``): ``self`` buckets ``|ts_i - ts_j|``; ``next`` buckets
+``ts_next(i) - ts_j`` where ``ts_next(i)`` is the time of the event after token i (the moment its output
+predicts, known at serving time: Meta's HSTU). With ``next`` the last prefix token's outputs at layers >= 2
+depend on the time of the event after it, unknown when the prefix is cached, and the cache does not keep the
+prefix's item ids to recompute that token, so such a model cannot be served from cached prefixes
+(:meth:`HSTU.encode_with_prefix` refuses it).
 """
 
 from __future__ import annotations
@@ -65,11 +72,13 @@ class HSTULayer(nn.Module):
         return x + self.out(F.dropout(y, self.dropout, self.training))
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor | None,
-                num_targets: torch.Tensor | None, plan: kernels.JaggedPlan | None) -> torch.Tensor:
+                num_targets: torch.Tensor | None, plan: kernels.JaggedPlan | None,
+                query_timestamps: torch.Tensor | None = None) -> torch.Tensor:
         u, v, q, k = self.project(x)
         attn = kernels.hstu_attention(
             q, k, v, offsets, max_seq_len=self.max_seq_len, timestamps=timestamps,
-            pos_weight=self.pos_weight, time_weight=self.time_weight, num_targets=num_targets, plan=plan)
+            pos_weight=self.pos_weight, time_weight=self.time_weight, num_targets=num_targets, plan=plan,
+            query_timestamps=query_timestamps)
         return self.finish(x, attn, u)
 
     def forward_with_prefix(self, x: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor | None,
@@ -87,6 +96,26 @@ class HSTULayer(nn.Module):
         return self.finish(x, attn, u), k, v
 
 
+def next_event_timestamps(timestamps: torch.Tensor, offsets: torch.Tensor,
+                          num_targets: torch.Tensor | None = None) -> torch.Tensor:
+    """Query times of the ``next`` time-bias convention, [sum_L] like ``timestamps``.
+
+    A history token's query time is the next token's timestamp (the event its output predicts); the last
+    history token's is the first candidate's when the sequence has candidates (the last ``num_targets[b]``
+    tokens), else its own; candidates keep their own. Meta's HSTU extends timestamps the same way
+    (``cat(ts[1:], ts[-1:])`` per sequence). Computed on the tensors' device without a host sync.
+    """
+    n = timestamps.numel()
+    if n == 0:
+        return timestamps
+    seg = kernels.segment_ids(offsets, n)
+    pos = kernels.positions(offsets, n)
+    lengths = offsets[1:] - offsets[:-1]
+    hist = lengths if num_targets is None else lengths - num_targets
+    has_next = (pos + 1 < lengths[seg]) & (pos < hist[seg])
+    return torch.where(has_next, torch.cat([timestamps[1:], timestamps[-1:]]), timestamps)
+
+
 class HSTU(nn.Module):
     """Retrieval + ranking HSTU over jagged sequences of item ids."""
 
@@ -94,8 +123,11 @@ class HSTU(nn.Module):
                  num_heads: int = 4, dqk: int = 16, dv: int = 16, dropout: float = 0.5,
                  input_dropout: float = 0.5, time_buckets: int = 128, position_bias: bool = True,
                  time_bias: bool = True, num_tasks: int = 1, ranking_head: bool = True,
-                 item_table: bool = True) -> None:
+                 item_table: bool = True, time_bias_query: str = "self") -> None:
         super().__init__()
+        if time_bias_query not in ("self", "next"):
+            raise ValueError(f"time_bias_query must be self or next, not {time_bias_query!r}")
+        self.time_bias_query = time_bias_query
         self.num_items, self.max_len, self.d_model = num_items, max_len, d_model
         # Candidates sit at position hist_len <= max_len, hence max_len + 1 positions.
         self.max_seq_len = max_len + 1
@@ -156,11 +188,27 @@ class HSTU(nn.Module):
         plan = kernels.make_plan(batch.offsets) if batch.item_ids.device.type == "cpu" else None
         x = self.embed_tokens(batch, item_rows)
         ts = batch.timestamps if self._uses_time() else None
+        qts = None
+        if ts is not None and self.time_bias_query == "next":
+            qts = next_event_timestamps(ts, batch.offsets, batch.num_targets)
         for layer in self.layers:
-            x = layer(x, batch.offsets, ts, batch.num_targets, plan)
+            x = layer(x, batch.offsets, ts, batch.num_targets, plan, qts)
         return x
 
     # -- relay inference: cached prefixes -----------------------------------------------------------
+    @property
+    def cached_prefix_exact(self) -> bool:
+        """Whether a prefix's cached K/V are exact: a token's K/V must not depend on what follows it, which the
+        ``next`` time bias breaks (module docstring)."""
+        return not (self.time_bias_query == "next" and self._uses_time())
+
+    def _check_prefix_servable(self) -> None:
+        if not self.cached_prefix_exact:
+            raise ValueError("a model with model.time_bias_query=next cannot run on cached prefixes (the last "
+                             "prefix token's keys and values depend on the next event's time, and the cache "
+                             "does not keep its item id to recompute it); train with model.time_bias_query=self "
+                             "to serve from a prefix cache")
+
     def prefix_layout(self, backend: str | None = None) -> kernels.PrefixLayout:
         """How :meth:`prefill_kv` returns and :meth:`encode_with_prefix` takes one layer's keys/values of one
         sequence, for this model's device and the attention ``backend`` (None: the kernels' default)."""
@@ -200,6 +248,7 @@ class HSTU(nn.Module):
         in :meth:`prefix_layout` of ``S_b`` tokens (e.g. views of a KV arena) the new tokens' keys and values are
         written into (None for a sequence: not written) — no intermediate tensors, no concatenation by the caller.
         """
+        self._check_prefix_servable()
         layout = self.prefix_layout(backend)
         plens = [layout.length(keys[0]) for keys in prefix_keys]
         plan = kernels.make_prefix_plan(offsets, plens)

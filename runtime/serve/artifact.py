@@ -22,6 +22,10 @@ def load_ranking_model(path: str | Path) -> tuple[nn.Module, list[str]]:
     if cfg.model.type != "hstu" or getattr(model, "rank_head", None) is None:
         raise UserError(f"{p}: relay serving needs an HSTU model trained with the ranking head "
                         f"(model.type=hstu, model.ranking_head=true); this one is {cfg.model.type}")
+    if cfg.model.time_bias_query == "next" and cfg.model.time_bias:
+        raise UserError(f"{p}: relay serving needs model.time_bias_query=self; this model was trained with "
+                        f"model.time_bias_query=next, whose cached prefixes would not be exact (the last prefix "
+                        f"token's keys and values depend on the next event's time)")
     return model, tasks
 
 

@@ -131,6 +131,9 @@ class RelayEngine:
                  chunk: int = 256, backend: str | None = None) -> None:
         if getattr(model, "rank_head", None) is None or not hasattr(model, "encode_with_prefix"):
             raise ValueError("relay serving needs an HSTU model with a ranking head")
+        if not getattr(model, "cached_prefix_exact", True):
+            raise ValueError("relay serving needs model.time_bias_query=self: with next, cached prefixes are not "
+                             "exact (the last prefix token's keys and values depend on the next event's time)")
         if not 0 < max_suffix < model.max_len:
             raise ValueError(f"max_suffix must be in 1..{model.max_len - 1} (the model's max_len is "
                              f"{model.max_len})")
