@@ -59,10 +59,14 @@ def _attention(c: dict, backend: str, query_timestamps: torch.Tensor | None, gra
                                  pos_weight=tables[0], time_weight=tables[1], num_targets=c["num_targets"],
                                  query_timestamps=query_timestamps, backend=backend)
     leaves = [x for x in (q, k, v, *tables) if x is not None]
-    if not grad or not out.requires_grad:
+    if not grad:
         return out, []
-    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=out.dtype)
-    return out, list(torch.autograd.grad(out, leaves, g, allow_unused=True))
+    if not out.requires_grad:  # no tokens: a constant (backends differ in whether it tracks gradients)
+        return out, [torch.zeros_like(x) for x in leaves]
+    # drawn in fp64 then cast, so every backend gets the same output gradient whatever its dtype
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(out.dtype)
+    grads = torch.autograd.grad(out, leaves, g, allow_unused=True)
+    return out, [torch.zeros_like(x) if gr is None else gr for x, gr in zip(leaves, grads, strict=True)]
 
 
 def _loop_oracle(c: dict) -> torch.Tensor:
