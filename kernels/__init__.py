@@ -14,6 +14,7 @@ from grstack.kernels.attention import (
     layer_norm_mul,
     prefix_layout,
     select_backend,
+    tuned_configs,
 )
 from grstack.kernels.bias import TIME_BUCKET_DIV, time_buckets
 from grstack.kernels.jagged import (
@@ -57,4 +58,5 @@ __all__ = [
     "segment_ids",
     "select_backend",
     "time_buckets",
+    "tuned_configs",
 ]

@@ -278,3 +278,13 @@ def causal_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     """Jagged causal softmax attention (the SASRec baseline), [sum_L, H, d] -> [sum_L, H, d]; torch on every
     device, per length group of ``plan`` (no padding to L_max)."""
     return causal_softmax_attention_reference(q, k, v, offsets, plan=plan, dropout_p=dropout_p)
+
+
+def tuned_configs() -> list[dict]:
+    """The fused kernels' tile configurations the autotuner picked in this process (one per shape key)."""
+    from grstack.kernels import triton_tuning
+
+    return [{"kernel": key.kernel, "dtype": key.dtype, "block_d": max(key.block_dqk, key.block_dv),
+             "features": list(key.features), "max_len_bucket": key.max_len_bucket, "block_m": cfg.block_m,
+             "block_n": cfg.block_n, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+            for key, cfg in triton_tuning.chosen().items()]

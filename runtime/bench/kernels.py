@@ -33,6 +33,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="accepted for symmetry: the output is always JSON")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per case (default 3, 5 on CUDA)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--head-dims", type=int, nargs="+", default=None,
+                        help="head sizes to run, the first is the headline (default: 64 16 on CUDA; 16, and 64 "
+                             "without --quick, on CPU)")
     parser.add_argument("--compile-report", action="store_true",
                         help="compile every fused kernel configuration for an NVIDIA target (no GPU needed) and "
                              "print registers, spill bytes and shared memory per kernel instead of timing")
@@ -358,7 +361,9 @@ def run(args: argparse.Namespace) -> int:
     heads = 4
     # the headline head size first: d=64 on accelerators (the kernels' main target), d=16 on CPU (the
     # KuaiRand-27K configs' size); the other one after it
-    dims = (64, 16) if cuda else ((16,) if args.quick else (16, 64))
+    dims = tuple(args.head_dims) if args.head_dims else (64, 16) if cuda else ((16,) if args.quick else (16, 64))
+    if any(d < 1 for d in dims):
+        raise UserError(f"--head-dims must be positive, got {list(dims)}")
     dqk = dv = dims[0]
     reps = args.reps or (5 if cuda else 3)
     backend = select_backend(device)
@@ -435,7 +440,10 @@ def run(args: argparse.Namespace) -> int:
                           f"{max(c['lengths']['max'] for c in cases if c['name'].startswith('fixed'))}; "
                           f"fixed lengths {left_out} left out")
     if cuda:
+        from grstack.kernels import tuned_configs
+
         result["peak_tflops_bf16"] = H200_BF16_PEAK_TFLOPS
         result["gpu"] = torch.cuda.get_device_name()
+        result["tuned"] = tuned_configs()
     print(json.dumps(result))
     return 0
