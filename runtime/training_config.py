@@ -37,7 +37,9 @@ class DataConfig(_Strict):
 
 
 class ModelConfig(_Strict):
-    type: Literal["hstu", "sasrec"] = "hstu"
+    type: Literal["hstu", "fuxi", "sasrec"] = Field(
+        "hstu", description="hstu; fuxi: FuXi-α (HSTU's model with FuXi-α's multi-channel attention and "
+        "multi-stage FFN, docs/fuxi.md); sasrec: the baseline")
     d_model: int = Field(64, ge=8)
     num_blocks: int = Field(4, ge=1)
     num_heads: int = Field(4, ge=1)
@@ -49,7 +51,8 @@ class ModelConfig(_Strict):
     position_bias: bool = True
     time_bias: bool = True
     ranking_head: bool = Field(True, description="HSTU: train the candidate ranking head too")
-    ffn_mult: int = Field(1, ge=1, description="SASRec: feed-forward width multiplier")
+    ffn_mult: int = Field(1, ge=1, description="SASRec: feed-forward width multiplier; fuxi: the "
+                          "SwiGLU stage's hidden width as a multiple of d_model (FuXi-α's ffn_multiply)")
 
 
 class LossConfig(_Strict):
