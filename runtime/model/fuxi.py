@@ -118,7 +118,8 @@ class FuXiAlpha(HSTU):
                  input_dropout: float = 0.5, time_buckets: int = 128, position_bias: bool = True,
                  time_bias: bool = True, num_tasks: int = 1, ranking_head: bool = True,
                  item_table: bool = True, ffn_mult: int = 1) -> None:
-        super().__init__(num_items, max_len=max_len, d_model=d_model, num_blocks=num_blocks, num_heads=num_heads,
+        # HSTU's embeddings and heads with no HSTU blocks (num_blocks=0); the FuXi-α blocks replace them.
+        super().__init__(num_items, max_len=max_len, d_model=d_model, num_blocks=0, num_heads=num_heads,
                          dqk=dqk, dv=dv, dropout=dropout, input_dropout=input_dropout, time_buckets=time_buckets,
                          position_bias=position_bias, time_bias=time_bias, num_tasks=num_tasks,
                          ranking_head=ranking_head, item_table=item_table)
