@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from grstack import kernels
+from grstack.runtime.data import JaggedBatch
 from grstack.runtime.model.hstu import HSTU
 
 _EPS = 1e-6
@@ -127,3 +128,14 @@ class FuXiAlpha(HSTU):
             FuXiLayer(d_model, num_heads, dqk, dv, dropout, self.max_seq_len, time_buckets, position_bias,
                       time_bias, ffn_mult)
             for _ in range(num_blocks))
+
+    def encode(self, batch: JaggedBatch, item_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """[sum_L, d] outputs for every token. Unlike HSTU, the plan is made on every device: the positional and
+        temporal channels run per length group everywhere, and one plan per batch (one host read of the
+        offsets) serves every layer and channel."""
+        plan = kernels.make_plan(batch.offsets)
+        x = self.embed_tokens(batch, item_rows)
+        ts = batch.timestamps if self._uses_time() else None
+        for layer in self.layers:
+            x = layer(x, batch.offsets, ts, batch.num_targets, plan)
+        return x
