@@ -157,6 +157,8 @@ def bias_channel_attention(
 
     Differentiable in v, pos_weight and time_weight. ``backend`` as :func:`grstack.kernels.select_backend`:
     ``padded`` runs the dense oracle, every other backend the grouped torch formulation on its device.
+    ``max_seq_len`` is :func:`grstack.kernels.hstu_attention`'s (the channels have no ``1/N``; distances are
+    clamped to the position table's size, as there).
     """
     kwargs = dict(max_seq_len=max_seq_len, pos_weight=pos_weight, time_weight=time_weight, timestamps=timestamps,
                   num_targets=num_targets)
