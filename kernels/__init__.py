@@ -17,6 +17,7 @@ from grstack.kernels.attention import (
     tuned_configs,
 )
 from grstack.kernels.bias import TIME_BUCKET_DIV, time_buckets
+from grstack.kernels.fuxi import bias_channel_attention, bias_channel_attention_with_prefix
 from grstack.kernels.jagged import (
     jagged_to_padded,
     lengths_to_offsets,
@@ -43,6 +44,8 @@ __all__ = [
     "JaggedPlan",
     "PrefixLayout",
     "PrefixPlan",
+    "bias_channel_attention",
+    "bias_channel_attention_with_prefix",
     "causal_softmax_attention",
     "embedding_gather",
     "hstu_attention",

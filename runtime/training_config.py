@@ -37,7 +37,9 @@ class DataConfig(_Strict):
 
 
 class ModelConfig(_Strict):
-    type: Literal["hstu", "sasrec"] = "hstu"
+    type: Literal["hstu", "fuxi", "sasrec"] = Field(
+        "hstu", description="hstu; fuxi: FuXi-α (HSTU's model with FuXi-α's multi-channel attention and "
+        "multi-stage FFN, docs/fuxi.md); sasrec: the baseline")
     d_model: int = Field(64, ge=8)
     num_blocks: int = Field(4, ge=1)
     num_heads: int = Field(4, ge=1)
@@ -54,7 +56,15 @@ class ModelConfig(_Strict):
         "convention; the last history token uses the first candidate's time, or its own without candidates). "
         "next cannot be served from cached prefixes")
     ranking_head: bool = Field(True, description="HSTU: train the candidate ranking head too")
-    ffn_mult: int = Field(1, ge=1, description="SASRec: feed-forward width multiplier")
+    ffn_mult: int = Field(1, ge=1, description="SASRec: feed-forward width multiplier; fuxi: the "
+                          "SwiGLU stage's hidden width as a multiple of d_model (FuXi-α's ffn_multiply)")
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelConfig:
+        if self.type == "fuxi" and self.time_bias_query != "self":
+            raise ValueError("model.time_bias_query=next is an HSTU option; FuXi-α's temporal channel buckets "
+                             "the gap between the two events (use self)")
+        return self
 
 
 class LossConfig(_Strict):

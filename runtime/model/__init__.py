@@ -1,4 +1,4 @@
-"""Sequence models over jagged batches (HSTU, and SASRec as the baseline) and their exported artefact.
+"""Sequence models over jagged batches (HSTU, FuXi-α, and SASRec as the baseline) and their exported artefact.
 
 Other packages import from here: the models, ``build_model``, and the artefact's format (export, load,
 the run directory's file names). See docs/architecture.md.
@@ -22,6 +22,7 @@ from grstack.runtime.model.artifact import (
     write_item_part,
 )
 from grstack.runtime.model.build import build_model
+from grstack.runtime.model.fuxi import FuXiAlpha
 from grstack.runtime.model.hstu import HSTU
 from grstack.runtime.model.item_rows import ITEM_INIT_STD, ExternalItemRows, initial_item_rows
 from grstack.runtime.model.sasrec import SASRec
@@ -32,6 +33,7 @@ __all__ = [
     "HSTU",
     "ITEM_INIT_STD",
     "ExternalItemRows",
+    "FuXiAlpha",
     "SASRec",
     "atomic_torch_save",
     "build_model",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from grstack.runtime.model.fuxi import FuXiAlpha
 from grstack.runtime.model.hstu import HSTU
 from grstack.runtime.model.sasrec import SASRec
 from grstack.runtime.training_config import ModelConfig
@@ -18,6 +19,9 @@ def build_model(cfg: ModelConfig, num_items: int, max_len: int, num_tasks: int =
     if cfg.type == "hstu":
         kwargs.pop("ffn_mult")
         return HSTU(num_items, max_len=max_len, num_tasks=num_tasks, **kwargs)
+    if cfg.type == "fuxi":
+        kwargs.pop("time_bias_query")  # HSTU's; ModelConfig rejects next for fuxi
+        return FuXiAlpha(num_items, max_len=max_len, num_tasks=num_tasks, **kwargs)
     for key in ("dqk", "dv", "time_buckets", "position_bias", "time_bias", "time_bias_query", "ranking_head"):
         kwargs.pop(key)
     return SASRec(num_items, max_len=max_len, **kwargs)

@@ -19,9 +19,9 @@ from grstack.runtime.model import build_model, export_model, load_exported, reso
 def load_ranking_model(path: str | Path) -> tuple[nn.Module, list[str]]:
     p = resolve_model_file(path)
     model, cfg, tasks = load_exported(p)
-    if cfg.model.type != "hstu" or getattr(model, "rank_head", None) is None:
-        raise UserError(f"{p}: relay serving needs an HSTU model trained with the ranking head "
-                        f"(model.type=hstu, model.ranking_head=true); this one is {cfg.model.type}")
+    if cfg.model.type not in ("hstu", "fuxi") or getattr(model, "rank_head", None) is None:
+        raise UserError(f"{p}: relay serving needs an HSTU or FuXi-α model trained with the ranking head "
+                        f"(model.type=hstu or fuxi, model.ranking_head=true); this one is {cfg.model.type}")
     if cfg.model.time_bias_query == "next" and cfg.model.time_bias:
         raise UserError(f"{p}: relay serving needs model.time_bias_query=self; this model was trained with "
                         f"model.time_bias_query=next, whose cached prefixes would not be exact (the last prefix "
