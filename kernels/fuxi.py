@@ -16,9 +16,10 @@ temporal one. ``A`` depends on positions and timestamps only, so a cached prefix
 channel's, already in the relay cache) are all the with-prefix variant needs.
 
 :func:`grstack.kernels.hstu_attention` cannot compute this function (its weights are ``SiLU(q·k + bias)/N``,
-a non-linear function of the bias), so every backend runs the torch formulation here: per length group of
-the plan (``reference``, and ``triton`` / ``npu``, which it runs on as well) or dense padded (``padded``,
-the oracle). Its cost is one [G, L, L] x [G, L, H·dv] matmul per group and channel.
+a non-linear function of the bias); its Triton kernels can, with ``SEMANTIC=False`` (no q·k, SiLU or 1/N;
+:func:`grstack.kernels.triton_hstu.bias_channel_triton`): the ``triton`` backend runs that, fused, with no
+[L, L] tensor. ``reference`` (and ``npu``) run the torch formulation per length group of the plan, one
+[G, L, L] x [G, L, H·dv] matmul per group and channel; ``padded`` the dense oracle.
 """
 
 from __future__ import annotations
@@ -162,8 +163,18 @@ def bias_channel_attention(
     """
     kwargs = dict(max_seq_len=max_seq_len, pos_weight=pos_weight, time_weight=time_weight, timestamps=timestamps,
                   num_targets=num_targets)
-    if select_backend(v.device, backend) == "padded":
+    name = select_backend(v.device, backend)
+    if name == "padded":
         return bias_channel_attention_padded(v, offsets, **kwargs)
+    if name == "triton":
+        from grstack.kernels import triton_hstu
+
+        _check(pos_weight, time_weight)
+        use_time = time_weight is not None and timestamps is not None
+        return triton_hstu.bias_channel_triton(v, offsets, max_seq_len=max_seq_len, pos_weight=pos_weight,
+                                               time_weight=time_weight if use_time else None,
+                                               timestamps=timestamps if use_time else None,
+                                               num_targets=num_targets)
     return bias_channel_attention_reference(v, offsets, plan=plan, **kwargs)
 
 
@@ -198,6 +209,18 @@ def bias_channel_attention_with_prefix(
     layout = prefix_layout(v.device, backend)
     if plan is None:
         plan = make_prefix_plan(offsets, [layout.length(vp) for vp in v_prefix])
+    if select_backend(v.device, backend) == "triton":
+        from grstack.kernels import triton_hstu
+
+        plens = torch.tensor(plan.prefix_lengths, dtype=torch.int64)
+        poffsets = torch.zeros(batch + 1, dtype=torch.int64)
+        poffsets[1:] = torch.cumsum(plens, 0)
+        return triton_hstu.bias_channel_with_prefix_triton(
+            v, offsets, torch.cat([layout.to_tokens(vp) for vp in v_prefix]), poffsets.to(v.device),
+            max_seq_len=max_seq_len, pos_weight=pos_weight, time_weight=time_weight if num_tb is not None else None,
+            timestamps=timestamps if num_tb is not None else None,
+            prefix_timestamps=torch.cat(list(prefix_timestamps)) if num_tb is not None else None,
+            num_targets=num_targets)
     out = v.new_zeros(v.shape)
     offs = plan.offsets
     for b in range(batch):

@@ -58,18 +58,20 @@ def _signature(fn, constexprs: dict, dtype: str) -> dict:
 def _attention_configs(quick: bool) -> Iterator[tuple[str, str, dict, triton_tuning.TileConfig]]:
     """(kernel name, dtype, constexprs, tile config) for every candidate the tuner may pick."""
     dims = (64,) if quick else HEAD_DIMS
-    # no features; every feature; (backward of keys only) both biases with frozen tables
+    # no features; every feature; (dK/dV only) both biases with frozen tables; (forward and dK/dV) FuXi-α's
+    # bias-only channel (no q·k) with every feature
     variants = [("all", True, True)] if quick else [("none", False, False), ("all", True, True),
-                                                   ("frozen", True, False)]
+                                                   ("frozen", True, False), ("channel", True, True)]
     for d in dims:
         for label, full, grads in variants:
             common = dict(UPCAST=False, TB_DIV=triton_hstu.TIME_BUCKET_DIV, HAS_TARGETS=full, HAS_POS=full,
                           HAS_TIME=full, BLOCK_DQK=d, BLOCK_DV=d, PRECISION="tf32")
-            extra = {"_hstu_fwd": dict(HAS_PREFIX=full),
-                     "_hstu_bwd_kv": dict(POS_GRAD=grads, TIME_GRAD=grads, BLOCK_TB=256),
+            semantic = label != "channel"
+            extra = {"_hstu_fwd": dict(HAS_PREFIX=full, SEMANTIC=semantic),
+                     "_hstu_bwd_kv": dict(POS_GRAD=grads, TIME_GRAD=grads, BLOCK_TB=256, SEMANTIC=semantic),
                      "_hstu_bwd_q": {}}
             for name, kind in _ATTENTION.items():
-                if label == "frozen" and kind != "bwd_kv":
+                if (label == "frozen" and kind != "bwd_kv") or (label == "channel" and kind == "bwd_q"):
                     continue
                 features = tuple(k for k, v in {**common, **extra[name]}.items() if v is True)
                 for cfg in triton_tuning.candidates(kind, d, features):
@@ -122,7 +124,9 @@ def compile_one(job: tuple[str, str, dict, tuple[int, int, int, int]], arch: int
                               target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": warps, "num_stages": stages})
     ptx = compiled.asm["ptx"]
-    features = sorted(k.lower() for k, v in consts.items() if v is True and k not in ("UPCAST",))
+    features = sorted(k.lower() for k, v in consts.items() if v is True and k not in ("UPCAST", "SEMANTIC"))
+    if consts.get("SEMANTIC") is False:
+        features.append("bias_channel")
     config = {"dtype": dtype, "num_warps": warps, "num_stages": stages, "features": features,
               **{k.lower(): v for k, v in consts.items() if k.startswith("BLOCK_")}}
     return {"kernel": name, "config": config, "target": f"sm_{arch}",

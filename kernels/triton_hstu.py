@@ -71,8 +71,10 @@ def _biased(s, gi, gj, hist, ts_i, ts_j, pos_w, time_w, num_pos, num_tb,
 def _fwd_sweep(acc, q, gi, hist, ts_i, K, V, TSK, key_tok0, gpos0, lo, hi, stride_kt, stride_vt,
                pos_w, time_w, num_pos, num_tb, inv_n, offs_dk, offs_dv, D_QK, D_V,
                MASKED: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, UPCAST: tl.constexpr,
-               PRECISION: tl.constexpr, TB_DIV: tl.constexpr, BLOCK_N: tl.constexpr):
+               PRECISION: tl.constexpr, TB_DIV: tl.constexpr, BLOCK_N: tl.constexpr, SEMANTIC: tl.constexpr):
     """acc += A[:, lo:hi] @ V[lo:hi] for one key range; K/V/TSK point at this head's token 0.
+
+    ``SEMANTIC`` False: a bias-only channel (FuXi-α), ``A = bias ⊙ mask`` with no q·k, SiLU or 1/N.
 
     Keys past ``hi`` load as zeros (their values add nothing); ``MASKED`` applies the causal/candidate
     structure, which only blocks on the diagonal or holding candidates need.
@@ -81,17 +83,23 @@ def _fwd_sweep(acc, q, gi, hist, ts_i, K, V, TSK, key_tok0, gpos0, lo, hi, strid
         offs_n = start_n + tl.arange(0, BLOCK_N)
         col_ok = offs_n < hi
         tok = (key_tok0 + offs_n).to(tl.int64)
-        k = tl.load(K + tok[:, None] * stride_kt + offs_dk[None, :],
-                    mask=col_ok[:, None] & (offs_dk[None, :] < D_QK), other=0.0)
         v = tl.load(V + tok[:, None] * stride_vt + offs_dv[None, :],
                     mask=col_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
         ts_j = offs_n
         if HAS_TIME:
             ts_j = tl.load(TSK + tok, mask=col_ok, other=0)
         gj = gpos0 + offs_n
-        s = _biased(mm(q, tl.trans(k), UPCAST, PRECISION), gi[:, None], gj[None, :], hist, ts_i[:, None],
-                    ts_j[None, :], pos_w, time_w, num_pos, num_tb, HAS_POS, HAS_TIME, TB_DIV)
-        a = s * tl.sigmoid(s) * inv_n
+        if SEMANTIC:
+            k = tl.load(K + tok[:, None] * stride_kt + offs_dk[None, :],
+                        mask=col_ok[:, None] & (offs_dk[None, :] < D_QK), other=0.0)
+            s = mm(q, tl.trans(k), UPCAST, PRECISION)
+        else:
+            s = (gi[:, None] * 0 + gj[None, :] * 0).to(tl.float32)
+        s = _biased(s, gi[:, None], gj[None, :], hist, ts_i[:, None], ts_j[None, :], pos_w, time_w, num_pos, num_tb,
+                    HAS_POS, HAS_TIME, TB_DIV)
+        a = s
+        if SEMANTIC:
+            a = s * tl.sigmoid(s) * inv_n
         if MASKED:
             a = tl.where(_allowed(gi[:, None], gj[None, :], hist), a, 0.0)
         acc += mm(a.to(v.dtype), v, UPCAST, PRECISION)
@@ -106,7 +114,8 @@ def _hstu_fwd(Q, K, V, KP, VP, OUT, seq_offsets, prefix_starts, prefix_lengths, 
               inv_n, num_pos, num_tb, D_QK, D_V,
               HAS_PREFIX: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_POS: tl.constexpr,
               HAS_TIME: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, TB_DIV: tl.constexpr,
-              BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+              BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              SEMANTIC: tl.constexpr = True):
     pid = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     b = tl.load(tile_seq + pid)
@@ -131,8 +140,10 @@ def _hstu_fwd(Q, K, V, KP, VP, OUT, seq_offsets, prefix_starts, prefix_lengths, 
     row_ok = offs_m < S
     gi = P + offs_m
     tok_m = seq0 + offs_m
-    q = tl.load(Q + h * stride_qh + tok_m[:, None] * stride_qt + offs_dk[None, :],
-                mask=row_ok[:, None] & (offs_dk[None, :] < D_QK), other=0.0)
+    q = offs_m
+    if SEMANTIC:
+        q = tl.load(Q + h * stride_qh + tok_m[:, None] * stride_qt + offs_dk[None, :],
+                    mask=row_ok[:, None] & (offs_dk[None, :] < D_QK), other=0.0)
     ts_i = offs_m
     if HAS_TIME:
         ts_i = tl.load(TSQ + tok_m, mask=row_ok, other=0)
@@ -141,23 +152,24 @@ def _hstu_fwd(Q, K, V, KP, VP, OUT, seq_offsets, prefix_starts, prefix_lengths, 
         # every cached token is history before every new token: no structural mask
         acc = _fwd_sweep(acc, q, gi, hist, ts_i, KP + h * stride_kph, VP + h * stride_vph, TSP, p0, 0,
                          0, P, stride_kpt, stride_vpt, pos_w, time_w, num_pos, num_tb, inv_n, offs_dk, offs_dv,
-                         D_QK, D_V, False, HAS_POS, HAS_TIME, UPCAST, PRECISION, TB_DIV, BLOCK_N)
+                         D_QK, D_V, False, HAS_POS, HAS_TIME, UPCAST, PRECISION, TB_DIV, BLOCK_N, SEMANTIC)
     # new keys in the history: whole blocks below the diagonal unmasked, then the diagonal blocks masked;
     # then the candidates' own diagonal block
     k1_end = tl.maximum(tl.minimum(hist - P, start_m + BLOCK_M), 0)
     mid = tl.maximum(tl.minimum(start_m, hist - P), 0) // BLOCK_N * BLOCK_N
     acc = _fwd_sweep(acc, q, gi, hist, ts_i, K + h * stride_kh, V + h * stride_vh, TS, seq0, P,
                      0, mid, stride_kt, stride_vt, pos_w, time_w, num_pos, num_tb, inv_n, offs_dk, offs_dv,
-                     D_QK, D_V, False, HAS_POS, HAS_TIME, UPCAST, PRECISION, TB_DIV, BLOCK_N)
+                     D_QK, D_V, False, HAS_POS, HAS_TIME, UPCAST, PRECISION, TB_DIV, BLOCK_N, SEMANTIC)
     acc = _fwd_sweep(acc, q, gi, hist, ts_i, K + h * stride_kh, V + h * stride_vh, TS, seq0, P,
                      mid, k1_end, stride_kt, stride_vt, pos_w, time_w, num_pos, num_tb, inv_n, offs_dk, offs_dv,
-                     D_QK, D_V, True, HAS_POS, HAS_TIME, UPCAST, PRECISION, TB_DIV, BLOCK_N)
+                     D_QK, D_V, True, HAS_POS, HAS_TIME, UPCAST, PRECISION, TB_DIV, BLOCK_N, SEMANTIC)
     if HAS_TARGETS:
         k2_start = tl.maximum(k1_end, start_m)
         k2_end = tl.minimum(S, start_m + BLOCK_M)
         acc = _fwd_sweep(acc, q, gi, hist, ts_i, K + h * stride_kh, V + h * stride_vh, TS, seq0, P,
                          k2_start, k2_end, stride_kt, stride_vt, pos_w, time_w, num_pos, num_tb, inv_n,
-                         offs_dk, offs_dv, D_QK, D_V, True, HAS_POS, HAS_TIME, UPCAST, PRECISION, TB_DIV, BLOCK_N)
+                         offs_dk, offs_dv, D_QK, D_V, True, HAS_POS, HAS_TIME, UPCAST, PRECISION, TB_DIV, BLOCK_N,
+                         SEMANTIC)
     tl.store(OUT + h * stride_oh + tok_m[:, None] * stride_ot + offs_dv[None, :], acc.to(OUT.dtype.element_ty),
              mask=row_ok[:, None] & (offs_dv[None, :] < D_V))
 
@@ -167,7 +179,8 @@ def _bwd_kv_sweep(dk, dv, cand, scal0, scalc, th, k, v, gj, start_n, hist, ts_j,
                   stride_qt, stride_dot, PPLANE, pos_w, time_w, num_pos, num_tb, inv_n, offs_dk, offs_dv, D_QK, D_V,
                   MASKED: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, HAS_TARGETS: tl.constexpr,
                   POS_GRAD: tl.constexpr, TIME_GRAD: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                  TB_DIV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TB: tl.constexpr):
+                  TB_DIV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TB: tl.constexpr,
+                  SEMANTIC: tl.constexpr):
     """Key-major: scores are [keys, queries], so dV += Aᵀ·dO and dK += dSᵀ·Q need no register transposes.
 
     Bias-table gradients are reduced in the program, without atomics (see :func:`_hstu_bwd_kv`).
@@ -176,29 +189,36 @@ def _bwd_kv_sweep(dk, dv, cand, scal0, scalc, th, k, v, gj, start_n, hist, ts_j,
         offs_m = start_m + tl.arange(0, BLOCK_M)
         row_ok = offs_m < end
         tok_m = seq0 + offs_m
-        q = tl.load(Q + tok_m[:, None] * stride_qt + offs_dk[None, :],
-                    mask=row_ok[:, None] & (offs_dk[None, :] < D_QK), other=0.0)
         do = tl.load(DO + tok_m[:, None] * stride_dot + offs_dv[None, :],
                      mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
         ts_i = offs_m
         if HAS_TIME:
             ts_i = tl.load(TSQ + tok_m, mask=row_ok, other=0)
-        s = mm(k, tl.trans(q), UPCAST, PRECISION)
+        if SEMANTIC:
+            q = tl.load(Q + tok_m[:, None] * stride_qt + offs_dk[None, :],
+                        mask=row_ok[:, None] & (offs_dk[None, :] < D_QK), other=0.0)
+            s = mm(k, tl.trans(q), UPCAST, PRECISION)
+        else:
+            s = (offs_m[None, :] * 0 + gj[:, None] * 0).to(tl.float32)
         if HAS_POS:
             s += tl.load(pos_w + _pos_index(offs_m[None, :], gj[:, None], hist, num_pos)).to(tl.float32)
         if HAS_TIME:
             tidx = _time_index(ts_i[None, :], ts_j[:, None], num_tb, TB_DIV)
             s += tl.load(time_w + tidx).to(tl.float32)
-        sig = tl.sigmoid(s)
-        a = s * sig * inv_n
         da = mm(v, tl.trans(do), UPCAST, PRECISION)
-        ds = da * inv_n * sig * (1.0 + s * (1.0 - sig))
+        a = s
+        ds = da
+        if SEMANTIC:
+            sig = tl.sigmoid(s)
+            a = s * sig * inv_n
+            ds = da * inv_n * sig * (1.0 + s * (1.0 - sig))
         if MASKED:
             ok = _allowed(offs_m[None, :], gj[:, None], hist)
             a = tl.where(ok, a, 0.0)
             ds = tl.where(ok, ds, 0.0)
         dv += mm(a.to(do.dtype), do, UPCAST, PRECISION)
-        dk += mm(ds.to(q.dtype), q, UPCAST, PRECISION)
+        if SEMANTIC:
+            dk += mm(ds.to(q.dtype), q, UPCAST, PRECISION)
         if POS_GRAD:
             hq = offs_m[None, :] < hist
             hk = gj[:, None] < hist
@@ -239,8 +259,8 @@ def _hstu_bwd_kv(Q, K, V, DO, DK, DV, DPOS_PART, DPOS_SCAL, DTIME_PART, seq_offs
                  POS_GRAD: tl.constexpr, TIME_GRAD: tl.constexpr, UPCAST: tl.constexpr,
                  PRECISION: tl.constexpr, TB_DIV: tl.constexpr, BLOCK_TB: tl.constexpr,
                  BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
-    """dK, dV of one key tile and head; with table gradients, this program's partial sums of them.
+                 BLOCK_N: tl.constexpr, SEMANTIC: tl.constexpr = True):
+    """dK, dV of one key tile and head (``SEMANTIC`` False: dV of a bias-only channel, no dK); with table gradients, this program's partial sums of them.
 
     Position table: a query tile at distance ``base`` from the key tile holds the distances ``base + r``,
     ``r`` in ``(-BLOCK_N, BLOCK_M)``; its diagonal sums (one rotation and two column sums) are written once
@@ -271,8 +291,10 @@ def _hstu_bwd_kv(Q, K, V, DO, DK, DV, DPOS_PART, DPOS_SCAL, DTIME_PART, seq_offs
     offs_dv = tl.arange(0, BLOCK_DV)
     col_ok = offs_n < L
     tok_n = seq0 + offs_n
-    k = tl.load(K + h * stride_kh + tok_n[:, None] * stride_kt + offs_dk[None, :],
-                mask=col_ok[:, None] & (offs_dk[None, :] < D_QK), other=0.0)
+    k = offs_n
+    if SEMANTIC:
+        k = tl.load(K + h * stride_kh + tok_n[:, None] * stride_kt + offs_dk[None, :],
+                    mask=col_ok[:, None] & (offs_dk[None, :] < D_QK), other=0.0)
     v = tl.load(V + h * stride_vh + tok_n[:, None] * stride_vt + offs_dv[None, :],
                 mask=col_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
     ts_j = offs_n
@@ -296,19 +318,20 @@ def _hstu_bwd_kv(Q, K, V, DO, DK, DV, DPOS_PART, DPOS_SCAL, DTIME_PART, seq_offs
         dk, dv, cand, scal0, scalc, th, k, v, offs_n, start_n, hist, ts_j, Qh, DOh, TSQ, seq0, start_n, diag_end,
         L, stride_qt, stride_dot, pplane, pos_w, time_w, num_pos, num_tb, inv_n, offs_dk, offs_dv, D_QK, D_V,
         True, HAS_POS, HAS_TIME, HAS_TARGETS, POS_GRAD, TIME_GRAD, UPCAST, PRECISION, TB_DIV, BLOCK_M, BLOCK_N,
-        BLOCK_TB)
+        BLOCK_TB, SEMANTIC)
     dk, dv, cand, scal0, scalc, th = _bwd_kv_sweep(
         dk, dv, cand, scal0, scalc, th, k, v, offs_n, start_n, hist, ts_j, Qh, DOh, TSQ, seq0, diag_end,
         tl.where(all_hist, q_end, diag_end), L, stride_qt, stride_dot, pplane, pos_w, time_w, num_pos, num_tb,
         inv_n, offs_dk, offs_dv, D_QK, D_V, False, HAS_POS, HAS_TIME, HAS_TARGETS, POS_GRAD, TIME_GRAD, UPCAST,
-        PRECISION, TB_DIV, BLOCK_M, BLOCK_N, BLOCK_TB)
+        PRECISION, TB_DIV, BLOCK_M, BLOCK_N, BLOCK_TB, SEMANTIC)
     dk, dv, cand, scal0, scalc, th = _bwd_kv_sweep(
         dk, dv, cand, scal0, scalc, th, k, v, offs_n, start_n, hist, ts_j, Qh, DOh, TSQ, seq0, diag_end,
         tl.where(all_hist, diag_end, q_end), L, stride_qt, stride_dot, pplane, pos_w, time_w, num_pos, num_tb,
         inv_n, offs_dk, offs_dv, D_QK, D_V, True, HAS_POS, HAS_TIME, HAS_TARGETS, POS_GRAD, TIME_GRAD, UPCAST,
-        PRECISION, TB_DIV, BLOCK_M, BLOCK_N, BLOCK_TB)
-    tl.store(DK + h * stride_dkh + tok_n[:, None] * stride_dkt + offs_dk[None, :], dk.to(DK.dtype.element_ty),
-             mask=col_ok[:, None] & (offs_dk[None, :] < D_QK))
+        PRECISION, TB_DIV, BLOCK_M, BLOCK_N, BLOCK_TB, SEMANTIC)
+    if SEMANTIC:
+        tl.store(DK + h * stride_dkh + tok_n[:, None] * stride_dkt + offs_dk[None, :], dk.to(DK.dtype.element_ty),
+                 mask=col_ok[:, None] & (offs_dk[None, :] < D_QK))
     tl.store(DV + h * stride_dvh + tok_n[:, None] * stride_dvt + offs_dv[None, :], dv.to(DV.dtype.element_ty),
              mask=col_ok[:, None] & (offs_dv[None, :] < D_V))
     if POS_GRAD:
@@ -440,7 +463,8 @@ def _features(flags: dict, **extra: bool) -> tuple[str, ...]:
 
 
 def _forward(q, k, v, offsets, timestamps, query_timestamps, pos_w, time_w, num_targets, max_seq_len,
-             k_prefix=None, v_prefix=None, prefix_starts=None, prefix_lengths=None, prefix_timestamps=None):
+             k_prefix=None, v_prefix=None, prefix_starts=None, prefix_lengths=None, prefix_timestamps=None,
+             semantic: bool = True):
     interpreted, flags, num_pos, num_tb, (pw, tw, ts, tsq, nt) = _common(
         q, k, v, timestamps, query_timestamps, pos_w, time_w, num_targets)
     n_tok, num_heads, _ = q.shape
@@ -462,11 +486,11 @@ def _forward(q, k, v, offsets, timestamps, query_timestamps, pos_w, time_w, num_
             kp.stride(0), kp.stride(1), vp.stride(0), vp.stride(1), out.stride(0), out.stride(1),
             1.0 / max_seq_len, num_pos, num_tb, q.shape[-1], v.shape[-1],
             HAS_PREFIX=has_prefix, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, **flags,
+            num_stages=cfg.num_stages, SEMANTIC=semantic, **flags,
         )
 
     key = TuneKey("fwd", str(q.dtype), flags["BLOCK_DQK"], flags["BLOCK_DV"], num_heads,
-                  _features(flags, HAS_PREFIX=has_prefix), max_len_bucket(max_seq_len))
+                  _features(flags, HAS_PREFIX=has_prefix, CHANNEL=not semantic), max_len_bucket(max_seq_len))
     run_tuned(key, interpreted, launch)
     return out
 
@@ -620,3 +644,96 @@ def hstu_attention_with_prefix_triton(
                         max_seq_len,
                         k_prefix=k_prefix, v_prefix=v_prefix, prefix_starts=prefix_starts,
                         prefix_lengths=prefix_lengths, prefix_timestamps=prefix_timestamps)
+
+
+class _BiasChannel(torch.autograd.Function):
+    """FuXi-α's bias-only channel: the attention kernels with ``SEMANTIC=False`` (no q·k, SiLU or 1/N)."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, v, offsets, timestamps, pos_w, time_w, num_targets, max_seq_len):
+        v = _last_dim_contiguous(v)
+        out = _forward(v, v, v, offsets, timestamps, None, pos_w, time_w, num_targets, max_seq_len, semantic=False)
+        ctx.save_for_backward(v, offsets, timestamps, pos_w, time_w, num_targets)
+        ctx.max_seq_len = max_seq_len
+        return out
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, dout):
+        v, offsets, timestamps, pos_w, time_w, num_targets = ctx.saved_tensors
+        dout = _last_dim_contiguous(dout).to(v.dtype)
+        interpreted, flags, num_pos, num_tb, (pw, tw, ts, tsq, nt) = _common(
+            v, v, v, timestamps, None, pos_w, time_w, num_targets)
+        pos_grad = pos_w is not None and ctx.needs_input_grad[3]
+        time_grad = flags["HAS_TIME"] and ctx.needs_input_grad[4]
+        dv = torch.zeros_like(v)
+        n_tok, num_heads, _ = v.shape
+        block_tb = triton.next_power_of_2(num_tb + 1)
+        parts: dict[str, torch.Tensor] = {}
+        if n_tok and num_heads:
+            dummy32 = torch.zeros(1, dtype=torch.float32, device=v.device)
+
+            def launch(cfg: TileConfig) -> None:
+                if pos_grad and cfg.block_m < cfg.block_n:
+                    cfg = dataclasses.replace(cfg, block_m=cfg.block_n)
+                seq_n, blk_n = jagged_tiles(offsets, n_tok, cfg.block_n)
+                rows = seq_n.numel() * num_heads
+                f32 = dict(dtype=torch.float32, device=v.device)
+                parts.update(
+                    pos=torch.zeros((rows, 3, num_pos), **f32) if pos_grad else dummy32,
+                    pos_scal=torch.zeros((rows, 2), **f32) if pos_grad else dummy32,
+                    time=torch.zeros((rows, block_tb), **f32) if time_grad else dummy32)
+                _hstu_bwd_kv[(seq_n.numel(), num_heads)](
+                    v, v, v, dout, dv, dv, parts["pos"], parts["pos_scal"], parts["time"],
+                    offsets, nt, ts, tsq, pw, tw, seq_n, blk_n,
+                    v.stride(0), v.stride(1), v.stride(0), v.stride(1), v.stride(0), v.stride(1),
+                    dout.stride(0), dout.stride(1), dv.stride(0), dv.stride(1), dv.stride(0), dv.stride(1),
+                    1.0, num_pos, num_tb, v.shape[-1], v.shape[-1], num_heads,
+                    POS_GRAD=pos_grad, TIME_GRAD=time_grad, BLOCK_TB=block_tb,
+                    BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+                    num_stages=cfg.num_stages, SEMANTIC=False, **flags,
+                )
+
+            key = TuneKey("bwd_kv", str(v.dtype), flags["BLOCK_DQK"], flags["BLOCK_DV"], num_heads,
+                          _features(flags, POS_GRAD=pos_grad, TIME_GRAD=time_grad, CHANNEL=True),
+                          max_len_bucket(ctx.max_seq_len))
+            run_tuned(key, interpreted, launch)
+        dpos_w = dtime_w = None
+        if pos_grad:
+            dpos_w = torch.zeros(num_pos, dtype=torch.float32, device=v.device)
+            if "pos" in parts:
+                dpos_w += parts["pos"].sum(dim=(0, 1))
+                dpos_w[0] += parts["pos_scal"][:, 0].sum()
+                dpos_w[num_pos - 1] += parts["pos_scal"][:, 1].sum()
+            dpos_w = dpos_w.to(pos_w.dtype)
+        if time_grad:
+            dtime_w = (parts["time"].sum(0)[:num_tb + 1] if "time" in parts
+                       else torch.zeros(num_tb + 1, dtype=torch.float32, device=v.device)).to(time_w.dtype)
+        return dv, None, None, dpos_w, dtime_w, None, None
+
+
+def bias_channel_triton(v: torch.Tensor, offsets: torch.Tensor, *, max_seq_len: int,
+                        pos_weight: torch.Tensor | None = None, time_weight: torch.Tensor | None = None,
+                        timestamps: torch.Tensor | None = None,
+                        num_targets: torch.Tensor | None = None) -> torch.Tensor:
+    """FuXi-α's bias-only channel (:mod:`grstack.kernels.fuxi`), fused; differentiable in v and the tables."""
+    if torch.is_autocast_enabled("cuda") and v.is_cuda:
+        v = v.to(torch.get_autocast_dtype("cuda"))
+    return _BiasChannel.apply(v, offsets, timestamps, pos_weight, time_weight, num_targets, max_seq_len)
+
+
+def bias_channel_with_prefix_triton(v: torch.Tensor, offsets: torch.Tensor, v_prefix: torch.Tensor,
+                                    prefix_offsets: torch.Tensor, *, max_seq_len: int,
+                                    pos_weight: torch.Tensor | None = None, time_weight: torch.Tensor | None = None,
+                                    timestamps: torch.Tensor | None = None,
+                                    prefix_timestamps: torch.Tensor | None = None,
+                                    num_targets: torch.Tensor | None = None) -> torch.Tensor:
+    """Serving: the bias-only channel for new tokens after cached prefixes (``v_prefix`` [T, H, dv] jagged by
+    ``prefix_offsets``), forward only."""
+    with torch.no_grad():
+        v, v_prefix = _last_dim_contiguous(v), _last_dim_contiguous(v_prefix)
+        return _forward(v, v, v, offsets, timestamps, None, pos_weight, time_weight, num_targets, max_seq_len,
+                        k_prefix=v_prefix, v_prefix=v_prefix, prefix_starts=prefix_offsets[:-1],
+                        prefix_lengths=prefix_offsets[1:] - prefix_offsets[:-1],
+                        prefix_timestamps=prefix_timestamps, semantic=False)

@@ -88,7 +88,7 @@ cases = st.builds(
 @given(case=cases)
 def test_grouped_equals_the_padded_oracle_forward_and_backward(case):
     want, want_grads = _run(case, "padded", grads=True)
-    for backend in ("reference", "triton", "npu"):  # triton / npu run the same torch formulation
+    for backend in ("reference", "triton", "npu"):  # triton: the fused kernels (interpreted on CPU)
         got, got_grads = _run(case, backend, grads=True)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert got_grads.keys() == want_grads.keys()
@@ -103,7 +103,7 @@ def test_matches_the_formula_pair_by_pair(case):
     torch.testing.assert_close(got.cpu(), _loop_oracle(case), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["reference", "padded"])  # head-major and token-major prefix values
+@pytest.mark.parametrize("backend", ["reference", "padded", "triton"])  # head-major, token-major, fused
 @pytest.mark.parametrize("use_pos,use_time", [(True, False), (False, True), (True, True)])
 def test_with_prefix_equals_the_full_sequence_rows(backend, use_pos, use_time):
     case = _case([9, 1, 12, 5], heads=2, dv=3, use_pos=use_pos, use_time=use_time, with_targets=True, seed=4)
