@@ -97,18 +97,20 @@ def find_peak(device_name: str, precision: str) -> tuple[Peak | None, float | No
 # -- the FLOPs formula ------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ModelDims:
-    kind: str  # "hstu" | "sasrec"
+    kind: str  # "hstu" | "fuxi" | "sasrec"
     d_model: int
     num_blocks: int
     num_heads: int
     dqk: int = 0
     dv: int = 0
     ffn_mult: int = 1
+    channels: int = 1  # FuXi-α: semantic + positional + temporal channels present
 
     @classmethod
     def of(cls, model_cfg: Any) -> ModelDims:
         m = model_cfg
-        return cls(m.type, m.d_model, m.num_blocks, m.num_heads, m.dqk, m.dv, m.ffn_mult)
+        return cls(m.type, m.d_model, m.num_blocks, m.num_heads, m.dqk, m.dv, m.ffn_mult,
+                   1 + int(m.position_bias) + int(m.time_bias))
 
 
 @dataclass
@@ -161,6 +163,12 @@ def forward_flops(dims: ModelDims, hist_lengths: Sequence[int], candidates: int 
     if dims.kind == "hstu":
         per_token = 2 * d * H * (2 * dims.dv + 2 * dims.dqk) + 2 * H * dims.dv * d
         per_pair = 2 * H * (dims.dqk + dims.dv)
+    elif dims.kind == "fuxi":
+        # U (C channels), V, Q, K projection; channels back to d; SwiGLU (three d x ffn_mult·d matmuls)
+        C, hv = dims.channels, H * dims.dv
+        per_token = 2 * d * (C * hv + hv + 2 * H * dims.dqk) + 2 * C * hv * d + 3 * 2 * d * dims.ffn_mult * d
+        # semantic: Q·Kᵀ and A·V; each bias-only channel: A·V (its weights are table look-ups)
+        per_pair = 2 * H * (dims.dqk + dims.dv) + (C - 1) * 2 * hv
     elif dims.kind == "sasrec":
         if candidates:
             raise ValueError("SASRec has no ranking candidates")
@@ -200,6 +208,15 @@ def count_parameters(model_cfg: Any, num_items: int, max_len: int, num_tasks: in
         seq = max_len + 1  # positions 0..max_len (candidates sit after a full history)
         width = m.num_heads * (2 * m.dv + 2 * m.dqk)
         layer = d * width + width + m.num_heads * m.dv * d + d
+        layer += seq if m.position_bias else 0
+        layer += m.time_buckets + 1 if m.time_bias else 0
+        head = (2 * d * d + d) + (d * num_tasks + num_tasks) if m.ranking_head else 0
+        dense = seq * d + m.num_blocks * layer + head
+    elif m.type == "fuxi":
+        seq = max_len + 1
+        C = 1 + int(m.position_bias) + int(m.time_bias)
+        hv, hidden = m.num_heads * m.dv, m.ffn_mult * d
+        layer = d * (C * hv + hv + 2 * m.num_heads * m.dqk) + (C * hv * d + d) + 3 * d * hidden
         layer += seq if m.position_bias else 0
         layer += m.time_buckets + 1 if m.time_bias else 0
         head = (2 * d * d + d) + (d * num_tasks + num_tasks) if m.ranking_head else 0

@@ -11,6 +11,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", required=True, help="run directory written by grstack train")
     parser.add_argument("--split", choices=("valid", "test", "both"), default="both")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--all-users", action="store_true",
+                        help="rank every user (default: the run's eval.max_users sample, the users its summary.json "
+                             "was measured on)")
     parser.set_defaults(func=run)
 
 
@@ -33,15 +36,16 @@ def run(args: argparse.Namespace) -> int:
     model, cfg, tasks = load_exported(model_path)
     split = LeaveOneOut(read_dataset(run_dir / DATASET_DIR), min_len=cfg.data.min_len)
     which = ("valid", "test") if args.split == "both" else (args.split,)
+    max_users = None if args.all_users else cfg.eval.max_users
     results: dict[str, dict] = {w: dict(evaluate(model, split, w, max_len=cfg.data.max_len, ks=cfg.eval.ks,
-                                                 batch_size=cfg.eval.batch_size))
+                                                 batch_size=cfg.eval.batch_size, max_users=max_users))
                                 for w in which}
     if getattr(model, "rank_head", None) is not None:  # the trainer's summary has the same block
         why = has_trained_rank_head(model, cfg.loss.ranking_weight)
         for w in which:
             results[w]["ranking"] = {"skipped": why} if why is not None else evaluate_ranking(
                 model, split, w, tasks, max_len=cfg.data.max_len, num_candidates=cfg.loss.ranking_candidates,
-                seed=cfg.train.seed, batch_size=cfg.eval.batch_size)
+                seed=cfg.train.seed, batch_size=cfg.eval.batch_size, max_users=max_users)
     if args.json:
         print(json.dumps({"run": str(run_dir), "model": cfg.model.type, "metrics": results}, indent=2))
     else:

@@ -60,6 +60,16 @@ def test_hstu_without_candidates_and_without_ranking_head():
     assert (got.linear, got.attention, got.loss, got.ranking_head) == (160, 24, 32, 0)
 
 
+def test_fuxi_forward_flops_match_a_hand_count():
+    # d=4, 1 block, 1 head, dqk=dv=2, ffn 1x, all three channels; one history of 2 tokens, 1 negative
+    dims = ModelDims("fuxi", d_model=4, num_blocks=1, num_heads=1, dqk=2, dv=2, channels=3)
+    got = forward_flops(dims, [2], negatives_per_token=1)
+    # per token: uvqk 2*4*(3*2 + 2 + 2*2) = 96, back to d 2*6*4 = 48, SwiGLU 3 x 2*4*4 = 96 -> 240; 2 tokens
+    assert got.linear == 480
+    # 3 pairs x (semantic 2*1*(2 + 2) + 2 bias channels x 2*2) = 3 x 16
+    assert got.attention == 48
+
+
 def test_sasrec_forward_flops_match_a_hand_count():
     dims = ModelDims("sasrec", d_model=4, num_blocks=1, num_heads=2, ffn_mult=2)
     got = forward_flops(dims, [2], negatives_per_token=3)
@@ -119,6 +129,8 @@ def test_batch_flops_read_the_prepared_batch():
     {"type": "hstu", "d_model": 16, "num_blocks": 1, "num_heads": 1, "position_bias": False, "time_bias": False,
      "ranking_head": False},
     {"type": "sasrec", "d_model": 16, "num_blocks": 2, "num_heads": 2, "ffn_mult": 3},
+    {"type": "fuxi", "d_model": 16, "num_blocks": 2, "num_heads": 2, "dqk": 4, "dv": 8, "ffn_mult": 2},
+    {"type": "fuxi", "d_model": 16, "num_blocks": 1, "num_heads": 1, "time_bias": False, "ranking_head": False},
 ])
 def test_count_parameters_equals_the_built_model(model):
     cfg = ModelConfig(**model)

@@ -65,6 +65,21 @@ def test_eval_cli_reproduces_the_summary(tmp_path, data_dir, capsys):
     assert_same_metrics(got, want)
 
 
+def test_eval_cli_ranks_the_runs_user_sample_unless_asked_for_all(tmp_path, data_dir, capsys):
+    """``eval.max_users``: grstack eval ranks the sample the summary was measured on; --all-users every user."""
+    run = tmp_path / "run"
+    assert main(["train", "--config", str(CONFIG), "--out", str(run), "--no-progress",
+                 *set_args([*tiny_config_args(data_dir), "eval.max_users=7", "train.epochs=1"])]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--run", str(run), "--json"]) == 0
+    sample = json.loads(capsys.readouterr().out)["metrics"]
+    assert_same_metrics(sample, json.loads((run / "summary.json").read_text())["metrics"])
+    assert sample["test"]["ranking"]["next"]["impressions"] == 7 * 4
+    assert main(["eval", "--run", str(run), "--json", "--all-users"]) == 0
+    everyone = json.loads(capsys.readouterr().out)["metrics"]
+    assert everyone["test"]["ranking"]["next"]["impressions"] == 120 * 4
+
+
 def test_an_untrained_ranking_head_is_skipped_with_the_reason(tmp_path, data_dir, capsys):
     run = tmp_path / "run"
     cfg = load_config(CONFIG, [*tiny_config_args(data_dir), "train.epochs=1", "loss.ranking_weight=0"])
