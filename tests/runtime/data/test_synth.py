@@ -135,3 +135,18 @@ def test_round_trip(tiny, tmp_path) -> None:
         assert np.array_equal(getattr(tiny, f), getattr(back, f)), f
     assert back.action_names == tiny.action_names and back.item_raw_ids is None
     assert back.info["preset"] == "tiny"
+
+
+def test_shipped_configs_validate_and_name_known_presets():
+    """Every config under configs/ loads; the synthetic ones name a preset that exists."""
+    from pathlib import Path
+
+    from grstack.runtime.training_config import load_config
+
+    configs = sorted((Path(__file__).resolve().parents[3] / "configs").glob("*.yaml"))
+    assert any(p.name == "synthetic-hard-hstu.yaml" for p in configs)
+    for path in configs:
+        cfg = load_config(path)
+        if cfg.data.format == "synth":
+            assert cfg.data.source in PRESETS, path.name
+
