@@ -8,6 +8,8 @@ A dataset directory holds ``meta.json`` and one or more ``part-*.parquet`` files
 Imported datasets also carry ``items.parquet`` (``item_id`` dense -> ``raw_id`` as in the source, int64 or
 string) so serving can translate ids, and ``users.parquet`` when raw user ids were not integers.
 ``meta.json`` has an ``info`` object with provenance (importer options, filters, generator preset).
+Optional categorical side features of items and users (``data/features.py``) sit beside them:
+``item_features.parquet``, ``user_features.parquet`` and their ``features_vocab.parquet``.
 
 In memory a dataset is jagged: flat value arrays plus ``offsets`` (length ``num_users + 1``), so nothing
 is padded.
@@ -26,6 +28,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from grstack.runtime.data.features import Features, read_features, write_features
 from grstack.runtime.errors import UserError
 
 FORMAT_VERSION = 1
@@ -59,6 +62,8 @@ class SequenceDataset:
     item_raw_ids: np.ndarray | None = None  # [num_items]; entry k-1 is the source id of dense item k
     user_raw_ids: np.ndarray | None = None  # [U]; source ids when they were not integers
     info: dict = field(default_factory=dict)  # provenance, written to meta.json
+    item_features: Features | None = None  # rows: items 1..num_items
+    user_features: Features | None = None  # rows: users in dataset order
 
     @property
     def num_users(self) -> int:
@@ -105,6 +110,12 @@ class SequenceDataset:
         if self.user_raw_ids is not None and len(self.user_raw_ids) != self.num_users:
             raise UserError(f"dataset {self.name}: user id map has {len(self.user_raw_ids)} entries, "
                             f"expected {self.num_users}")
+        for feats, rows in ((self.item_features, self.num_items), (self.user_features, self.num_users)):
+            if feats is not None:
+                if feats.num_rows != rows:
+                    raise UserError(f"dataset {self.name}: {feats.kind} features cover {feats.num_rows} rows, "
+                                    f"expected {rows}")
+                feats.validate(f"dataset {self.name}")
 
 
 def from_sequences(
@@ -197,6 +208,9 @@ def write_dataset(ds: SequenceDataset, out_dir: str | os.PathLike, rows_per_file
             "user_map": USERS_FILE if ds.user_raw_ids is not None else None,
             "info": ds.info,
         }
+        feats = {f.kind: f for f in (ds.item_features, ds.user_features) if f is not None}
+        meta.update(write_features(tmp, feats, {"item": np.arange(1, ds.num_items + 1, dtype=np.int64),
+                                                "user": ds.user_ids}))
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         if out.exists():
             out.rmdir()
@@ -321,6 +335,8 @@ def read_dataset(path: str | os.PathLike, files: list[str] | None = None) -> Seq
         item_raw_ids=_item_map(p, meta),
         user_raw_ids=_user_map(p, meta, user_ids),
         info=dict(meta.get("info") or {}),
+        item_features=read_features(p, meta, "item", np.arange(1, int(meta["num_items"]) + 1, dtype=np.int64)),
+        user_features=read_features(p, meta, "user", user_ids),
     )
     ds.validate()
     return ds
