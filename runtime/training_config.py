@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from grstack.runtime.errors import UserError
 
@@ -34,6 +34,21 @@ class DataConfig(_Strict):
         "a Parquet dataset's row groups, streamed (format parquet only)")
     shuffle_window: int = Field(8, ge=1, description="read=shard: pieces (row groups) whose rows are shuffled "
                                 "together each epoch; a rank holds about twice this many decoded")
+    item_features: list[str] = Field(
+        default_factory=list, description="item side-feature fields the model embeds (categorical, multi-valued: "
+        "categories, brands, genres, tags; docs/features.md). Imports read them from the source's side file "
+        "(data.item_features_file); a Parquet dataset from its stored features. Empty: item ids only")
+    item_features_file: str = Field(
+        "auto", description="imports with data.item_features: the side file (RecBole .item, S3-Rec "
+        "_item2attributes.json, KuaiRand video_features_basic CSV); auto: the one beside data.source")
+
+    @field_validator("item_features")
+    @classmethod
+    def _unique_fields(cls, v: list[str]) -> list[str]:
+        dup = sorted({n for n in v if v.count(n) > 1})
+        if dup:
+            raise ValueError(f"names a field more than once: {', '.join(dup)}")
+        return v
 
 
 class ModelConfig(_Strict):

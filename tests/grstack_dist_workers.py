@@ -96,33 +96,36 @@ def eval_dataset(num_users: int, num_items: int, seed: int = 0):
 def sharded_vs_full_ranks(ctx: Any, payload: dict[str, Any]) -> dict[str, Any]:
     """On every rank of ``ctx``: ``sharded_eval_ranks`` over this rank's users (uneven counts: rank r takes
     every W-th user from r, the last rank only the first third of its users) and ``eval_ranks`` on the whole
-    model for the same users. Some item rows are copies of others (exact ties across shards)."""
+    model for the same users. Some item rows are copies of others (exact ties across shards). With
+    ``payload["features"]`` the items carry side features, whose rows follow the items' in the table."""
     import numpy as np
     import torch
+    from grstack_testing import with_item_features
 
     from grstack.runtime.data import LeaveOneOut
     from grstack.runtime.embedding import ShardedEmbedding, ShardingPlan, make_sparse_optimizer
     from grstack.runtime.eval import eval_ranks
-    from grstack.runtime.model import build_model
+    from grstack.runtime.model import build_model, item_feature_map
     from grstack.runtime.train.sharded_eval import sharded_eval_ranks
     from grstack.runtime.training_config import ModelConfig
 
     ds = eval_dataset(payload["num_users"], payload["num_items"])
+    fmap = item_feature_map(with_item_features(ds)) if payload.get("features") else None
     split = LeaveOneOut(ds)
     mcfg = ModelConfig.model_validate(payload["model"])
     max_len, bs = payload["max_len"], payload["batch_size"]
     torch.manual_seed(0)
-    full = build_model(mcfg, ds.num_items, max_len)
+    full = build_model(mcfg, ds.num_items, max_len, item_features=fmap)
     with torch.no_grad():
         w = full.item_emb.weight
         w.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(1))
         w[5:12] = w[3]  # ties: rows on every shard equal to row 3
         w[20] = -w[3]
         w[42:242:2] = w[41:241:2]  # popular items with a twin on the next shard: a tie with the target
-    dense = build_model(mcfg, ds.num_items, max_len, item_table=False)
+    dense = build_model(mcfg, ds.num_items, max_len, item_table=False, item_features=fmap)
     dense.load_state_dict({k: v for k, v in full.state_dict().items() if k != "item_emb.weight"})
     W = ctx.world_size
-    plan = ShardingPlan.make(ds.num_items + 1, mcfg.d_model, W, ctx.group_size)
+    plan = ShardingPlan.make(full.item_emb.weight.shape[0], mcfg.d_model, W, ctx.group_size)
     shard = full.item_emb.weight.detach()[plan.shard_of(ctx.rank) :: plan.group_size].clone()
     table = ShardedEmbedding(plan, ctx.rank, shard, make_sparse_optimizer("sgd", shard, 0.1))
     rows = np.arange(split.num_users)[ctx.rank :: W]

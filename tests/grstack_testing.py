@@ -66,3 +66,17 @@ def assert_same_metrics(got: dict, want: dict, *, abs_tol: float = 1e-9, ranking
                         assert mine[field] == pytest.approx(x, abs=ranking_abs), (split, task, field)
                     else:
                         assert mine[field] == x, (split, task, field)
+
+
+def with_item_features(ds: SequenceDataset) -> SequenceDataset:
+    """``ds`` with two item side features: ``parity`` (one value: item id mod 2) and ``decade`` (two values:
+    the item's tens and the next tens; item 7 has none, so an item without values is covered)."""
+    from grstack.runtime.data.features import RawFeatures, attach, csr_from_lists
+
+    ids = np.arange(1, ds.num_items + 1)
+    parity = csr_from_lists([[str(i % 2)] for i in ids])
+    decade = csr_from_lists([[] if i == 7 else [f"d{i // 10}", f"d{i // 10 + 1}"] for i in ids])
+    raw = RawFeatures("item", ids, {"parity": parity, "decade": decade}, "test features")
+    ds.item_raw_ids = ids.astype(np.int64)
+    ds.item_features = attach(raw, ds.item_raw_ids)
+    return ds

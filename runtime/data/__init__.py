@@ -3,7 +3,7 @@ the jagged batch (docs/architecture.md §2).
 
 Other packages import from here, never a submodule: ``SequenceDataset`` and ``read_dataset`` /
 ``write_dataset`` / ``from_sequences``; ``load_source`` (the dataset a config names) and
-``known_item_count``; ``list_pieces`` / ``deal`` / ``RankShare`` / ``epoch_order`` (one rank's share of a
+``known_item_count``; ``select_features`` (the side-feature fields a config uses); ``list_pieces`` / ``deal`` / ``RankShare`` / ``epoch_order`` (one rank's share of a
 Parquet dataset, ``data.read: shard``), ``fingerprint`` and ``metadata_only``; ``LeaveOneOut`` and
 ``ranges_index``; ``JaggedBatch`` and ``append_candidates``. Exports load lazily, so importing this package
 (as ``grstack --help`` does, through ``data.cli``) stays cheap.
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
         list_pieces,
         metadata_only,
     )
-    from grstack.runtime.data.source import known_item_count, load_source
+    from grstack.runtime.data.source import known_item_count, load_source, select_features
     from grstack.runtime.data.splits import LeaveOneOut, ranges_index
     from grstack.runtime.data.synth import synthesize
 
@@ -44,6 +44,7 @@ _EXPORTS = {
     "write_dataset": "grstack.runtime.data.dataset",
     "load_source": "grstack.runtime.data.source",
     "known_item_count": "grstack.runtime.data.source",
+    "select_features": "grstack.runtime.data.source",
     "LeaveOneOut": "grstack.runtime.data.splits",
     "ranges_index": "grstack.runtime.data.splits",
     "JaggedBatch": "grstack.runtime.data.jagged",
@@ -74,6 +75,7 @@ __all__ = [
     "ranges_index",
     "read_dataset",
     "read_meta",
+    "select_features",
     "synthesize",
     "write_dataset",
 ]

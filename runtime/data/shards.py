@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 import torch
 
 from grstack.runtime.data.dataset import SequenceDataset, _check_types, read_meta
+from grstack.runtime.data.features import read_features
 from grstack.runtime.data.jagged import JaggedBatch
 from grstack.runtime.data.splits import LeaveOneOut
 from grstack.runtime.errors import UserError
@@ -110,15 +111,18 @@ def fingerprint(path: str | Path) -> dict[str, object]:
 
 
 def metadata_only(path: str | Path) -> SequenceDataset:
-    """A dataset with the directory's name, item count and action names but no users: what the trainer
-    needs to know about data it never holds whole (task names, the table size, the exported artefact)."""
+    """A dataset with the directory's name, item count, action names and item features but no users: what
+    the trainer needs to know about data it never holds whole (task names, the table size, the exported
+    artefact)."""
     meta = read_meta(path)
     has_actions = bool(meta.get("has_actions"))
     empty = np.zeros(0, dtype=np.int64)
     return SequenceDataset(user_ids=empty, offsets=np.zeros(1, dtype=np.int64), item_ids=empty, timestamps=empty,
                            num_items=int(meta["num_items"]), actions=empty if has_actions else None,
                            action_names=list(meta.get("action_names", [])), name=str(meta.get("name", "")),
-                           source=str(meta.get("source", "")), info=dict(meta.get("info") or {}))
+                           source=str(meta.get("source", "")), info=dict(meta.get("info") or {}),
+                           item_features=read_features(Path(path), meta, "item",
+                                                       np.arange(1, int(meta["num_items"]) + 1, dtype=np.int64)))
 
 
 def train_lengths(ds: SequenceDataset, min_len: int, max_len: int) -> np.ndarray:

@@ -10,19 +10,37 @@ from grstack.runtime.training_config import DataConfig
 
 
 def load_source(cfg: DataConfig) -> SequenceDataset:
-    """Everything is read into memory before any output is written, so a bad source leaves nothing."""
+    """Everything is read into memory before any output is written, so a bad source leaves nothing. The
+    dataset keeps only the side-feature fields the config names (:func:`select_features`)."""
     if cfg.format == "synth":
         from grstack.runtime.data.synth import synthesize
 
-        return synthesize(cfg.source, seed=cfg.seed)
+        return select_features(synthesize(cfg.source, seed=cfg.seed), cfg)
     src = Path(cfg.source)
     if not src.exists():
         raise UserError(f"data.source {src} does not exist")
     if cfg.format == "parquet":
-        return read_dataset(src)
+        return select_features(read_dataset(src), cfg)
     from grstack.runtime.data.importers import import_dataset
 
-    return import_dataset(cfg.format, src)
+    opts: dict = {}
+    if cfg.item_features:
+        opts = {"item_features": cfg.item_features_file, "item_fields": list(cfg.item_features)}
+    return select_features(import_dataset(cfg.format, src, **opts), cfg)
+
+
+def select_features(ds: SequenceDataset, cfg: DataConfig) -> SequenceDataset:
+    """``ds`` with only the side-feature fields ``cfg`` names, in its order (none: no features); a field
+    the dataset lacks is a UserError naming ``data.item_features``."""
+    if not cfg.item_features:
+        ds.item_features = None
+    elif ds.item_features is None:
+        raise UserError(f"data.item_features: the dataset {ds.name} has no item features (import them with "
+                        "`grstack data import --item-features`, or use a format with a side file)")
+    else:
+        ds.item_features = ds.item_features.select(list(cfg.item_features), "data.item_features")
+    ds.user_features = None
+    return ds
 
 
 def known_item_count(cfg: DataConfig) -> int | None:

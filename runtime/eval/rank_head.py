@@ -94,7 +94,10 @@ def rank_head_logits(model: nn.Module, split: LeaveOneOut, which: str, rows: np.
                                 num_items, M)
         full, is_hist = append_candidates(batch, torch.from_numpy(cands), torch.from_numpy(target_ts))
         cand_at = torch.nonzero(~is_hist).squeeze(1)
-        rows_in = lookup(full.item_ids.long()).to(device) if lookup is not None else None
+        rows_in = None
+        if lookup is not None:
+            ids = full.item_ids.long()
+            rows_in = model.token_rows(ids, lookup(model.token_keys(ids).reshape(-1)).to(device))
         full = full.to(device)
         out = model.encode(full, item_rows=rows_in)
         cand_at = cand_at.to(device)

@@ -14,6 +14,7 @@ from grstack.runtime.model.artifact import (
     export_parts,
     export_state,
     exported_state,
+    item_feature_map,
     item_parts_dir,
     load_checkpoint,
     load_exported,
@@ -26,6 +27,7 @@ from grstack.runtime.model.fuxi import FuXiAlpha
 from grstack.runtime.model.hstu import HSTU
 from grstack.runtime.model.item_rows import ITEM_INIT_STD, ExternalItemRows, initial_item_rows
 from grstack.runtime.model.sasrec import SASRec
+from grstack.runtime.model.side_features import ItemFeatureMap
 
 __all__ = [
     "BEST_MODEL",
@@ -34,6 +36,7 @@ __all__ = [
     "ITEM_INIT_STD",
     "ExternalItemRows",
     "FuXiAlpha",
+    "ItemFeatureMap",
     "SASRec",
     "atomic_torch_save",
     "build_model",
@@ -42,6 +45,7 @@ __all__ = [
     "export_state",
     "exported_state",
     "initial_item_rows",
+    "item_feature_map",
     "item_parts_dir",
     "load_checkpoint",
     "load_exported",

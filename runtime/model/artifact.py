@@ -2,7 +2,8 @@
 
 The artefact's format belongs to the model, not to whoever writes it: training exports it, evaluation and
 serving load it, and none of them needs the others. An artefact is the weights plus what rebuilds the
-model (the config, the item count, the task names of the ranking head).
+model (the config, the item count, the task names of the ranking head, and the item side-feature map when the
+model embeds side features: model/side_features.py).
 
 Two forms, both read by :func:`load_exported`: one file holding every weight (version 1), or one file
 holding the dense weights and naming the item table's row parts (version 2), written by a sharded run
@@ -25,6 +26,7 @@ from torch import nn
 from grstack.runtime.data import SequenceDataset
 from grstack.runtime.errors import UserError
 from grstack.runtime.model.build import build_model
+from grstack.runtime.model.side_features import ItemFeatureMap
 from grstack.runtime.training_config import Config
 
 FORMAT = "grstack-model"
@@ -34,6 +36,14 @@ PART_FORMAT = "grstack-model-item-rows"
 ITEM_KEY = "item_emb.weight"
 BEST_MODEL = "model.pt"  # the run directory's exported best model
 DATASET_DIR = "dataset"  # the run directory's copy of the training data (Parquet)
+
+
+def item_feature_map(ds: SequenceDataset) -> ItemFeatureMap | None:
+    """The model's item feature map for a dataset whose ``item_features`` are the fields the config uses
+    (``data.source.select_features``); None without side features."""
+    if ds.item_features is None or not ds.item_features.fields:
+        return None
+    return ItemFeatureMap.from_features(ds.item_features, ds.num_items)
 
 
 def task_names(ds: SequenceDataset) -> list[str]:
@@ -76,6 +86,9 @@ def export_state(state_dict: dict[str, torch.Tensor], cfg: Config, ds: SequenceD
     blob = {"format": FORMAT, "version": FORMAT_VERSION if item_parts is None else PARTS_VERSION,
             "config": cfg.model_dump(mode="json"), "num_items": ds.num_items, "tasks": task_names(ds),
             "state_dict": state_dict}
+    fmap = item_feature_map(ds)
+    if fmap is not None:
+        blob["item_features"] = fmap.to_blob()
     if item_parts is not None:
         blob["item_parts"] = item_parts
     atomic_torch_save(blob, path)
@@ -143,7 +156,8 @@ def load_exported(path: Path) -> tuple[nn.Module, Config, list[str]]:
         raise UserError(f"{path} is not an exported grstack model")
     cfg = Config.model_validate(blob["config"])
     tasks = blob["tasks"]
-    model = build_model(cfg.model, blob["num_items"], cfg.data.max_len, num_tasks=len(tasks))
+    fmap = ItemFeatureMap.from_blob(blob["item_features"]) if blob.get("item_features") else None
+    model = build_model(cfg.model, blob["num_items"], cfg.data.max_len, num_tasks=len(tasks), item_features=fmap)
     model.load_state_dict(exported_state(path, blob))
     model.eval()
     return model, cfg, tasks

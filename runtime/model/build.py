@@ -7,15 +7,18 @@ from torch import nn
 from grstack.runtime.model.fuxi import FuXiAlpha
 from grstack.runtime.model.hstu import HSTU
 from grstack.runtime.model.sasrec import SASRec
+from grstack.runtime.model.side_features import ItemFeatureMap
 from grstack.runtime.training_config import ModelConfig
 
 
 def build_model(cfg: ModelConfig, num_items: int, max_len: int, num_tasks: int = 1,
-                item_table: bool = True) -> nn.Module:
+                item_table: bool = True, item_features: ItemFeatureMap | None = None) -> nn.Module:
     """``item_table=False``: a model whose item rows are passed in (training's sharded table); its
-    ``item_emb`` holds no weight. Their initial values are :func:`initial_item_rows`."""
+    ``item_emb`` holds no weight. Their initial values are :func:`initial_item_rows`. ``item_features``:
+    the items' side features (their rows follow the items' in the table)."""
     kwargs = cfg.model_dump(exclude={"type"})
     kwargs["item_table"] = item_table
+    kwargs["item_features"] = item_features
     if cfg.type == "hstu":
         kwargs.pop("ffn_mult")
         return HSTU(num_items, max_len=max_len, num_tasks=num_tasks, **kwargs)

@@ -30,6 +30,7 @@ from torch import nn
 from grstack import kernels
 from grstack.runtime.data import JaggedBatch
 from grstack.runtime.model.hstu import HSTU
+from grstack.runtime.model.side_features import ItemFeatureMap
 
 _EPS = 1e-6
 
@@ -118,12 +119,12 @@ class FuXiAlpha(HSTU):
                  num_heads: int = 4, dqk: int = 16, dv: int = 16, dropout: float = 0.5,
                  input_dropout: float = 0.5, time_buckets: int = 128, position_bias: bool = True,
                  time_bias: bool = True, num_tasks: int = 1, ranking_head: bool = True,
-                 item_table: bool = True, ffn_mult: int = 1) -> None:
+                 item_table: bool = True, ffn_mult: int = 1, item_features: ItemFeatureMap | None = None) -> None:
         # HSTU's embeddings and heads with no HSTU blocks (num_blocks=0); the FuXi-α blocks replace them.
         super().__init__(num_items, max_len=max_len, d_model=d_model, num_blocks=0, num_heads=num_heads,
                          dqk=dqk, dv=dv, dropout=dropout, input_dropout=input_dropout, time_buckets=time_buckets,
                          position_bias=position_bias, time_bias=time_bias, num_tasks=num_tasks,
-                         ranking_head=ranking_head, item_table=item_table)
+                         ranking_head=ranking_head, item_table=item_table, item_features=item_features)
         self.layers = nn.ModuleList(
             FuXiLayer(d_model, num_heads, dqk, dv, dropout, self.max_seq_len, time_buckets, position_bias,
                       time_bias, ffn_mult)

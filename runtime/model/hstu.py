@@ -37,7 +37,8 @@ from torch import nn
 
 from grstack import kernels
 from grstack.runtime.data import JaggedBatch
-from grstack.runtime.model.item_rows import ITEM_INIT_STD, ExternalItemRows
+from grstack.runtime.model.item_rows import ITEM_INIT_STD
+from grstack.runtime.model.side_features import ItemFeatureMap, ItemTokens
 
 
 class HSTULayer(nn.Module):
@@ -116,14 +117,16 @@ def next_event_timestamps(timestamps: torch.Tensor, offsets: torch.Tensor,
     return torch.where(has_next, torch.cat([timestamps[1:], timestamps[-1:]]), timestamps)
 
 
-class HSTU(nn.Module):
-    """Retrieval + ranking HSTU over jagged sequences of item ids."""
+class HSTU(ItemTokens):
+    """Retrieval + ranking HSTU over jagged sequences of item ids (and, with ``item_features``, their side
+    features pooled into the item tokens: model/side_features.py)."""
 
     def __init__(self, num_items: int, *, max_len: int, d_model: int = 64, num_blocks: int = 4,
                  num_heads: int = 4, dqk: int = 16, dv: int = 16, dropout: float = 0.5,
                  input_dropout: float = 0.5, time_buckets: int = 128, position_bias: bool = True,
                  time_bias: bool = True, num_tasks: int = 1, ranking_head: bool = True,
-                 item_table: bool = True, time_bias_query: str = "self") -> None:
+                 item_table: bool = True, time_bias_query: str = "self",
+                 item_features: ItemFeatureMap | None = None) -> None:
         super().__init__()
         if time_bias_query not in ("self", "next"):
             raise ValueError(f"time_bias_query must be self or next, not {time_bias_query!r}")
@@ -131,9 +134,7 @@ class HSTU(nn.Module):
         self.num_items, self.max_len, self.d_model = num_items, max_len, d_model
         # Candidates sit at position hist_len <= max_len, hence max_len + 1 positions.
         self.max_seq_len = max_len + 1
-        # item_table=False: the rows live elsewhere (training's sharded table); nothing is allocated for them
-        self.item_emb = (nn.Embedding(num_items + 1, d_model) if item_table
-                         else ExternalItemRows(num_items + 1, d_model))
+        self._init_item_table(num_items, d_model, item_table, item_features)
         self.pos_emb = nn.Embedding(self.max_seq_len, d_model)
         self.input_dropout = input_dropout
         self.layers = nn.ModuleList(
@@ -174,10 +175,10 @@ class HSTU(nn.Module):
         return F.dropout(x, self.input_dropout, self.training)
 
     def embed_tokens(self, batch: JaggedBatch, item_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """``item_rows`` ([sum_L, d], optional): the tokens' item-embedding rows looked up elsewhere (the
-        sharded embedding of distributed training); else they are gathered from ``item_emb``."""
+        """``item_rows`` ([sum_L, d], optional): the tokens' rows as :meth:`token_rows` gives them, from rows
+        looked up elsewhere (the sharded embedding of distributed training); else read from ``item_emb``."""
         if item_rows is None:
-            item_rows = kernels.embedding_gather(self.item_emb.weight, batch.item_ids)
+            item_rows = self.token_rows(batch.item_ids)
         return self._embed(item_rows, self.token_positions(batch))
 
     def _uses_time(self) -> bool:
@@ -252,7 +253,7 @@ class HSTU(nn.Module):
         layout = self.prefix_layout(backend)
         plens = [layout.length(keys[0]) for keys in prefix_keys]
         plan = kernels.make_prefix_plan(offsets, plens)
-        rows = kernels.embedding_gather(self.item_emb.weight, item_ids)
+        rows = self.token_rows(item_ids)
         x = self._embed(rows, self._prefix_positions(plan, num_targets, item_ids.device))
         use_time = self._uses_time()
         ts = timestamps if use_time else None
@@ -316,7 +317,7 @@ class HSTU(nn.Module):
         ``rows`` are already looked-up embedding rows to normalise instead."""
         if rows is not None:
             return F.normalize(rows, dim=-1)
-        w = self.item_emb.weight if ids is None else kernels.embedding_gather(self.item_emb.weight, ids)
+        w = self.item_table_weight() if ids is None else kernels.embedding_gather(self.item_emb.weight, ids)
         return F.normalize(w, dim=-1)
 
     def query_vectors(self, outputs: torch.Tensor) -> torch.Tensor:
@@ -324,10 +325,10 @@ class HSTU(nn.Module):
 
     def rank_logits(self, cand_outputs: torch.Tensor, cand_ids: torch.Tensor,
                     cand_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """[M, num_tasks] logits from candidate-token outputs and the candidates' item vectors
-        (``cand_rows``: those rows looked up elsewhere)."""
+        """[M, num_tasks] logits from candidate-token outputs and the candidates' token rows (item row and
+        pooled side features; ``cand_rows``: those rows computed elsewhere, as :meth:`token_rows`)."""
         if self.rank_head is None:
             raise RuntimeError("this model was built without a ranking head")
-        rows = cand_rows if cand_rows is not None else self.item_emb(cand_ids)
+        rows = cand_rows if cand_rows is not None else self.token_rows(cand_ids)
         feats = torch.cat([cand_outputs, rows], dim=-1)
         return self.rank_head(feats)

@@ -14,7 +14,8 @@ from torch import nn
 
 from grstack import kernels
 from grstack.runtime.data import JaggedBatch
-from grstack.runtime.model.item_rows import ITEM_INIT_STD, ExternalItemRows
+from grstack.runtime.model.item_rows import ITEM_INIT_STD
+from grstack.runtime.model.side_features import ItemFeatureMap, ItemTokens
 
 
 class SASRecBlock(nn.Module):
@@ -38,17 +39,17 @@ class SASRecBlock(nn.Module):
         return x + F.dropout(self.ffn(self.norm2(x)), self.dropout, self.training)
 
 
-class SASRec(nn.Module):
+class SASRec(ItemTokens):
+    """SASRec; with ``item_features`` its item tokens carry pooled side features as HSTU's do."""
+
     def __init__(self, num_items: int, *, max_len: int, d_model: int = 64, num_blocks: int = 2,
                  num_heads: int = 2, dropout: float = 0.5, input_dropout: float = 0.5, ffn_mult: int = 1,
-                 item_table: bool = True, **_: object) -> None:
+                 item_table: bool = True, item_features: ItemFeatureMap | None = None, **_: object) -> None:
         super().__init__()
         if d_model % num_heads:
             raise ValueError(f"model.d_model={d_model} must be divisible by model.num_heads={num_heads}")
         self.num_items, self.max_len, self.d_model = num_items, max_len, d_model
-        # item_table=False: the rows live elsewhere (training's sharded table); nothing is allocated for them
-        self.item_emb = (nn.Embedding(num_items + 1, d_model) if item_table
-                         else ExternalItemRows(num_items + 1, d_model))
+        self._init_item_table(num_items, d_model, item_table, item_features)
         self.pos_emb = nn.Embedding(max_len + 1, d_model)
         self.input_dropout = input_dropout
         self.blocks = nn.ModuleList(SASRecBlock(d_model, num_heads, dropout, ffn_mult) for _ in range(num_blocks))
@@ -60,11 +61,11 @@ class SASRec(nn.Module):
         nn.init.trunc_normal_(self.pos_emb.weight, std=0.02)
 
     def encode(self, batch: JaggedBatch, item_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """``item_rows``: the tokens' embedding rows when looked up elsewhere (the sharded embedding)."""
+        """``item_rows``: the tokens' rows (:meth:`token_rows`) when looked up elsewhere (the sharded embedding)."""
         plan = kernels.make_plan(batch.offsets)
         pos = kernels.positions(batch.offsets, batch.item_ids.numel()).clamp(max=self.max_len)
         if item_rows is None:
-            item_rows = kernels.embedding_gather(self.item_emb.weight, batch.item_ids)
+            item_rows = self.token_rows(batch.item_ids)
         x = item_rows * math.sqrt(self.d_model)
         x = F.dropout(x + self.pos_emb(pos), self.input_dropout, self.training)
         for block in self.blocks:
@@ -74,7 +75,7 @@ class SASRec(nn.Module):
     def item_vectors(self, ids: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
         if rows is not None:
             return F.normalize(rows, dim=-1)
-        w = self.item_emb.weight if ids is None else kernels.embedding_gather(self.item_emb.weight, ids)
+        w = self.item_table_weight() if ids is None else kernels.embedding_gather(self.item_emb.weight, ids)
         return F.normalize(w, dim=-1)
 
     def query_vectors(self, outputs: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ import torch
 
 from grstack.runtime.data import JaggedBatch, LeaveOneOut, append_candidates, ranges_index
 from grstack.runtime.embedding import LookupUnit, make_unit
+from grstack.runtime.model import ItemFeatureMap
 from grstack.runtime.train import balance, microbatching
 from grstack.runtime.train.negatives import GroupLayout, share_permutations, step_generator, uniform_items
 from grstack.runtime.training_config import Config
@@ -44,7 +45,7 @@ class MicroBatch:
     neg_ids: torch.Tensor | None  # [G, R]
     neg_group: torch.Tensor | None  # [N] each token's own set, in 0..Gown-1
     unit: int  # index of this micro-batch's lookup unit in PreparedBatch.units
-    inv_input: torch.Tensor  # [sum_L'] index of every input token's id in the unit's keys
+    inv_input: torch.Tensor  # [sum_L' * keys_per_token] index of every input token's table rows in the unit's keys
     inv_target: torch.Tensor  # [N]
     inv_neg: torch.Tensor | None  # [G, R]
     # logit sharing: k-1 maps [Gown] -> 0..G-1, the step's permutations restricted to this micro-batch's own
@@ -166,9 +167,17 @@ class Preparer:
     """Builds one rank's PreparedBatch for a global step."""
 
     def __init__(self, schedule: Schedule, cfg: Config, rank: int, num_items: int, num_tasks: int,
-                 ranking: bool) -> None:
+                 ranking: bool, item_features: ItemFeatureMap | None = None) -> None:
         self.s, self.cfg, self.rank = schedule, cfg, rank
         self.num_items, self.num_tasks, self.ranking = num_items, num_tasks, ranking
+        # side features: an input token reads its item row and its feature rows (one lookup with the rest)
+        self.item_features = item_features
+
+    def _input_keys(self, item_ids: torch.Tensor) -> torch.Tensor:
+        """The table rows the input tokens read, token-major (``[n * keys_per_token]``)."""
+        if self.item_features is None:
+            return item_ids
+        return self.item_features.token_keys(item_ids).reshape(-1)
 
     def __call__(self, epoch: int, step: int, global_step: int) -> PreparedBatch:
         cfg, s = self.cfg, self.s
@@ -228,7 +237,8 @@ class Preparer:
                     bits = sub.actions[last]
                     for t in range(1, self.num_tasks):
                         labels[:, 0, t] = ((bits >> (t - 1)) & 1).float()
-            n_in = full.item_ids.numel()
+            input_keys = self._input_keys(full.item_ids)
+            n_in = input_keys.numel()
             mb_negs = neg_group = None
             share: list[torch.Tensor] = []
             if per_token:
@@ -241,7 +251,7 @@ class Preparer:
                 share = [torch.from_numpy(where[p[own]]) for p in perms]
                 where[sets] = -1
                 mb_negs, neg_group = negs[torch.from_numpy(sets)], torch.from_numpy(local.reshape(-1))
-            full_ids = torch.cat([full.item_ids, sub.targets])
+            full_ids = torch.cat([input_keys, sub.targets])
             if mb_negs is None:
                 unit, inv_f, _ = make_unit(full_ids)
                 inv_neg = None

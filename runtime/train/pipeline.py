@@ -129,7 +129,7 @@ class Engine:
         ``train.precision=bf16``; the loss is computed in fp32 from fp32 copies of its inputs."""
         cfg, dev = self.cfg, self.device
         full = mb.full.to(dev, non_blocking=True)
-        item_rows = _take(rows, _dev(mb.inv_input, dev))
+        item_rows = self.model.token_rows(full.item_ids, _take(rows, _dev(mb.inv_input, dev)))
         hist_at = cand_at = None
         if mb.is_hist is not None:  # positions split on the host (Preparer): a device mask would cost a sync
             assert mb.hist_index is not None and mb.cand_index is not None

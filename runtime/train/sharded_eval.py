@@ -59,16 +59,23 @@ def sharded_eval_ranks(model: nn.Module, table: ShardedEmbedding, ctx: DistConte
     model.eval()
     items = model.item_vectors(rows=w.to(device))  # [own rows, d], normalised row by row as the full table is
     d = items.shape[1]
+    # the table's rows past the items hold side-feature values (model/side_features.py): never ranked
+    global_ids = plan.global_ids(s, torch.arange(w.shape[0]))
+    beyond = torch.nonzero(global_ids > model.num_items).squeeze(1)
+    not_items = beyond.to(device) if beyond.numel() else None
     rounds = max(comm.meta.all_gather_sizes(-(-len(rows) // batch_size)))
     out = []
     for r in range(rounds):
         chunk = rows[r * batch_size : (r + 1) * batch_size]
         batch, targets = split.eval_batch(which, chunk, max_len)
         hist, hoff = split.full_history(which, chunk)
-        looked = table.lookup(batch.item_ids.long(), comm, w)  # every member takes part, with or without users
+        ids = batch.item_ids.long()
+        # every member takes part, with or without users; a token reads its item row and its feature rows
+        looked = table.lookup(model.token_keys(ids).reshape(-1), comm, w)
         if len(chunk):
+            item_rows = model.token_rows(ids, looked.to(device))
             batch = batch.to(device)
-            enc = model.encode(batch, item_rows=looked.to(device))
+            enc = model.encode(batch, item_rows=item_rows)
             q = model.query_vectors(last_token_outputs(enc, batch.offsets))
         else:
             q = items.new_zeros((0, d))
@@ -86,6 +93,8 @@ def sharded_eval_ranks(model: nn.Module, table: ShardedEmbedding, ctx: DistConte
         M = scores.shape[0]
         if s == 0:
             scores[:, 0] = -torch.inf  # item 0 (padding) is local row 0 of shard 0
+        if not_items is not None:
+            scores[:, not_items] = -torch.inf  # side-feature rows are not items
         owned = torch.nonzero(torch.eq(T % G, s)).squeeze(1)
         owned_dev = owned.to(device)
         local_t = (T[owned] // G).to(device)

@@ -37,6 +37,7 @@ from grstack.runtime.data import (
     metadata_only,
     read_dataset,
     read_meta,
+    select_features,
     write_dataset,
 )
 from grstack.runtime.device import HostSyncCounter, configure_precision
@@ -47,8 +48,10 @@ from grstack.runtime.model import (
     BEST_MODEL,
     DATASET_DIR,
     ITEM_INIT_STD,
+    ItemFeatureMap,
     build_model,
     initial_item_rows,
+    item_feature_map,
     task_names,
 )
 from grstack.runtime.train import calibrate
@@ -120,7 +123,8 @@ class Built:
 
 def build_engine(cfg: Config, ctx: DistContext, plan: ShardingPlan, split: LeaveOneOut | None, tasks: list[str],
                  *, num_items: int | None = None,
-                 share: tuple[RankShare, list[list[np.ndarray]]] | None = None) -> Built:
+                 share: tuple[RankShare, list[list[np.ndarray]]] | None = None,
+                 item_features: ItemFeatureMap | None = None) -> Built:
     """The dense model (its item rows live in this rank's shard), shard and dense optimizers, the engine and
     the batch schedule (over this rank's ``share`` and every rank's gathered lengths when the data is read
     sharded). Every rank builds the dense part from the same seed and initialises only its own
@@ -130,7 +134,8 @@ def build_engine(cfg: Config, ctx: DistContext, plan: ShardingPlan, split: Leave
         assert split is not None
         num_items = split.ds.num_items
     torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model, num_items, cfg.data.max_len, num_tasks=len(tasks), item_table=False)
+    model = build_model(cfg.model, num_items, cfg.data.max_len, num_tasks=len(tasks), item_table=False,
+                        item_features=item_features)
     mine = plan.shard_of(ctx.rank)
     shard = initial_item_rows(cfg.train.seed, plan.global_ids(mine, torch.arange(plan.shard_rows(mine))),
                               plan.dim, ITEM_INIT_STD, ctx.device)
@@ -148,12 +153,15 @@ def build_engine(cfg: Config, ctx: DistContext, plan: ShardingPlan, split: Leave
     else:
         assert split is not None
         schedule = Schedule(split, cfg, ctx.world_size, extra)
-    preparer = Preparer(schedule, cfg, ctx.rank, num_items, len(tasks), engine.ranking)
+    preparer = Preparer(schedule, cfg, ctx.rank, num_items, len(tasks), engine.ranking, item_features)
     return Built(model, table, engine, schedule, preparer)
 
 
-def make_plan(cfg: Config, ctx: DistContext, num_items: int) -> ShardingPlan:
-    return ShardingPlan.make(num_items + 1, cfg.model.d_model, ctx.world_size, ctx.group_size,
+def make_plan(cfg: Config, ctx: DistContext, num_items: int,
+              item_features: ItemFeatureMap | None = None) -> ShardingPlan:
+    """The item table's sharding: padding, the items, then the side-feature values (model/side_features.py)."""
+    rows = num_items + 1 + (item_features.num_rows if item_features is not None else 0)
+    return ShardingPlan.make(rows, cfg.model.d_model, ctx.world_size, ctx.group_size,
                              cfg.distributed.max_shard_rows)
 
 
@@ -183,8 +191,10 @@ class Trainer:
             else:
                 self.ds = ctx.check_all(lambda: load_source(cfg.data))
             self.split = LeaveOneOut(self.ds, min_len=cfg.data.min_len)
+        self.ds = select_features(self.ds, cfg.data)
+        self.item_features = item_feature_map(self.ds)
         self.tasks = task_names(self.ds)
-        self.plan = make_plan(cfg, ctx, self.ds.num_items)
+        self.plan = make_plan(cfg, ctx, self.ds.num_items, self.item_features)
         self._check_sizes()
         # balance.profile's fit, read on rank 0 for every rank before anything is written (a resumed run
         # takes its weights from its checkpoint instead)
@@ -262,7 +272,8 @@ class Trainer:
     def _build(self) -> None:
         cfg, ctx = self.cfg, self.ctx
         b = build_engine(cfg, ctx, self.plan, self.split, self.tasks, num_items=self.ds.num_items,
-                         share=(self.share, self.piece_lengths) if self.share is not None else None)
+                         share=(self.share, self.piece_lengths) if self.share is not None else None,
+                         item_features=self.item_features)
         self.model, self.table, self.engine = b.model, b.table, b.engine
         self.schedule, self.preparer = b.schedule, b.preparer
         self.balance = self._balance_weights()

@@ -6,12 +6,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from grstack_testing import tiny_config_args, write_cyclic
+from grstack_testing import cyclic_dataset, tiny_config_args, with_item_features, write_cyclic
 
+from grstack.runtime.data.dataset import write_dataset
 from grstack.runtime.data.source import load_source
 from grstack.runtime.data.splits import LeaveOneOut
 from grstack.runtime.errors import UserError
-from grstack.runtime.model import build_model, task_names
+from grstack.runtime.model import build_model, item_feature_map, task_names
 from grstack.runtime.train.context import DistContext
 from grstack.runtime.train.negatives import sampled_softmax_sum
 from grstack.runtime.train.trainer import build_engine, make_plan, train
@@ -25,6 +26,11 @@ CONFIG = Path(__file__).resolve().parents[3] / "configs" / "synthetic-tiny-hstu.
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     return write_cyclic(tmp_path_factory.mktemp("data") / "cyclic")
+
+
+@pytest.fixture(scope="module")
+def feature_dir(tmp_path_factory):
+    return write_dataset(with_item_features(cyclic_dataset()), tmp_path_factory.mktemp("data") / "featured")
 
 
 def _plain_step(model, opt, batch, cfg) -> None:
@@ -50,17 +56,23 @@ def _plain_step(model, opt, batch, cfg) -> None:
     opt.step()
 
 
-@pytest.mark.parametrize("sharing", ["group", "batch"])
-def test_a_one_rank_step_is_the_plain_pytorch_step(data_dir, sharing):
-    cfg = load_config(CONFIG, [*tiny_config_args(data_dir), "model.dropout=0", "model.input_dropout=0",
-                               "optim.grad_clip=0.05", "optim.weight_decay=0.01", f"loss.sharing={sharing}",
-                               "loss.group_size=4"])
+@pytest.mark.parametrize(("sharing", "features"), [("group", False), ("batch", False), ("group", True)])
+def test_a_one_rank_step_is_the_plain_pytorch_step(data_dir, feature_dir, sharing, features):
+    """With side features the engine looks each token's feature rows up with its item row and pools them
+    outside the model; the plain model reads them from its own table."""
+    args = [*tiny_config_args(feature_dir if features else data_dir), "model.dropout=0", "model.input_dropout=0",
+            "optim.grad_clip=0.05", "optim.weight_decay=0.01", f"loss.sharing={sharing}", "loss.group_size=4"]
+    if features:
+        args.append('data.item_features=["decade", "parity"]')
+    cfg = load_config(CONFIG, args)
     ds = load_source(cfg.data)
     split = LeaveOneOut(ds, min_len=cfg.data.min_len)
     tasks = task_names(ds)
     ctx = DistContext.single(torch.device("cpu"))
-    built = build_engine(cfg, ctx, make_plan(cfg, ctx, ds.num_items), split, tasks)
-    plain = build_model(cfg.model, ds.num_items, cfg.data.max_len, num_tasks=len(tasks))
+    fmap = item_feature_map(ds)
+    assert (fmap is not None) == features
+    built = build_engine(cfg, ctx, make_plan(cfg, ctx, ds.num_items, fmap), split, tasks, item_features=fmap)
+    plain = build_model(cfg.model, ds.num_items, cfg.data.max_len, num_tasks=len(tasks), item_features=fmap)
     # the same initial state: the engine's dense part and its (initialised-per-row) item table
     plain.load_state_dict({**built.model.state_dict(), "item_emb.weight": built.table.weight.clone()})
     o = cfg.optim

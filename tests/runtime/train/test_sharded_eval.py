@@ -9,9 +9,15 @@ import numpy as np
 import pytest
 import torch
 from grstack_dist_workers import DIST_ENV, sharded_vs_full_ranks
-from grstack_testing import assert_same_metrics, tiny_config_args, write_cyclic
+from grstack_testing import (
+    assert_same_metrics,
+    cyclic_dataset,
+    tiny_config_args,
+    with_item_features,
+    write_cyclic,
+)
 
-from grstack.runtime.data import LeaveOneOut, read_dataset
+from grstack.runtime.data import LeaveOneOut, read_dataset, write_dataset
 from grstack.runtime.eval import evaluate_ranking
 from grstack.runtime.eval.evaluate import evaluate
 from grstack.runtime.model import exported_state, item_parts_dir, load_exported
@@ -45,6 +51,17 @@ def test_world_of_one_matches_eval_ranks():
     got = sharded_vs_full_ranks(DistContext.single(torch.device("cpu")), {**PAYLOAD, "batch_size": 100})
     _check(got, 1683)
     assert len(got["test"]["full"]) == 943 and (got["test"]["full"] < 50).any()
+
+
+@pytest.mark.unit
+def test_side_feature_rows_are_read_by_tokens_and_never_ranked():
+    torch.set_num_threads(1)
+    ctx = DistContext.single(torch.device("cpu"))
+    got = sharded_vs_full_ranks(ctx, {**PAYLOAD, "batch_size": 100, "features": True})
+    # 1683 item rows, then parity's 2 values and decade's 170 (d0 .. d169)
+    _check(got, 1683 + 2 + 170)
+    plain = sharded_vs_full_ranks(ctx, {**PAYLOAD, "batch_size": 100})
+    assert not np.array_equal(got["test"]["full"], plain["test"]["full"])  # the features change the queries
 
 
 @pytest.mark.integration
@@ -141,3 +158,17 @@ def test_a_world_of_one_writes_the_one_file_form(tmp_path, data_dir):
     exported = _exported_metrics(tmp_path / "one")
     assert _retrieval(exported) == _retrieval(summary["metrics"])
     assert_same_metrics(exported, summary["metrics"])
+
+
+@pytest.mark.integration
+def test_two_rank_training_with_side_features_shards_their_rows_and_exports_alike(tmp_path):
+    data = write_dataset(with_item_features(cyclic_dataset(num_users=200, num_items=400)), tmp_path / "data")
+    cfg = load_config(CONFIG, [*_args(data), "train.epochs=1", 'data.item_features=["parity", "decade"]'])
+    summary = train_distributed(cfg, tmp_path / "run", nproc=2, progress=False)
+    # 401 item rows, then parity's 2 values and decade's 42 (d0 .. d41): half the table each
+    assert summary["distributed"]["table_rows_max"] == 223
+    exported = _exported_metrics(tmp_path / "run")
+    assert _retrieval(exported) == _retrieval(summary["metrics"])
+    assert_same_metrics(exported, summary["metrics"])
+    model, _, _ = load_exported(tmp_path / "run" / "model.pt")
+    assert model.item_emb.weight.shape[0] == 445 and model.features.sizes == {"parity": 2, "decade": 42}
