@@ -176,12 +176,12 @@ def read_recbole_side(path: Path, kind: Kind, fields: list[str] | None = None,
     chosen = _choose(path, available, refused, fields)
     check = fields_check("\t", names, tokens=[key])
     table = _read_csv(path, path, names, [key, *chosen], delimiter="\t", quote=False, skip=1, check=check)
-    keys = pc.utf8_trim_whitespace(table.column(key))
+    keys = table.column(key)  # tokens are exact, as in the .inter file they must match
     if pc.any(pc.equal(keys, "")).as_py():
         raise locate_bad_line(path, numbered_lines(path, skip=1), check, f"empty {key}")
     keys_np = np.asarray(keys.to_numpy(zero_copy_only=False), dtype=str)
     k_idx = names.index(key)
-    _unique_keys(path, keys_np, key, numbered_lines(path, skip=1), lambda line: line.split("\t")[k_idx].strip())
+    _unique_keys(path, keys_np, key, numbered_lines(path, skip=1), lambda line: line.split("\t")[k_idx])
     out = {n: _csr(table.column(n), CATEGORICAL_TYPES[typ_of[n]]) for n in chosen}
     return RawFeatures(kind, keys_np, out, str(path))
 
