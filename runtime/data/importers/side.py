@@ -74,25 +74,28 @@ PATTERNS: dict[str, dict[Kind, tuple[str, ...]]] = {
 def _csr(arr: pa.Array | pa.ChunkedArray, sep: str | None,
          integral_floats: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(offsets, tokens) of a string column: one value per cell (``sep`` None) or ``sep``-separated values.
-    Values are trimmed; empty values and empty cells are dropped."""
+    Values are trimmed; empty values and empty cells are dropped. Per-value work (trimming, ``"9.0"`` ->
+    ``"9"``, conversion to numpy) is done once per distinct value, through a dictionary encoding."""
     if isinstance(arr, pa.ChunkedArray):
         arr = arr.combine_chunks()
     arr = pc.fill_null(arr.cast(pa.string()), "")
     n = len(arr)
     if sep is None:
-        flat, parent = arr, pa.array(np.arange(n, dtype=np.int64))
+        flat, parent = arr, np.arange(n, dtype=np.int64)
     else:
         lists = pc.split_pattern(arr, sep)
-        flat, parent = lists.flatten(), pc.list_parent_indices(lists)
-    flat = pc.utf8_trim_whitespace(flat)
+        flat, parent = lists.flatten(), np.asarray(pc.list_parent_indices(lists), dtype=np.int64)
+    encoded = pc.dictionary_encode(flat)
+    words = pc.utf8_trim_whitespace(encoded.dictionary)
     if integral_floats:
-        flat = pc.replace_substring_regex(flat, r"^(-?[0-9]+)\.0*$", r"\1")
-    keep = pc.not_equal(flat, "")
-    flat, parent = flat.filter(keep), parent.filter(keep)
+        words = pc.replace_substring_regex(words, r"^(-?[0-9]+)\.0*$", r"\1")
+    words_np = (np.asarray(words.to_numpy(zero_copy_only=False), dtype=str) if len(words)
+                else np.zeros(0, dtype=str))
+    idx = np.asarray(encoded.indices, dtype=np.int64)
+    keep = (words_np != "")[idx]
     offsets = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(np.bincount(np.asarray(parent, dtype=np.int64), minlength=n), out=offsets[1:])
-    tokens = np.asarray(flat.to_numpy(zero_copy_only=False), dtype=str) if len(flat) else np.zeros(0, dtype=str)
-    return offsets, tokens
+    np.cumsum(np.bincount(parent[keep], minlength=n), out=offsets[1:])
+    return offsets, words_np[idx[keep]]
 
 
 def _header_fields(path: Path, delimiter: str) -> list[str]:
@@ -124,10 +127,11 @@ def _read_csv(source: Path | io.BytesIO, path: Path, names: list[str], include: 
 def _unique_keys(path: Path, keys: np.ndarray, key: str, lines: Iterable[tuple[int, str]],
                  key_of: Callable[[str], str]) -> None:
     """A key listed twice is the second line's error (found by re-reading only when there is one)."""
-    uniq, counts = np.unique(keys.astype(str), return_counts=True)
-    if np.all(counts == 1):
+    ordered = np.sort(keys if keys.dtype.kind in "iu" else keys.astype(str))
+    repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+    if len(repeated) == 0:
         return
-    dup = str(uniq[np.argmax(counts > 1)])
+    dup = str(repeated[0])
     first = None
     for lineno, line in lines:
         if key_of(line) == dup:
