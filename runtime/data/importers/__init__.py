@@ -54,6 +54,8 @@ def import_dataset(fmt: str, src: str | Path, *, item_features: str | Path | Non
     check_missing(path)
     sides: dict[Kind, tuple[Path, list[str] | None]] = {}
     for kind, spec, fields in (("item", item_features, item_fields), ("user", user_features, user_fields)):
+        if fields is not None and not fields:
+            raise UserError(f"{kind} fields: an empty list (leave it out for every field)")
         if spec is not None:
             sides[kind] = (resolve_side_file(fmt, kind, path, spec), fields)
         elif fields is not None:
@@ -65,7 +67,7 @@ def import_dataset(fmt: str, src: str | Path, *, item_features: str | Path | Non
             rows = ds.item_raw_ids if ds.item_raw_ids is not None else np.arange(1, ds.num_items + 1)
         else:
             rows = ds.user_raw_ids if ds.user_raw_ids is not None else ds.user_ids
-        feats = attach(raw, rows, sides[kind][1])
+        feats = attach(raw, rows)  # the reader kept only the chosen fields, in order
         if kind == "item":
             ds.item_features = feats
         else:

@@ -242,6 +242,12 @@ def test_import_dataset_attaches_records_coverage_and_writes(recbole_file: Path,
     assert tokens_of(back.item_features, "cat") == [[], ["y"], [], ["x", "y"]]
     with pytest.raises(UserError, match=r"field 'score' has type float"):
         import_dataset("recbole", recbole_file, item_features="auto", item_fields=["score"])
+    twice = import_dataset("recbole", recbole_file, item_features="auto", item_fields=["cat", "cat"])
+    assert twice.item_features.names == ["cat"]
+    with pytest.raises(UserError, match=r"item fields: an empty list"):
+        import_dataset("recbole", recbole_file, item_features="auto", item_fields=[])
+    with pytest.raises(UserError, match=r"nope.item: no such item side file"):
+        import_dataset("recbole", recbole_file, item_features=recbole_file.parent / "nope.item")
 
 
 def test_kuairand_import_with_video_features(write) -> None:
