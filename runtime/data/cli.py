@@ -24,11 +24,25 @@ def _check_out(out: Path) -> None:
 
 
 def _summary(verb: str, ds: SequenceDataset, out: Path, seconds: float) -> str:
+    from grstack.runtime.data.features import coverage
+
     line = (f"{verb} {ds.name}: {ds.num_users} users, {ds.num_items} items, {ds.num_events} events "
             f"-> {out} ({seconds:.1f} s)")
     if ds.info.get("dropped_users"):
         line += f"; dropped {ds.info['dropped_users']} users with < {ds.info['min_len']} events"
+    for feats in (ds.item_features, ds.user_features):
+        if feats is not None:
+            cov = coverage(feats)
+            line += f"; {feats.kind} features " + ", ".join(
+                f"{f.name} ({f.num_values} values, {cov[f.name]:.1%} covered)" for f in feats.fields)
     return line
+
+
+def _field_list(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",")]
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"expected comma-separated field names, got {text!r}")
+    return names
 
 
 def _import(args: argparse.Namespace) -> int:
@@ -47,6 +61,13 @@ def _import(args: argparse.Namespace) -> int:
         if args.format != "kuairand":
             raise UserError("--clicks-only applies to --format kuairand only")
         opts["clicks_only"] = True
+    for kind in ("item", "user"):
+        side, fields = getattr(args, f"{kind}_features"), getattr(args, f"{kind}_fields")
+        if fields is not None and side is None:
+            raise UserError(f"--{kind}-fields needs --{kind}-features FILE|auto")
+        if side is not None:
+            opts[f"{kind}_features"] = side
+            opts[f"{kind}_fields"] = fields
     ds = import_dataset(args.format, args.src, **opts)
     write_dataset(ds, out, row_group_size=args.row_group_size)
     print(_summary("imported", ds, out, time.perf_counter() - t0))
@@ -111,6 +132,17 @@ def register(parser: argparse.ArgumentParser) -> None:
                      help="kuairand: keep only clicked exposures "
                           "(default: every exposure, with clicks as actions)")
     imp.add_argument("--row-group-size", type=_positive, default=4096, help=ROW_GROUP_HELP)
+    imp.add_argument("--item-features", metavar="FILE|auto", default=None,
+                     help="item side file to attach as categorical item features, or 'auto': the one beside SRC "
+                          "(recbole *.item, seqtxt *_item2attributes.json, kuairand video_features_basic*.csv, "
+                          "movielens u.item/movies.dat/movies.csv)")
+    imp.add_argument("--item-fields", metavar="A,B", type=_field_list, default=None,
+                     help="item feature fields to keep (default: every categorical field of the file)")
+    imp.add_argument("--user-features", metavar="FILE|auto", default=None,
+                     help="user side file, or 'auto' (recbole *.user, kuairand user_features*.csv, "
+                          "movielens u.user/users.dat)")
+    imp.add_argument("--user-fields", metavar="A,B", type=_field_list, default=None,
+                     help="user feature fields to keep (default: every categorical field of the file)")
     imp.set_defaults(func=_import)
 
     syn = sub.add_parser("synth", help="generate KuaiRand-27K-like synthetic data",

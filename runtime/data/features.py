@@ -204,7 +204,7 @@ def read_features(path: Path, meta: dict, kind: Kind, row_ids: np.ndarray) -> Fe
     f_path = path / str(entry.get("file", FILES[kind]))
     try:
         table = pq.read_table(f_path)
-        vocab = pq.read_table(path / VOCAB_FILE).to_pydict()
+        vocab = pq.read_table(path / VOCAB_FILE, columns=["kind", "field", "raw"])
     except (OSError, pa.ArrowInvalid) as exc:
         raise UserError(f"{path}: {kind} features named in meta.json cannot be read ({exc})") from None
     key = KEYS[kind]
@@ -217,13 +217,16 @@ def read_features(path: Path, meta: dict, kind: Kind, row_ids: np.ndarray) -> Fe
     if len(ids) == 0 or not np.array_equal(ids[order[pos]], row_ids):
         raise UserError(f"{f_path}: does not cover every {key} of the dataset")
     rows = order[pos]
+    # One vectorised pass over the vocabulary (it holds a row per value: millions for ids like authors).
+    of_kind = np.asarray(vocab.column("kind").to_numpy(zero_copy_only=False), dtype=str) == kind
+    field_names = np.asarray(vocab.column("field").to_numpy(zero_copy_only=False), dtype=str)[of_kind]
+    raw_words = np.asarray(vocab.column("raw").to_numpy(zero_copy_only=False), dtype=str)[of_kind]
     fields = []
     for name, size in sizes.items():
         col = table.column(name).combine_chunks()
         offs = np.asarray(col.offsets, dtype=np.int64)
         offs = offs - offs[0]
-        words = np.array([r for k, fl, r in zip(vocab["kind"], vocab["field"], vocab["raw"], strict=True)
-                          if k == kind and fl == name], dtype=str)
+        words = raw_words[field_names == name]
         if len(words) != int(size):
             raise UserError(f"{path / VOCAB_FILE}: {kind} feature {name!r} has {len(words)} values, "
                             f"meta.json says {size}")

@@ -1,4 +1,5 @@
-"""Summary statistics of a dataset: sizes, length distribution, popularity skew, time span, action rates."""
+"""Summary statistics of a dataset: sizes, length distribution, popularity skew, time span, action rates and
+side features."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import math
 import numpy as np
 
 from grstack.runtime.data.dataset import SequenceDataset
+from grstack.runtime.data.features import Features, coverage
 
 
 def zipf_exponent(counts: np.ndarray) -> float:
@@ -33,6 +35,14 @@ def gini(counts: np.ndarray) -> float:
 
 def _iso(ts: int) -> str:
     return dt.datetime.fromtimestamp(int(ts), tz=dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def feature_stats(feats: Features) -> dict[str, dict]:
+    """Per field: distinct values, share of rows with a value, mean values per row (over every row)."""
+    cov = coverage(feats)
+    return {f.name: {"values": f.num_values, "coverage": cov[f.name],
+                     "mean_per_row": float(f.offsets[-1] / feats.num_rows) if feats.num_rows else 0.0}
+            for f in feats.fields}
 
 
 def dataset_stats(ds: SequenceDataset) -> dict:
@@ -84,6 +94,7 @@ def dataset_stats(ds: SequenceDataset) -> dict:
         },
         "actions": {},
         "filter": {},
+        "features": {f.kind: feature_stats(f) for f in (ds.item_features, ds.user_features) if f is not None},
     }
     if ds.actions is not None:
         out["actions"] = {name: float(((ds.actions >> bit) & 1).mean())
@@ -118,4 +129,9 @@ def format_stats(s: dict) -> str:
         f = s["filter"]
         lines.append(f"filter      kept users with >= {f['min_len']} events "
                      f"(dropped {f['dropped_users']} users, {f['dropped_events']} events)")
+    for kind, fields in s.get("features", {}).items():
+        for i, (name, f) in enumerate(fields.items()):
+            head = f"{kind} feats".ljust(12) if i == 0 else " " * 12
+            lines.append(f"{head}{name}: {f['values']} values, {f['coverage']:.1%} of {kind}s covered, "
+                         f"{f['mean_per_row']:.2f} per {kind}")
     return "\n".join(lines)

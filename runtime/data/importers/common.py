@@ -57,13 +57,14 @@ def check_missing(path: Path) -> None:
 
 
 def numbered_lines(path: Path, skip: int = 0) -> Iterator[tuple[int, str]]:
-    """(1-based line number, line without its newline), skipping the first ``skip`` lines and blank lines."""
+    """(1-based line number, line without its newline), skipping the first ``skip`` lines and empty lines
+    (as pyarrow.csv does: a line of only tabs or spaces is a row, with empty fields, so it is checked)."""
     with path.open("r", encoding="utf-8", errors="replace", newline="") as f:
         for lineno, line in enumerate(f, start=1):
             if lineno <= skip:
                 continue
             line = line.rstrip("\r\n")
-            if line.strip():
+            if line:
                 yield lineno, line
 
 

@@ -143,6 +143,8 @@ def test_kuairand_header_without_required_column(write) -> None:
         ("recbole", "a.inter", RECBOLE_HEADER + "1\t2\t3\tinf\n",
          "line 2: timestamp must be a finite number"),
         ("recbole", "a.inter", RECBOLE_HEADER + "1\t\t3\t4\n", "line 2: item_id must be a non-empty token"),
+        ("recbole", "a.inter", RECBOLE_HEADER + "1\t2\t3\t4\n\n\t\t\t\n",  # only tabs: a row, not a blank line
+         "line 4: timestamp must be a finite number"),
         ("recbole", "a.inter", "user_id\titem_id\n1\t2\n",
          "line 1: header field 'user_id' is not of the form"),
         ("recbole", "a.inter", "user:token\titem_id:token\n1\t2\n", "line 1: header has no 'user_id' field"),
