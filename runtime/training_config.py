@@ -42,7 +42,15 @@ class DataConfig(_Strict):
         "auto", description="imports with data.item_features: the side file (RecBole .item, S3-Rec "
         "_item2attributes.json, KuaiRand video_features_basic CSV); auto: the one beside data.source")
 
-    @field_validator("item_features")
+    user_features: list[str] = Field(
+        default_factory=list, description="user side-feature fields (age, gender, ...) that become contextual "
+        "tokens at the head of every sequence, one per field (docs/features.md); read like item_features, from "
+        "data.user_features_file. Not with data.read=shard")
+    user_features_file: str = Field(
+        "auto", description="imports with data.user_features: the side file (RecBole .user, KuaiRand "
+        "user_features CSV, MovieLens u.user); auto: the one beside data.source")
+
+    @field_validator("item_features", "user_features")
     @classmethod
     def _unique_fields(cls, v: list[str]) -> list[str]:
         dup = sorted({n for n in v if v.count(n) > 1})
@@ -73,6 +81,10 @@ class ModelConfig(_Strict):
     ranking_head: bool = Field(True, description="HSTU: train the candidate ranking head too")
     ffn_mult: int = Field(1, ge=1, description="SASRec: feed-forward width multiplier; fuxi: the "
                           "SwiGLU stage's hidden width as a multiple of d_model (FuXi-α's ffn_multiply)")
+    action_inputs: bool = Field(
+        False, description="embed each history token's own actions (the dataset's action bits: click, like, ...) "
+        "into it; candidates get a 'to be predicted' vector instead, so the ranking head never sees its label "
+        "(docs/features.md)")
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
@@ -241,6 +253,11 @@ class Config(_Strict):
             raise ValueError(f"data.read=shard reads a Parquet dataset's row groups, not data.format="
                              f"{self.data.format}; write it first (grstack data import/synth --out DIR) and "
                              f"set data.format=parquet, data.source=DIR")
+        if self.data.user_features and self.data.read == "shard":
+            raise ValueError("data.user_features needs data.read=all (the streamed pieces carry no user features)")
+        if self.data.user_features and self.model.time_bias_query == "next":
+            raise ValueError("model.time_bias_query=next does not combine with data.user_features (contextual "
+                             "tokens have no next event)")
         return self
 
 

@@ -80,3 +80,18 @@ def with_item_features(ds: SequenceDataset) -> SequenceDataset:
     ds.item_raw_ids = ids.astype(np.int64)
     ds.item_features = attach(raw, ds.item_raw_ids)
     return ds
+
+
+def with_user_context(ds: SequenceDataset) -> SequenceDataset:
+    """``ds`` with user features ``cohort`` (user row mod 3) and ``tags`` (two values, none for every fifth
+    user) and a ``click`` action bit on every other event."""
+    from grstack.runtime.data.features import RawFeatures, attach, csr_from_lists
+
+    rows = np.arange(ds.num_users)
+    cohort = csr_from_lists([[str(r % 3)] for r in rows])
+    tags = csr_from_lists([[] if r % 5 == 0 else [f"t{r % 4}", f"t{r % 7}"] for r in rows])
+    raw = RawFeatures("user", ds.user_ids, {"cohort": cohort, "tags": tags}, "test user features")
+    ds.user_features = attach(raw, ds.user_ids)
+    ds.actions = (np.arange(ds.num_events) % 2).astype(np.int64)
+    ds.action_names = ["click"]
+    return ds

@@ -12,8 +12,9 @@ def append_candidates(batch: JaggedBatch, cand_ids: torch.Tensor, cand_ts: torch
                                                                                                   torch.Tensor]:
     """Returns the batch with ``M`` candidate tokens after each history and a [sum_L'] history mask.
 
-    cand_ids: [B, M]; cand_ts: [B] (the request time every candidate carries). Only item ids, timestamps
-    and offsets are carried over; ``num_targets`` is set to M for every sequence.
+    cand_ids: [B, M]; cand_ts: [B] (the request time every candidate carries). Item ids, timestamps,
+    offsets, the user context and the tokens' own actions are carried over (candidates' actions are -1:
+    unknown, they are what the ranking head predicts); ``num_targets`` is set to M for every sequence.
     """
     B, M = cand_ids.shape
     lengths = batch.lengths
@@ -31,7 +32,11 @@ def append_candidates(batch: JaggedBatch, cand_ids: torch.Tensor, cand_ts: torch
     timestamps[cand_pos.reshape(-1)] = cand_ts[:, None].expand(B, M).reshape(-1)
     is_hist = torch.zeros(total, dtype=torch.bool, device=device)
     is_hist[hist_pos] = True
+    input_actions = None
+    if batch.input_actions is not None:
+        input_actions = torch.full((total,), -1, dtype=batch.input_actions.dtype, device=device)
+        input_actions[hist_pos] = batch.input_actions
     out = JaggedBatch(item_ids=item_ids, offsets=new_offsets, timestamps=timestamps,
                       num_targets=torch.full((B,), M, dtype=torch.int64, device=device),
-                      user_index=batch.user_index)
+                      user_index=batch.user_index, input_actions=input_actions, context=batch.context)
     return out, is_hist

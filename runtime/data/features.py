@@ -88,6 +88,18 @@ class Features:
             out.append(FeatureField(f.name, offs, f.values[idx], f.vocab))
         return Features(self.kind, len(rows), out)
 
+    def padded(self) -> np.ndarray:
+        """[num_rows, fields, W] value ids, each field's values first and 0 after (W: the most values any row
+        has in one field, at least 1): the fixed-width form batches carry (``JaggedBatch.context``)."""
+        width = max([1] + [int(np.diff(f.offsets).max()) for f in self.fields if self.num_rows])
+        out = np.zeros((self.num_rows, len(self.fields), width), dtype=np.int64)
+        for c, f in enumerate(self.fields):
+            counts = np.diff(f.offsets)
+            row = np.repeat(np.arange(self.num_rows), counts)
+            slot = np.arange(len(f.values)) - np.repeat(f.offsets[:-1], counts)
+            out[row, c, slot] = f.values
+        return out
+
     def validate(self, where: str) -> None:
         for f in self.fields:
             if len(f.offsets) != self.num_rows + 1 or f.offsets[0] != 0 or np.any(np.diff(f.offsets) < 0):

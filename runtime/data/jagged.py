@@ -17,7 +17,11 @@ class JaggedBatch:
 
     ``item_ids``/``timestamps`` are [sum_L]; ``offsets`` is [B + 1]. ``targets`` (optional, [sum_L]) is the
     next item each position should predict (0 = no supervision). ``num_targets`` (optional, [B]) counts
-    candidate tokens at the end of each sequence for the ranking head.
+    candidate tokens at the end of each sequence for the ranking head. ``actions`` ([sum_L]) are the action
+    bits of each position's *target* event (the ranking labels); ``input_actions`` ([sum_L]) each token's
+    *own* action bits, what a model with action inputs reads (-1 on candidates: their actions are the labels).
+    ``context`` ([B, C, W]) holds each sequence's user-feature value ids per field (0 = none), what a model
+    with user context turns into contextual tokens.
     """
 
     item_ids: torch.Tensor
@@ -27,6 +31,8 @@ class JaggedBatch:
     actions: torch.Tensor | None = None
     num_targets: torch.Tensor | None = None
     user_index: torch.Tensor | None = None
+    input_actions: torch.Tensor | None = None
+    context: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

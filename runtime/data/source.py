@@ -25,21 +25,25 @@ def load_source(cfg: DataConfig) -> SequenceDataset:
 
     opts: dict = {}
     if cfg.item_features:
-        opts = {"item_features": cfg.item_features_file, "item_fields": list(cfg.item_features)}
+        opts |= {"item_features": cfg.item_features_file, "item_fields": list(cfg.item_features)}
+    if cfg.user_features:
+        opts |= {"user_features": cfg.user_features_file, "user_fields": list(cfg.user_features)}
     return select_features(import_dataset(cfg.format, src, **opts), cfg)
 
 
 def select_features(ds: SequenceDataset, cfg: DataConfig) -> SequenceDataset:
     """``ds`` with only the side-feature fields ``cfg`` names, in its order (none: no features); a field
-    the dataset lacks is a UserError naming ``data.item_features``."""
-    if not cfg.item_features:
-        ds.item_features = None
-    elif ds.item_features is None:
-        raise UserError(f"data.item_features: the dataset {ds.name} has no item features (import them with "
-                        "`grstack data import --item-features`, or use a format with a side file)")
-    else:
-        ds.item_features = ds.item_features.select(list(cfg.item_features), "data.item_features")
-    ds.user_features = None
+    the dataset lacks is a UserError naming ``data.item_features`` or ``data.user_features``."""
+    for kind, names in (("item", cfg.item_features), ("user", cfg.user_features)):
+        attr = f"{kind}_features"
+        feats = getattr(ds, attr)
+        if not names:
+            setattr(ds, attr, None)
+        elif feats is None:
+            raise UserError(f"data.{attr}: the dataset {ds.name} has no {kind} features (import them with "
+                            f"`grstack data import --{kind}-features`, or use a format with a side file)")
+        else:
+            setattr(ds, attr, feats.select(list(names), f"data.{attr}"))
     return ds
 
 

@@ -37,6 +37,9 @@ class LeaveOneOut:
         self.users = np.flatnonzero(lengths >= self.min_len)
         self.starts = self.ds.offsets[:-1][self.users]
         self.ends = self.ds.offsets[1:][self.users]
+        # user context (``JaggedBatch.context``): every dataset row's user-feature value ids, fixed width
+        feats = self.ds.user_features
+        self.context = feats.padded() if feats is not None and feats.fields else None
         # Training uses s[:-2]; a user needs >= 2 training items to give one (input, target) pair.
         self.train_users = np.flatnonzero(self.ends - 2 - self.starts >= 2)
 
@@ -69,8 +72,13 @@ class LeaveOneOut:
             targets=torch.from_numpy(ds.item_ids[idx + 1]),
             actions=torch.from_numpy(ds.actions[idx + 1]) if ds.actions is not None else None,
             user_index=torch.from_numpy(self.users[u]),
+            input_actions=torch.from_numpy(ds.actions[idx]) if ds.actions is not None else None,
+            context=self._context(self.users[u]),
         )
         return batch, torch.from_numpy(ds.timestamps[idx + 1])
+
+    def _context(self, ds_rows: np.ndarray) -> torch.Tensor | None:
+        return torch.from_numpy(self.context[ds_rows]) if self.context is not None else None
 
     def eval_batch(self, split: str, rows: np.ndarray, max_len: int) -> tuple[JaggedBatch, torch.Tensor]:
         """History batch and target item per user for ``split`` ('valid' or 'test')."""
@@ -85,6 +93,8 @@ class LeaveOneOut:
             offsets=torch.from_numpy(offsets),
             timestamps=torch.from_numpy(ds.timestamps[idx]),
             user_index=torch.from_numpy(self.users[rows]),
+            input_actions=torch.from_numpy(ds.actions[idx]) if ds.actions is not None else None,
+            context=self._context(self.users[rows]),
         )
         return batch, torch.from_numpy(ds.item_ids[target_pos])
 

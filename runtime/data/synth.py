@@ -16,6 +16,11 @@ The generative story, chosen so a sequential model has more to learn than popula
   strongly on the last few.
 * Labels (``click``, ``like``, ``long_view``; the same bits as the KuaiRand importer) grow with how well
   the run's topic matches the user's interests and with a per-item quality.
+* Side features, KuaiRand-like (drawn last, from their own generator, so the events do not change): items
+  have a ``tag`` (their topic; a random one for 15% of items, as tags are noisy) and an ``author`` (one of
+  about four per topic); users have ``activity`` (a quartile of their length, KuaiRand's active degree), a
+  ``region`` (the tenth of the topic ring their strongest initial interest lies in; a random one for 30% of
+  users) and an uninformative ``age_range``.
 
 Everything is vectorised over events (no per-user Python loop) and drawn from one ``numpy`` generator in a
 fixed order, so the same seed gives byte-identical arrays.
@@ -29,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from grstack.runtime.data.dataset import SequenceDataset
+from grstack.runtime.data.features import FeatureField, Features
 from grstack.runtime.errors import UserError
 
 ACTION_NAMES = ["click", "like", "long_view"]
@@ -232,6 +238,8 @@ def synthesize(preset: str, seed: int = 0, **overrides: object) -> SequenceDatas
     long_view = rng.random(n_events) < _sigmoid(-1.8 + 2.4 * match + 0.6 * quality)
     actions = click.astype(np.int64) | (like.astype(np.int64) << 1) | (long_view.astype(np.int64) << 2)
 
+    strongest = centre0[np.arange(u_count), np.argmax(wts, axis=1)]
+    item_feats, user_feats = _side_features(cfg, cat, lengths, strongest, seed)
     ds = SequenceDataset(
         user_ids=np.arange(1, u_count + 1, dtype=np.int64),
         offsets=offsets,
@@ -244,6 +252,34 @@ def synthesize(preset: str, seed: int = 0, **overrides: object) -> SequenceDatas
         source=f"synth:{preset}:seed={seed}",
         info={"generator": "grstack.runtime.data.synth", "preset": preset, "seed": seed,
               "config": dataclasses.asdict(cfg)},
+        item_features=item_feats,
+        user_features=user_feats,
     )
     ds.validate()
     return ds
+
+
+def _single(name: str, values: np.ndarray, prefix: str) -> FeatureField:
+    """A one-value-per-row field from integer codes (vocab tokens ``prefix<code>``)."""
+    codes, dense = np.unique(values, return_inverse=True)
+    return FeatureField(name, np.arange(len(values) + 1, dtype=np.int64), dense.astype(np.int64) + 1,
+                        np.array([f"{prefix}{c}" for c in codes]))
+
+
+def _side_features(cfg: SynthConfig, cat: _Catalogue, lengths: np.ndarray, strongest: np.ndarray,
+                   seed: int) -> tuple[Features, Features]:
+    """Item and user side features (module doc), from a generator of their own."""
+    rng = np.random.default_rng([seed, 0x5EA7])
+    k, n = cfg.num_topics, cfg.num_items
+    topic_of_item = np.empty(n, dtype=np.int64)
+    topic_of_item[cat.item_of_slot - 1] = np.repeat(np.arange(k), cat.topic_size)
+    tag = np.where(rng.random(n) < 0.15, rng.integers(0, k, n), topic_of_item)
+    author = topic_of_item * 4 + rng.integers(0, 4, n)
+    items = Features("item", n, [_single("tag", tag, "t"), _single("author", author, "a")])
+    u = len(lengths)
+    activity = np.searchsorted(np.quantile(lengths, [0.25, 0.5, 0.75]), lengths, side="right")
+    region = np.where(rng.random(u) < 0.3, rng.integers(0, 10, u), (np.floor(strongest) * 10 // k).astype(np.int64))
+    age = rng.integers(0, 7, u)
+    users = Features("user", u, [_single("activity", activity, "q"), _single("region", region, "r"),
+                                 _single("age_range", age, "age")])
+    return items, users

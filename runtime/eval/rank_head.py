@@ -94,12 +94,11 @@ def rank_head_logits(model: nn.Module, split: LeaveOneOut, which: str, rows: np.
                                 num_items, M)
         full, is_hist = append_candidates(batch, torch.from_numpy(cands), torch.from_numpy(target_ts))
         cand_at = torch.nonzero(~is_hist).squeeze(1)
-        rows_in = None
+        rows_in = ctx_in = None
         if lookup is not None:
-            ids = full.item_ids.long()
-            rows_in = model.token_rows(ids, lookup(model.token_keys(ids).reshape(-1)).to(device))
+            rows_in, ctx_in = model.looked_rows(full, lookup(model.lookup_keys(full)).to(device))
         full = full.to(device)
-        out = model.encode(full, item_rows=rows_in)
+        out = model.encode(full, item_rows=rows_in, context_rows=ctx_in)
         cand_at = cand_at.to(device)
         logits = model.rank_logits(out.index_select(0, cand_at), torch.from_numpy(cands).reshape(-1).to(device),
                                    cand_rows=rows_in.index_select(0, cand_at) if rows_in is not None else None)

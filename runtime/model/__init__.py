@@ -27,7 +27,7 @@ from grstack.runtime.model.fuxi import FuXiAlpha
 from grstack.runtime.model.hstu import HSTU
 from grstack.runtime.model.item_rows import ITEM_INIT_STD, ExternalItemRows, initial_item_rows
 from grstack.runtime.model.sasrec import SASRec
-from grstack.runtime.model.side_features import ItemFeatureMap
+from grstack.runtime.model.side_features import ItemFeatureMap, UserContextLayout, batch_keys
 
 __all__ = [
     "BEST_MODEL",
@@ -38,7 +38,9 @@ __all__ = [
     "FuXiAlpha",
     "ItemFeatureMap",
     "SASRec",
+    "UserContextLayout",
     "atomic_torch_save",
+    "batch_keys",
     "build_model",
     "export_model",
     "export_parts",

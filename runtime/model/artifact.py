@@ -89,6 +89,10 @@ def export_state(state_dict: dict[str, torch.Tensor], cfg: Config, ds: SequenceD
     fmap = item_feature_map(ds)
     if fmap is not None:
         blob["item_features"] = fmap.to_blob()
+    if ds.user_features is not None and ds.user_features.fields:
+        # sizes rebuild the model; the vocabularies translate a request's raw user features
+        blob["user_features"] = {"sizes": ds.user_features.sizes,
+                                 "vocab": {f.name: [str(t) for t in f.vocab] for f in ds.user_features.fields}}
     if item_parts is not None:
         blob["item_parts"] = item_parts
     atomic_torch_save(blob, path)
@@ -157,7 +161,9 @@ def load_exported(path: Path) -> tuple[nn.Module, Config, list[str]]:
     cfg = Config.model_validate(blob["config"])
     tasks = blob["tasks"]
     fmap = ItemFeatureMap.from_blob(blob["item_features"]) if blob.get("item_features") else None
-    model = build_model(cfg.model, blob["num_items"], cfg.data.max_len, num_tasks=len(tasks), item_features=fmap)
+    users = dict(blob["user_features"]["sizes"]) if blob.get("user_features") else None
+    model = build_model(cfg.model, blob["num_items"], cfg.data.max_len, num_tasks=len(tasks), item_features=fmap,
+                        user_features=users)
     model.load_state_dict(exported_state(path, blob))
     model.eval()
     return model, cfg, tasks

@@ -119,24 +119,27 @@ class FuXiAlpha(HSTU):
                  num_heads: int = 4, dqk: int = 16, dv: int = 16, dropout: float = 0.5,
                  input_dropout: float = 0.5, time_buckets: int = 128, position_bias: bool = True,
                  time_bias: bool = True, num_tasks: int = 1, ranking_head: bool = True,
-                 item_table: bool = True, ffn_mult: int = 1, item_features: ItemFeatureMap | None = None) -> None:
+                 item_table: bool = True, ffn_mult: int = 1, item_features: ItemFeatureMap | None = None,
+                 user_features: dict[str, int] | None = None, action_inputs: bool = False) -> None:
         # HSTU's embeddings and heads with no HSTU blocks (num_blocks=0); the FuXi-α blocks replace them.
         super().__init__(num_items, max_len=max_len, d_model=d_model, num_blocks=0, num_heads=num_heads,
                          dqk=dqk, dv=dv, dropout=dropout, input_dropout=input_dropout, time_buckets=time_buckets,
                          position_bias=position_bias, time_bias=time_bias, num_tasks=num_tasks,
-                         ranking_head=ranking_head, item_table=item_table, item_features=item_features)
+                         ranking_head=ranking_head, item_table=item_table, item_features=item_features,
+                         user_features=user_features, action_inputs=action_inputs)
         self.layers = nn.ModuleList(
             FuXiLayer(d_model, num_heads, dqk, dv, dropout, self.max_seq_len, time_buckets, position_bias,
                       time_bias, ffn_mult)
             for _ in range(num_blocks))
 
-    def encode(self, batch: JaggedBatch, item_rows: torch.Tensor | None = None) -> torch.Tensor:
+    def encode(self, batch: JaggedBatch, item_rows: torch.Tensor | None = None,
+               context_rows: torch.Tensor | None = None) -> torch.Tensor:
         """[sum_L, d] outputs for every token. Unlike HSTU, the plan is made on every device: the positional and
         temporal channels run per length group everywhere, and one plan per batch (one host read of the
         offsets) serves every layer and channel."""
-        plan = kernels.make_plan(batch.offsets)
-        x = self.embed_tokens(batch, item_rows)
-        ts = batch.timestamps if self._uses_time() else None
+        x, offsets, ts, keep = self.embed_batch(batch, item_rows, context_rows)
+        plan = kernels.make_plan(offsets)
+        ts = ts if self._uses_time() else None
         for layer in self.layers:
-            x = layer(x, batch.offsets, ts, batch.num_targets, plan)
-        return x
+            x = layer(x, offsets, ts, batch.num_targets, plan)
+        return x if keep is None else x[keep]

@@ -41,6 +41,15 @@ from grstack.runtime.model.item_rows import ITEM_INIT_STD
 from grstack.runtime.model.side_features import ItemFeatureMap, ItemTokens
 
 
+def action_input_bits(action_inputs: bool, num_tasks: int) -> int:
+    """Action bits a model with ``action_inputs`` embeds: the dataset's, one per ranking task after "next"."""
+    if not action_inputs:
+        return 0
+    if num_tasks < 2:
+        raise ValueError("model.action_inputs needs a dataset with actions (click, like, ...): this one has none")
+    return num_tasks - 1
+
+
 class HSTULayer(nn.Module):
     def __init__(self, d_model: int, num_heads: int, dqk: int, dv: int, dropout: float, max_seq_len: int,
                  time_buckets: int, position_bias: bool, time_bias: bool) -> None:
@@ -126,15 +135,20 @@ class HSTU(ItemTokens):
                  input_dropout: float = 0.5, time_buckets: int = 128, position_bias: bool = True,
                  time_bias: bool = True, num_tasks: int = 1, ranking_head: bool = True,
                  item_table: bool = True, time_bias_query: str = "self",
-                 item_features: ItemFeatureMap | None = None) -> None:
+                 item_features: ItemFeatureMap | None = None, user_features: dict[str, int] | None = None,
+                 action_inputs: bool = False) -> None:
         super().__init__()
         if time_bias_query not in ("self", "next"):
             raise ValueError(f"time_bias_query must be self or next, not {time_bias_query!r}")
+        if time_bias_query == "next" and user_features:
+            raise ValueError("time_bias_query=next does not combine with user context tokens")
         self.time_bias_query = time_bias_query
         self.num_items, self.max_len, self.d_model = num_items, max_len, d_model
-        # Candidates sit at position hist_len <= max_len, hence max_len + 1 positions.
-        self.max_seq_len = max_len + 1
-        self._init_item_table(num_items, d_model, item_table, item_features)
+        # Candidates sit at position hist_len <= max_len, hence max_len + 1 positions; contextual tokens
+        # (one per user field) head the sequence.
+        self.max_seq_len = max_len + 1 + len(user_features or {})
+        self._init_item_table(num_items, d_model, item_table, item_features, user_features,
+                              action_bits=action_input_bits(action_inputs, num_tasks))
         self.pos_emb = nn.Embedding(self.max_seq_len, d_model)
         self.input_dropout = input_dropout
         self.layers = nn.ModuleList(
@@ -170,8 +184,10 @@ class HSTU(ItemTokens):
         pos = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
         return torch.as_tensor(np.minimum(pos, self.max_seq_len - 1), dtype=torch.int64).to(device)
 
-    def _embed(self, item_rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def _embed(self, item_rows: torch.Tensor, pos: torch.Tensor, actions: torch.Tensor | None = None) -> torch.Tensor:
         x = item_rows * math.sqrt(self.d_model) + self.pos_emb(pos)
+        if actions is not None:
+            x = x + actions
         return F.dropout(x, self.input_dropout, self.training)
 
     def embed_tokens(self, batch: JaggedBatch, item_rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -179,22 +195,40 @@ class HSTU(ItemTokens):
         looked up elsewhere (the sharded embedding of distributed training); else read from ``item_emb``."""
         if item_rows is None:
             item_rows = self.token_rows(batch.item_ids)
-        return self._embed(item_rows, self.token_positions(batch))
+        actions = self.action_vectors(batch.input_actions, batch.num_targets, batch.offsets, batch.num_tokens)
+        return self._embed(item_rows, self.token_positions(batch), actions)
+
+    def embed_batch(self, batch: JaggedBatch, item_rows: torch.Tensor | None = None,
+                    context_rows: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The layers' input: (x, offsets, timestamps, index of the batch's own tokens or None), with the
+        contextual tokens at the head of every sequence when the model reads user context (``context_rows``:
+        :meth:`context_rows` computed elsewhere)."""
+        x = self.embed_tokens(batch, item_rows)
+        if self.context is None:
+            return x, batch.offsets, batch.timestamps, None
+        if context_rows is None:
+            if batch.context is None:
+                raise ValueError("the model reads user context: the batch has none")
+            context_rows = self.context_rows(batch.context)
+        ctx = F.dropout(context_rows * math.sqrt(self.d_model), self.input_dropout, self.training)
+        return self.with_context(x, batch.offsets, batch.timestamps, ctx)
 
     def _uses_time(self) -> bool:
         return any(layer.time_weight is not None for layer in self.layers)
 
-    def encode(self, batch: JaggedBatch, item_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """[sum_L, d] outputs for every token (history and candidates)."""
-        plan = kernels.make_plan(batch.offsets) if batch.item_ids.device.type == "cpu" else None
-        x = self.embed_tokens(batch, item_rows)
-        ts = batch.timestamps if self._uses_time() else None
+    def encode(self, batch: JaggedBatch, item_rows: torch.Tensor | None = None,
+               context_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """[sum_L, d] outputs for every token (history and candidates; contextual tokens are dropped)."""
+        x, offsets, ts, keep = self.embed_batch(batch, item_rows, context_rows)
+        plan = kernels.make_plan(offsets) if batch.item_ids.device.type == "cpu" else None
+        ts = ts if self._uses_time() else None
         qts = None
         if ts is not None and self.time_bias_query == "next":
-            qts = next_event_timestamps(ts, batch.offsets, batch.num_targets)
+            qts = next_event_timestamps(ts, offsets, batch.num_targets)
         for layer in self.layers:
-            x = layer(x, batch.offsets, ts, batch.num_targets, plan, qts)
-        return x
+            x = layer(x, offsets, ts, batch.num_targets, plan, qts)
+        return x if keep is None else x[keep]
 
     # -- relay inference: cached prefixes -----------------------------------------------------------
     @property
@@ -204,6 +238,10 @@ class HSTU(ItemTokens):
         return not (self.time_bias_query == "next" and self._uses_time())
 
     def _check_prefix_servable(self) -> None:
+        if self.context is not None or self.action_emb is not None:
+            raise ValueError("a model with user context (data.user_features) or action inputs (model.action_inputs) "
+                             "cannot run on cached prefixes yet: serving requests carry neither user features nor "
+                             "actions (docs/features.md)")
         if not self.cached_prefix_exact:
             raise ValueError("a model with model.time_bias_query=next cannot run on cached prefixes (the last "
                              "prefix token's keys and values depend on the next event's time, and the cache "

@@ -14,6 +14,7 @@ from torch import nn
 
 from grstack import kernels
 from grstack.runtime.data import JaggedBatch
+from grstack.runtime.model.hstu import action_input_bits
 from grstack.runtime.model.item_rows import ITEM_INIT_STD
 from grstack.runtime.model.side_features import ItemFeatureMap, ItemTokens
 
@@ -44,12 +45,15 @@ class SASRec(ItemTokens):
 
     def __init__(self, num_items: int, *, max_len: int, d_model: int = 64, num_blocks: int = 2,
                  num_heads: int = 2, dropout: float = 0.5, input_dropout: float = 0.5, ffn_mult: int = 1,
-                 item_table: bool = True, item_features: ItemFeatureMap | None = None, **_: object) -> None:
+                 item_table: bool = True, item_features: ItemFeatureMap | None = None,
+                 user_features: dict[str, int] | None = None, action_inputs: bool = False, num_tasks: int = 1,
+                 **_: object) -> None:
         super().__init__()
         if d_model % num_heads:
             raise ValueError(f"model.d_model={d_model} must be divisible by model.num_heads={num_heads}")
         self.num_items, self.max_len, self.d_model = num_items, max_len, d_model
-        self._init_item_table(num_items, d_model, item_table, item_features)
+        self._init_item_table(num_items, d_model, item_table, item_features, user_features,
+                              action_bits=action_input_bits(action_inputs, num_tasks))
         self.pos_emb = nn.Embedding(max_len + 1, d_model)
         self.input_dropout = input_dropout
         self.blocks = nn.ModuleList(SASRecBlock(d_model, num_heads, dropout, ffn_mult) for _ in range(num_blocks))
@@ -60,17 +64,31 @@ class SASRec(ItemTokens):
             nn.init.trunc_normal_(self.item_emb.weight, std=ITEM_INIT_STD)
         nn.init.trunc_normal_(self.pos_emb.weight, std=0.02)
 
-    def encode(self, batch: JaggedBatch, item_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """``item_rows``: the tokens' rows (:meth:`token_rows`) when looked up elsewhere (the sharded embedding)."""
-        plan = kernels.make_plan(batch.offsets)
+    def encode(self, batch: JaggedBatch, item_rows: torch.Tensor | None = None,
+               context_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``item_rows``: the tokens' rows (:meth:`token_rows`) when looked up elsewhere (the sharded embedding);
+        ``context_rows``: the contextual tokens' (:meth:`context_rows`), which head each sequence."""
         pos = kernels.positions(batch.offsets, batch.item_ids.numel()).clamp(max=self.max_len)
         if item_rows is None:
             item_rows = self.token_rows(batch.item_ids)
-        x = item_rows * math.sqrt(self.d_model)
-        x = F.dropout(x + self.pos_emb(pos), self.input_dropout, self.training)
+        x = item_rows * math.sqrt(self.d_model) + self.pos_emb(pos)
+        actions = self.action_vectors(batch.input_actions, batch.num_targets, batch.offsets, batch.num_tokens)
+        if actions is not None:
+            x = x + actions
+        x = F.dropout(x, self.input_dropout, self.training)
+        offsets, keep = batch.offsets, None
+        if self.context is not None:
+            if context_rows is None:
+                if batch.context is None:
+                    raise ValueError("the model reads user context: the batch has none")
+                context_rows = self.context_rows(batch.context)
+            ctx = F.dropout(context_rows * math.sqrt(self.d_model), self.input_dropout, self.training)
+            x, offsets, _, keep = self.with_context(x, offsets, batch.timestamps, ctx)
+        plan = kernels.make_plan(offsets)
         for block in self.blocks:
-            x = block(x, batch.offsets, plan)
-        return self.norm(x)
+            x = block(x, offsets, plan)
+        x = self.norm(x)
+        return x if keep is None else x[keep]
 
     def item_vectors(self, ids: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
         if rows is not None:

@@ -1,4 +1,4 @@
-"""Item side features pooled into item tokens (docs/features.md).
+"""Item side features pooled into item tokens, user context tokens and action inputs (docs/features.md).
 
 Feature values are rows of the item table itself, after the items: table row ``num_items + 1 + base_f + v - 1``
 is value ``v`` of field ``f`` (``base_f`` the values of the fields before it). So the distributed engine
@@ -12,6 +12,12 @@ feature rows, so a sharded evaluation needs nothing but the item rows it owns.
 :class:`ItemFeatureMap` is the per-item layout: ``rows[i]`` the table rows of item ``i``'s values, padded
 with row 0 at weight 0 to the widest item (``[num_items + 1, W]``, fixed width: lookups need no host
 sync).
+
+User context (:class:`UserContextLayout`): the values of user fields (age, gender, ...) are table rows after
+the item features; each field becomes one contextual token at the head of the user's sequence (the mean of
+its values' rows), which every later token can attend to and whose output is not used. Action inputs: a
+history token adds the sum of learned vectors of its own action bits (click, like, ...); a candidate adds a
+"to be predicted" vector instead, so the ranking head never sees the label it predicts.
 """
 
 from __future__ import annotations
@@ -134,29 +140,155 @@ class ItemFeatureBag(nn.Module):
         return looked[:, 0] + torch.einsum("nw,nwd->nd", w, looked[:, 1:])
 
 
+@dataclass
+class UserContextLayout:
+    """Where user-feature values sit in the table: field ``c``'s value ``v`` is row ``base + offset_c + v - 1``."""
+
+    sizes: dict[str, int]
+    base: int
+
+    @property
+    def num_rows(self) -> int:
+        return sum(self.sizes.values())
+
+    @property
+    def num_fields(self) -> int:
+        return len(self.sizes)
+
+    def keys(self, context: torch.Tensor) -> torch.Tensor:
+        """[B, C, W] table rows of value ids ``context`` (0, no value: row 0, weighed 0)."""
+        firsts = [self.base]
+        for n in list(self.sizes.values())[:-1]:
+            firsts.append(firsts[-1] + n)
+        first = torch.tensor(firsts, dtype=torch.int64, device=context.device)[None, :, None]
+        return torch.where(context > 0, first + context - 1, torch.zeros_like(context))
+
+    @staticmethod
+    def weights(context: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[B, C, W]: 1 / (values of the field the user has) on values, 0 on padding."""
+        has = (context > 0).to(dtype)
+        return has / has.sum(dim=2, keepdim=True).clamp(min=1)
+
+
+def batch_keys(item_features: ItemFeatureMap | None, context_layout: UserContextLayout | None,
+               item_ids: torch.Tensor, context: torch.Tensor | None) -> torch.Tensor:
+    """Every table row a batch's input reads, flat: each token's item and feature rows (token-major), then
+    each sequence's context rows. A pure function of the layouts, so the batch thread computes it on the host
+    with the same result as the model's :meth:`ItemTokens.lookup_keys`."""
+    keys = item_ids if item_features is None else item_features.token_keys(item_ids).reshape(-1)
+    if context_layout is not None:
+        if context is None:
+            raise ValueError("the model reads user context: the batch has none")
+        keys = torch.cat([keys, context_layout.keys(context).reshape(-1)])
+    return keys
+
+
 class ItemTokens(nn.Module):
     """The item table (item rows, then feature-value rows) and what an item token reads of it; HSTU and
     SASRec keep theirs in ``item_emb``/``features`` through this base."""
 
     num_items: int
+    d_model: int
+    input_dropout: float
     item_emb: nn.Module
     features: ItemFeatureBag | None
+    context: UserContextLayout | None
+    action_emb: nn.Embedding | None
 
     def _init_item_table(self, num_items: int, d_model: int, item_table: bool,
-                         item_features: ItemFeatureMap | None) -> None:
+                         item_features: ItemFeatureMap | None, user_features: dict[str, int] | None = None,
+                         action_bits: int = 0) -> None:
         from grstack.runtime.model.item_rows import ExternalItemRows
 
         if item_features is not None and item_features.num_items != num_items:
             raise ValueError(f"the item feature map covers {item_features.num_items} items, the model {num_items}")
         self.features = ItemFeatureBag(item_features) if item_features is not None else None
-        rows = self.table_rows(num_items, item_features)
+        base = num_items + 1 + (item_features.num_rows if item_features is not None else 0)
+        self.context = UserContextLayout(dict(user_features), base) if user_features else None
+        rows = self.table_rows(num_items, item_features, user_features)
         # item_table=False: the rows live elsewhere (training's sharded table); nothing is allocated for them
         self.item_emb = nn.Embedding(rows, d_model) if item_table else ExternalItemRows(rows, d_model)
+        # one vector per action bit, then the candidates' "to be predicted" vector
+        self.action_emb = nn.Embedding(action_bits + 1, d_model) if action_bits else None
+        if self.action_emb is not None:
+            nn.init.trunc_normal_(self.action_emb.weight, std=d_model**-0.5)
 
     @staticmethod
-    def table_rows(num_items: int, item_features: ItemFeatureMap | None) -> int:
-        """Rows of the item table: padding, the items, then every feature value."""
-        return num_items + 1 + (item_features.num_rows if item_features is not None else 0)
+    def table_rows(num_items: int, item_features: ItemFeatureMap | None,
+                   user_features: dict[str, int] | None = None) -> int:
+        """Rows of the item table: padding, the items, every item feature value, every user feature value."""
+        return (num_items + 1 + (item_features.num_rows if item_features is not None else 0)
+                + (sum(user_features.values()) if user_features else 0))
+
+    @property
+    def num_context(self) -> int:
+        """Contextual tokens at the head of each sequence (one per user field)."""
+        return self.context.num_fields if self.context is not None else 0
+
+    def lookup_keys(self, batch: Any) -> torch.Tensor:
+        """Every table row ``batch``'s input reads (:func:`batch_keys`), on the batch's device."""
+        keys = self.token_keys(batch.item_ids).reshape(-1)
+        if self.context is None:
+            return keys
+        if batch.context is None:
+            raise ValueError("the model reads user context: the batch has none")
+        return torch.cat([keys, self.context.keys(batch.context).reshape(-1)])
+
+    def looked_rows(self, batch: Any, looked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(token rows [n, d], context rows [B, C, d] or None) from the rows of :meth:`lookup_keys`."""
+        n = batch.item_ids.numel() * self.keys_per_token
+        ctx = self.context_rows(batch.context, looked[n:]) if self.context is not None else None
+        return self.token_rows(batch.item_ids, looked[:n]), ctx
+
+    def context_rows(self, context: torch.Tensor, looked: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, C, d] contextual token rows: per field, the mean of the user's value rows (zero without values).
+        ``looked``: the rows of the context keys already fetched; None: read from ``item_emb``."""
+        from grstack import kernels
+
+        assert self.context is not None
+        keys = self.context.keys(context)
+        if looked is None:
+            looked = kernels.embedding_gather(self.item_emb.weight, keys.reshape(-1))
+        looked = looked.reshape(*keys.shape, -1)
+        w = UserContextLayout.weights(context.to(looked.device), looked.dtype)
+        return torch.einsum("bcw,bcwd->bcd", w, looked)
+
+    def action_vectors(self, input_actions: torch.Tensor | None, num_targets: torch.Tensor | None,
+                       offsets: torch.Tensor, n: int) -> torch.Tensor | None:
+        """[n, d] what each token adds for its own actions (candidates: the "to be predicted" vector); None
+        when the model takes no action inputs."""
+        if self.action_emb is None:
+            return None
+        if input_actions is None:
+            raise ValueError("the model reads action inputs: the batch has none (input_actions)")
+        bits = self.action_emb.num_embeddings - 1
+        a = input_actions.to(self.action_emb.weight.device)
+        on = ((a[:, None] >> torch.arange(bits, device=a.device)[None, :]) & 1) * (a[:, None] >= 0)
+        out = on.to(self.action_emb.weight.dtype) @ self.action_emb.weight[:bits]
+        return out + (a < 0).to(out.dtype)[:, None] * self.action_emb.weight[bits]
+
+    def with_context(self, x: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor,
+                     context_x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The jagged input with ``C`` contextual tokens ``context_x`` [B, C, d] at the head of every sequence:
+        (x, offsets, timestamps, index of the original tokens). A contextual token carries its sequence's
+        first timestamp (it is as old as the history it heads)."""
+        from grstack import kernels
+
+        B, C = context_x.shape[0], context_x.shape[1]
+        n = x.shape[0]
+        dev = x.device
+        new_offsets = offsets + C * torch.arange(B + 1, device=dev)
+        seg = kernels.segment_ids(offsets, n)
+        keep = torch.arange(n, device=dev) + C * (seg + 1)
+        head = (new_offsets[:-1][:, None] + torch.arange(C, device=dev)[None, :]).reshape(-1)
+        out = x.new_empty((n + B * C, x.shape[1]))
+        out[keep] = x
+        out[head] = context_x.reshape(B * C, -1).to(x.dtype)
+        ts = timestamps.new_empty(n + B * C)
+        ts[keep] = timestamps
+        first = timestamps[offsets[:-1].clamp(max=max(n - 1, 0))] if n else timestamps.new_zeros(B)
+        ts[head] = first[:, None].expand(B, C).reshape(-1)
+        return out, new_offsets, ts, keep
 
     @property
     def keys_per_token(self) -> int:

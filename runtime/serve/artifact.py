@@ -26,6 +26,10 @@ def load_ranking_model(path: str | Path) -> tuple[nn.Module, list[str]]:
         raise UserError(f"{p}: relay serving needs model.time_bias_query=self; this model was trained with "
                         f"model.time_bias_query=next, whose cached prefixes would not be exact (the last prefix "
                         f"token's keys and values depend on the next event's time)")
+    if cfg.data.user_features or cfg.model.action_inputs:
+        raise UserError(f"{p}: this model reads user context (data.user_features) or actions (model.action_inputs), "
+                        f"which rank requests do not carry yet; serve a model trained without them (item side "
+                        f"features are served: the model carries its item feature map)")
     return model, tasks
 
 

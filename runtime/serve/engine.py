@@ -134,6 +134,9 @@ class RelayEngine:
         if not getattr(model, "cached_prefix_exact", True):
             raise ValueError("relay serving needs model.time_bias_query=self: with next, cached prefixes are not "
                              "exact (the last prefix token's keys and values depend on the next event's time)")
+        if getattr(model, "context", None) is not None or getattr(model, "action_emb", None) is not None:
+            raise ValueError("relay serving does not take user context or action inputs yet (requests carry "
+                             "neither)")
         if not 0 < max_suffix < model.max_len:
             raise ValueError(f"max_suffix must be in 1..{model.max_len - 1} (the model's max_len is "
                              f"{model.max_len})")

@@ -27,7 +27,7 @@ import torch
 
 from grstack.runtime.data import JaggedBatch, LeaveOneOut, append_candidates, ranges_index
 from grstack.runtime.embedding import LookupUnit, make_unit
-from grstack.runtime.model import ItemFeatureMap
+from grstack.runtime.model import ItemFeatureMap, UserContextLayout, batch_keys
 from grstack.runtime.train import balance, microbatching
 from grstack.runtime.train.negatives import GroupLayout, share_permutations, step_generator, uniform_items
 from grstack.runtime.training_config import Config
@@ -45,7 +45,7 @@ class MicroBatch:
     neg_ids: torch.Tensor | None  # [G, R]
     neg_group: torch.Tensor | None  # [N] each token's own set, in 0..Gown-1
     unit: int  # index of this micro-batch's lookup unit in PreparedBatch.units
-    inv_input: torch.Tensor  # [sum_L' * keys_per_token] index of every input token's table rows in the unit's keys
+    inv_input: torch.Tensor  # index in the unit's keys of every table row the input reads (model.lookup_keys)
     inv_target: torch.Tensor  # [N]
     inv_neg: torch.Tensor | None  # [G, R]
     # logit sharing: k-1 maps [Gown] -> 0..G-1, the step's permutations restricted to this micro-batch's own
@@ -159,7 +159,9 @@ def _slice(batch: JaggedBatch, target_ts: torch.Tensor, seqs: np.ndarray) -> tup
     sub = JaggedBatch(item_ids=batch.item_ids[t], offsets=torch.from_numpy(offsets),
                       timestamps=batch.timestamps[t], targets=batch.targets[t],
                       actions=batch.actions[t] if batch.actions is not None else None,
-                      user_index=batch.user_index[torch.from_numpy(seqs)] if batch.user_index is not None else None)
+                      user_index=batch.user_index[torch.from_numpy(seqs)] if batch.user_index is not None else None,
+                      input_actions=batch.input_actions[t] if batch.input_actions is not None else None,
+                      context=batch.context[torch.from_numpy(seqs)] if batch.context is not None else None)
     return sub, target_ts[t], idx
 
 
@@ -167,17 +169,13 @@ class Preparer:
     """Builds one rank's PreparedBatch for a global step."""
 
     def __init__(self, schedule: Schedule, cfg: Config, rank: int, num_items: int, num_tasks: int,
-                 ranking: bool, item_features: ItemFeatureMap | None = None) -> None:
+                 ranking: bool, item_features: ItemFeatureMap | None = None,
+                 context_layout: UserContextLayout | None = None) -> None:
         self.s, self.cfg, self.rank = schedule, cfg, rank
         self.num_items, self.num_tasks, self.ranking = num_items, num_tasks, ranking
-        # side features: an input token reads its item row and its feature rows (one lookup with the rest)
-        self.item_features = item_features
-
-    def _input_keys(self, item_ids: torch.Tensor) -> torch.Tensor:
-        """The table rows the input tokens read, token-major (``[n * keys_per_token]``)."""
-        if self.item_features is None:
-            return item_ids
-        return self.item_features.token_keys(item_ids).reshape(-1)
+        # side features and user context: an input token reads its item row and its feature rows, a sequence
+        # its context rows (one lookup with the rest)
+        self.item_features, self.context_layout = item_features, context_layout
 
     def __call__(self, epoch: int, step: int, global_step: int) -> PreparedBatch:
         cfg, s = self.cfg, self.s
@@ -237,7 +235,7 @@ class Preparer:
                     bits = sub.actions[last]
                     for t in range(1, self.num_tasks):
                         labels[:, 0, t] = ((bits >> (t - 1)) & 1).float()
-            input_keys = self._input_keys(full.item_ids)
+            input_keys = batch_keys(self.item_features, self.context_layout, full.item_ids, full.context)
             n_in = input_keys.numel()
             mb_negs = neg_group = None
             share: list[torch.Tensor] = []

@@ -149,7 +149,7 @@ def time_rows(engine: Engine, schedule: Schedule, preparer: Preparer, rows: np.n
     prepared = []
     for row in rows.tolist():
         prep = Preparer(cast(Schedule, _OneRow(schedule, row)), cfg, 0, preparer.num_items, preparer.num_tasks,
-                        preparer.ranking, preparer.item_features)
+                        preparer.ranking, preparer.item_features, preparer.context_layout)
         batch = prep(0, 0, 0)
         g = torch.Generator().manual_seed(row)
 

@@ -129,13 +129,13 @@ class Engine:
         ``train.precision=bf16``; the loss is computed in fp32 from fp32 copies of its inputs."""
         cfg, dev = self.cfg, self.device
         full = mb.full.to(dev, non_blocking=True)
-        item_rows = self.model.token_rows(full.item_ids, _take(rows, _dev(mb.inv_input, dev)))
+        item_rows, context_rows = self.model.looked_rows(full, _take(rows, _dev(mb.inv_input, dev)))
         hist_at = cand_at = None
         if mb.is_hist is not None:  # positions split on the host (Preparer): a device mask would cost a sync
             assert mb.hist_index is not None and mb.cand_index is not None
             hist_at, cand_at = _dev(mb.hist_index, dev), _dev(mb.cand_index, dev)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.bf16):
-            out = self.model.encode(full, item_rows=item_rows)
+            out = self.model.encode(full, item_rows=item_rows, context_rows=context_rows)
             hist_out = out.index_select(0, hist_at) if hist_at is not None else out
             q = self.model.query_vectors(hist_out)
             pos = self.model.item_vectors(rows=_take(rows, _dev(mb.inv_target, dev)))

@@ -69,13 +69,13 @@ def sharded_eval_ranks(model: nn.Module, table: ShardedEmbedding, ctx: DistConte
         chunk = rows[r * batch_size : (r + 1) * batch_size]
         batch, targets = split.eval_batch(which, chunk, max_len)
         hist, hoff = split.full_history(which, chunk)
-        ids = batch.item_ids.long()
-        # every member takes part, with or without users; a token reads its item row and its feature rows
-        looked = table.lookup(model.token_keys(ids).reshape(-1), comm, w)
+        # every member takes part, with or without users; a token reads its item row and its feature rows, a
+        # sequence its user context's
+        looked = table.lookup(model.lookup_keys(batch), comm, w)
         if len(chunk):
-            item_rows = model.token_rows(ids, looked.to(device))
+            item_rows, context_rows = model.looked_rows(batch, looked.to(device))
             batch = batch.to(device)
-            enc = model.encode(batch, item_rows=item_rows)
+            enc = model.encode(batch, item_rows=item_rows, context_rows=context_rows)
             q = model.query_vectors(last_token_outputs(enc, batch.offsets))
         else:
             q = items.new_zeros((0, d))

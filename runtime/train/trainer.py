@@ -124,7 +124,7 @@ class Built:
 def build_engine(cfg: Config, ctx: DistContext, plan: ShardingPlan, split: LeaveOneOut | None, tasks: list[str],
                  *, num_items: int | None = None,
                  share: tuple[RankShare, list[list[np.ndarray]]] | None = None,
-                 item_features: ItemFeatureMap | None = None) -> Built:
+                 item_features: ItemFeatureMap | None = None, user_features: dict[str, int] | None = None) -> Built:
     """The dense model (its item rows live in this rank's shard), shard and dense optimizers, the engine and
     the batch schedule (over this rank's ``share`` and every rank's gathered lengths when the data is read
     sharded). Every rank builds the dense part from the same seed and initialises only its own
@@ -135,7 +135,7 @@ def build_engine(cfg: Config, ctx: DistContext, plan: ShardingPlan, split: Leave
         num_items = split.ds.num_items
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model, num_items, cfg.data.max_len, num_tasks=len(tasks), item_table=False,
-                        item_features=item_features)
+                        item_features=item_features, user_features=user_features)
     mine = plan.shard_of(ctx.rank)
     shard = initial_item_rows(cfg.train.seed, plan.global_ids(mine, torch.arange(plan.shard_rows(mine))),
                               plan.dim, ITEM_INIT_STD, ctx.device)
@@ -153,14 +153,18 @@ def build_engine(cfg: Config, ctx: DistContext, plan: ShardingPlan, split: Leave
     else:
         assert split is not None
         schedule = Schedule(split, cfg, ctx.world_size, extra)
-    preparer = Preparer(schedule, cfg, ctx.rank, num_items, len(tasks), engine.ranking, item_features)
+    preparer = Preparer(schedule, cfg, ctx.rank, num_items, len(tasks), engine.ranking, item_features,
+                        model.context)
     return Built(model, table, engine, schedule, preparer)
 
 
 def make_plan(cfg: Config, ctx: DistContext, num_items: int,
-              item_features: ItemFeatureMap | None = None) -> ShardingPlan:
-    """The item table's sharding: padding, the items, then the side-feature values (model/side_features.py)."""
-    rows = num_items + 1 + (item_features.num_rows if item_features is not None else 0)
+              item_features: ItemFeatureMap | None = None, user_features: dict[str, int] | None = None
+              ) -> ShardingPlan:
+    """The item table's sharding: padding, the items, then the item and user side-feature values
+    (model/side_features.py)."""
+    rows = (num_items + 1 + (item_features.num_rows if item_features is not None else 0)
+            + (sum(user_features.values()) if user_features else 0))
     return ShardingPlan.make(rows, cfg.model.d_model, ctx.world_size, ctx.group_size,
                              cfg.distributed.max_shard_rows)
 
@@ -193,8 +197,11 @@ class Trainer:
             self.split = LeaveOneOut(self.ds, min_len=cfg.data.min_len)
         self.ds = select_features(self.ds, cfg.data)
         self.item_features = item_feature_map(self.ds)
+        self.user_features = self.ds.user_features.sizes if self.ds.user_features is not None else None
         self.tasks = task_names(self.ds)
-        self.plan = make_plan(cfg, ctx, self.ds.num_items, self.item_features)
+        if cfg.model.action_inputs and len(self.tasks) < 2:
+            raise UserError(f"model.action_inputs: the dataset {self.ds.name} has no actions to read")
+        self.plan = make_plan(cfg, ctx, self.ds.num_items, self.item_features, self.user_features)
         self._check_sizes()
         # balance.profile's fit, read on rank 0 for every rank before anything is written (a resumed run
         # takes its weights from its checkpoint instead)
@@ -273,7 +280,7 @@ class Trainer:
         cfg, ctx = self.cfg, self.ctx
         b = build_engine(cfg, ctx, self.plan, self.split, self.tasks, num_items=self.ds.num_items,
                          share=(self.share, self.piece_lengths) if self.share is not None else None,
-                         item_features=self.item_features)
+                         item_features=self.item_features, user_features=self.user_features)
         self.model, self.table, self.engine = b.model, b.table, b.engine
         self.schedule, self.preparer = b.schedule, b.preparer
         self.balance = self._balance_weights()

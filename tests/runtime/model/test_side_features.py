@@ -4,10 +4,10 @@ the config's field selection."""
 import numpy as np
 import pytest
 import torch
-from grstack_testing import cyclic_dataset, with_item_features
+from grstack_testing import cyclic_dataset, with_item_features, with_user_context
 
 from grstack import kernels
-from grstack.runtime.data import select_features
+from grstack.runtime.data import LeaveOneOut, select_features
 from grstack.runtime.data.candidates import append_candidates
 from grstack.runtime.data.features import FeatureField, Features
 from grstack.runtime.data.jagged import JaggedBatch
@@ -128,3 +128,76 @@ def test_the_config_selects_fields_by_name_and_refuses_unknown_ones():
         DataConfig(item_features=["parity", "parity"])
     assert select_features(with_item_features(cyclic_dataset(num_users=10, num_items=12)),
                            DataConfig()).item_features is None
+
+
+def test_a_token_reads_its_own_actions_and_a_candidate_never_its_label():
+    ds = with_user_context(cyclic_dataset(num_users=6, num_items=12))
+    ds.actions = np.arange(ds.num_events, dtype=np.int64) % 4  # distinct bits per position
+    split = LeaveOneOut(ds)
+    batch, _ = split.train_batch(np.arange(len(split.train_users)), max_len=50)
+    # the same events: a token's own action is the previous token's label inside a sequence
+    inner = torch.ones(batch.num_tokens, dtype=torch.bool)
+    inner[batch.offsets[:-1]] = False
+    assert torch.equal(batch.input_actions[inner], batch.actions[torch.nonzero(inner).squeeze(1) - 1])
+    full, is_hist = append_candidates(batch, torch.ones(batch.batch_size, 3, dtype=torch.int64),
+                                      torch.zeros(batch.batch_size, dtype=torch.int64))
+    assert torch.equal(full.input_actions[is_hist], batch.input_actions)
+    assert (full.input_actions[~is_hist] == -1).all()
+    model = build_model(ModelConfig(d_model=8, num_blocks=1, num_heads=1, dqk=4, dv=4, action_inputs=True), 12, 50,
+                        num_tasks=3)
+    e = model.action_emb.weight
+    vec = model.action_vectors(torch.tensor([0, 1, 3, -1]), None, torch.tensor([0, 4]), 4)
+    torch.testing.assert_close(vec, torch.stack([torch.zeros(8), e[0], e[0] + e[1], e[2]]))
+
+
+def test_contextual_tokens_head_each_sequence_and_reach_only_their_own():
+    ds = with_user_context(cyclic_dataset(num_users=6, num_items=12))
+    split = LeaveOneOut(ds)
+    batch, _ = split.eval_batch("test", np.arange(4), max_len=50)
+    assert batch.context.shape == (4, 2, 2)  # cohort (one value), tags (up to two)
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(d_model=8, num_blocks=2, num_heads=2, dqk=4, dv=4, dropout=0.0,
+                                    input_dropout=0.0), 12, 50, num_tasks=2,
+                        user_features=ds.user_features.sizes).eval()
+    assert model.max_seq_len == 50 + 1 + 2
+    with torch.no_grad():
+        out = model.encode(batch)
+        assert out.shape == (batch.num_tokens, 8)
+        changed = batch.context.clone()
+        changed[1, 0, 0] = 3 - changed[1, 0, 0] if changed[1, 0, 0] != 0 else 1  # user 1's cohort
+        other = model.encode(JaggedBatch(item_ids=batch.item_ids, offsets=batch.offsets,
+                                         timestamps=batch.timestamps, context=changed))
+    seq = torch.repeat_interleave(torch.arange(4), batch.lengths)
+    assert not torch.allclose(out[seq == 1], other[seq == 1])
+    torch.testing.assert_close(out[seq != 1], other[seq != 1])
+
+
+def test_models_with_user_context_or_actions_are_refused_by_serving_with_the_reason(tmp_path):
+    from grstack.runtime.serve.artifact import load_ranking_model
+
+    ds = with_user_context(cyclic_dataset(num_users=10, num_items=12))
+    cfg = Config.model_validate({"data": {"format": "parquet", "source": str(tmp_path), "user_features": ["cohort"]},
+                                 "model": {"d_model": 8, "num_blocks": 1, "num_heads": 1, "dqk": 4, "dv": 4}})
+    ds = select_features(ds, cfg.data)
+    model = build_model(cfg.model, ds.num_items, cfg.data.max_len, num_tasks=2, user_features=ds.user_features.sizes)
+    export_model(model, cfg, ds, tmp_path / "model.pt")
+    loaded, _, _ = load_exported(tmp_path / "model.pt")
+    assert loaded.context.sizes == {"cohort": 3}
+    with pytest.raises(UserError, match=r"reads user context \(data.user_features\) or actions"):
+        load_ranking_model(tmp_path / "model.pt")
+
+
+def test_action_inputs_need_actions_and_user_context_needs_whole_reads(tmp_path):
+    from grstack.runtime.data.dataset import write_dataset
+    from grstack.runtime.train.trainer import train
+
+    data = write_dataset(cyclic_dataset(num_users=10, num_items=12), tmp_path / "data")
+    cfg = Config.model_validate({"data": {"format": "parquet", "source": str(data)},
+                                 "model": {"d_model": 8, "num_blocks": 1, "num_heads": 1, "dqk": 4, "dv": 4,
+                                           "action_inputs": True}})
+    with pytest.raises(UserError, match=r"model\.action_inputs: the dataset cyclic has no actions to read"):
+        train(cfg, tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(ValueError, match=r"data\.user_features needs data\.read=all"):
+        Config.model_validate({"data": {"format": "parquet", "source": str(data), "read": "shard",
+                                        "user_features": ["cohort"]}})

@@ -6,7 +6,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from grstack_testing import cyclic_dataset, tiny_config_args, with_item_features, write_cyclic
+from grstack_testing import (
+    cyclic_dataset,
+    tiny_config_args,
+    with_item_features,
+    with_user_context,
+    write_cyclic,
+)
 
 from grstack.runtime.data.dataset import write_dataset
 from grstack.runtime.data.source import load_source
@@ -30,7 +36,8 @@ def data_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def feature_dir(tmp_path_factory):
-    return write_dataset(with_item_features(cyclic_dataset()), tmp_path_factory.mktemp("data") / "featured")
+    ds = with_user_context(with_item_features(cyclic_dataset()))
+    return write_dataset(ds, tmp_path_factory.mktemp("data") / "featured")
 
 
 def _plain_step(model, opt, batch, cfg) -> None:
@@ -58,12 +65,14 @@ def _plain_step(model, opt, batch, cfg) -> None:
 
 @pytest.mark.parametrize(("sharing", "features"), [("group", False), ("batch", False), ("group", True)])
 def test_a_one_rank_step_is_the_plain_pytorch_step(data_dir, feature_dir, sharing, features):
-    """With side features the engine looks each token's feature rows up with its item row and pools them
-    outside the model; the plain model reads them from its own table."""
+    """With side features, user context and action inputs the engine looks each token's feature rows and
+    each sequence's context rows up with the item rows and pools them outside the model; the plain model
+    reads them from its own table and the batch."""
     args = [*tiny_config_args(feature_dir if features else data_dir), "model.dropout=0", "model.input_dropout=0",
             "optim.grad_clip=0.05", "optim.weight_decay=0.01", f"loss.sharing={sharing}", "loss.group_size=4"]
     if features:
-        args.append('data.item_features=["decade", "parity"]')
+        args += ['data.item_features=["decade", "parity"]', 'data.user_features=["tags", "cohort"]',
+                 "model.action_inputs=true"]
     cfg = load_config(CONFIG, args)
     ds = load_source(cfg.data)
     split = LeaveOneOut(ds, min_len=cfg.data.min_len)
@@ -71,8 +80,11 @@ def test_a_one_rank_step_is_the_plain_pytorch_step(data_dir, feature_dir, sharin
     ctx = DistContext.single(torch.device("cpu"))
     fmap = item_feature_map(ds)
     assert (fmap is not None) == features
-    built = build_engine(cfg, ctx, make_plan(cfg, ctx, ds.num_items, fmap), split, tasks, item_features=fmap)
-    plain = build_model(cfg.model, ds.num_items, cfg.data.max_len, num_tasks=len(tasks), item_features=fmap)
+    users = ds.user_features.sizes if features else None
+    built = build_engine(cfg, ctx, make_plan(cfg, ctx, ds.num_items, fmap, users), split, tasks, item_features=fmap,
+                         user_features=users)
+    plain = build_model(cfg.model, ds.num_items, cfg.data.max_len, num_tasks=len(tasks), item_features=fmap,
+                        user_features=users)
     # the same initial state: the engine's dense part and its (initialised-per-row) item table
     plain.load_state_dict({**built.model.state_dict(), "item_emb.weight": built.table.weight.clone()})
     o = cfg.optim

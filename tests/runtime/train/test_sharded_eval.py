@@ -14,6 +14,7 @@ from grstack_testing import (
     cyclic_dataset,
     tiny_config_args,
     with_item_features,
+    with_user_context,
     write_cyclic,
 )
 
@@ -162,13 +163,18 @@ def test_a_world_of_one_writes_the_one_file_form(tmp_path, data_dir):
 
 @pytest.mark.integration
 def test_two_rank_training_with_side_features_shards_their_rows_and_exports_alike(tmp_path):
-    data = write_dataset(with_item_features(cyclic_dataset(num_users=200, num_items=400)), tmp_path / "data")
-    cfg = load_config(CONFIG, [*_args(data), "train.epochs=1", 'data.item_features=["parity", "decade"]'])
+    """Item features, user context and action inputs: the trainer's sharded evaluation (retrieval and the
+    ranking head) equals the export's, evaluated in one process over the whole table."""
+    ds = with_user_context(with_item_features(cyclic_dataset(num_users=200, num_items=400)))
+    data = write_dataset(ds, tmp_path / "data")
+    cfg = load_config(CONFIG, [*_args(data), "train.epochs=1", 'data.item_features=["parity", "decade"]',
+                               'data.user_features=["cohort", "tags"]', "model.action_inputs=true"])
     summary = train_distributed(cfg, tmp_path / "run", nproc=2, progress=False)
-    # 401 item rows, then parity's 2 values and decade's 42 (d0 .. d41): half the table each
-    assert summary["distributed"]["table_rows_max"] == 223
+    # 401 item rows, parity's 2 values, decade's 42 (d0 .. d41), cohort's 3, tags' 7 (t0 .. t6): half each
+    assert summary["distributed"]["table_rows_max"] == 228
     exported = _exported_metrics(tmp_path / "run")
     assert _retrieval(exported) == _retrieval(summary["metrics"])
     assert_same_metrics(exported, summary["metrics"])
     model, _, _ = load_exported(tmp_path / "run" / "model.pt")
-    assert model.item_emb.weight.shape[0] == 445 and model.features.sizes == {"parity": 2, "decade": 42}
+    assert model.item_emb.weight.shape[0] == 455 and model.features.sizes == {"parity": 2, "decade": 42}
+    assert model.context.sizes == {"cohort": 3, "tags": 7} and model.action_emb.num_embeddings == 2
