@@ -98,7 +98,7 @@ def rank_head_logits(model: nn.Module, split: LeaveOneOut, which: str, rows: np.
         if lookup is not None:
             rows_in, ctx_in = model.looked_rows(full, lookup(model.lookup_keys(full)).to(device))
         full = full.to(device)
-        out = model.encode(full, item_rows=rows_in, context_rows=ctx_in)
+        out = model.encode(full, item_rows=rows_in, **({"context_rows": ctx_in} if ctx_in is not None else {}))
         cand_at = cand_at.to(device)
         logits = model.rank_logits(out.index_select(0, cand_at), torch.from_numpy(cands).reshape(-1).to(device),
                                    cand_rows=rows_in.index_select(0, cand_at) if rows_in is not None else None)

@@ -135,7 +135,8 @@ class Engine:
             assert mb.hist_index is not None and mb.cand_index is not None
             hist_at, cand_at = _dev(mb.hist_index, dev), _dev(mb.cand_index, dev)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.bf16):
-            out = self.model.encode(full, item_rows=item_rows, context_rows=context_rows)
+            out = self.model.encode(full, item_rows=item_rows,
+                                    **({"context_rows": context_rows} if context_rows is not None else {}))
             hist_out = out.index_select(0, hist_at) if hist_at is not None else out
             q = self.model.query_vectors(hist_out)
             pos = self.model.item_vectors(rows=_take(rows, _dev(mb.inv_target, dev)))

@@ -75,7 +75,8 @@ def sharded_eval_ranks(model: nn.Module, table: ShardedEmbedding, ctx: DistConte
         if len(chunk):
             item_rows, context_rows = model.looked_rows(batch, looked.to(device))
             batch = batch.to(device)
-            enc = model.encode(batch, item_rows=item_rows, context_rows=context_rows)
+            enc = model.encode(batch, item_rows=item_rows,
+                               **({"context_rows": context_rows} if context_rows is not None else {}))
             q = model.query_vectors(last_token_outputs(enc, batch.offsets))
         else:
             q = items.new_zeros((0, d))
