@@ -20,7 +20,7 @@ def register(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from grstack.runtime.data import LeaveOneOut, read_dataset
+    from grstack.runtime.data import LeaveOneOut, read_dataset, select_features
     from grstack.runtime.errors import UserError
     from grstack.runtime.eval.evaluate import evaluate
     from grstack.runtime.eval.rank_head import evaluate_ranking, has_trained_rank_head
@@ -34,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
     if not model_path.is_file():
         raise UserError(f"{run_dir} has no {BEST_MODEL} yet (it is written after the first validation)")
     model, cfg, tasks = load_exported(model_path)
-    split = LeaveOneOut(read_dataset(run_dir / DATASET_DIR), min_len=cfg.data.min_len)
+    # the fields the model was trained on, in its order (the run's copy holds those; select_features checks)
+    split = LeaveOneOut(select_features(read_dataset(run_dir / DATASET_DIR), cfg.data), min_len=cfg.data.min_len)
     which = ("valid", "test") if args.split == "both" else (args.split,)
     max_users = None if args.all_users else cfg.eval.max_users
     results: dict[str, dict] = {w: dict(evaluate(model, split, w, max_len=cfg.data.max_len, ks=cfg.eval.ks,
