@@ -150,3 +150,31 @@ def test_shipped_configs_validate_and_name_known_presets():
         if cfg.data.format == "synth":
             assert cfg.data.source in PRESETS, path.name
 
+
+
+def test_side_features_are_kuairand_like_and_leave_the_events_alone(tiny, monkeypatch) -> None:
+    """Items carry a topic tag and an author, users an activity quartile, a region and an age range; they come
+    from a generator of their own, so the events are those of a preset without them."""
+    items, users = tiny.item_features, tiny.user_features
+    assert items.names == ["tag", "author"] and users.names == ["activity", "region", "age_range"]
+    assert items.num_rows == tiny.num_items and users.num_rows == tiny.num_users
+    assert all(np.array_equal(np.diff(f.offsets), np.ones(f.offsets.size - 1)) for f in items.fields + users.fields)
+    assert items.sizes["tag"] == 24 and items.sizes["author"] <= 4 * 24 and users.sizes["activity"] == 4
+    # activity is the quartile of the user's length: longer users never sit in a lower quartile
+    act = users.fields[0].vocab[users.fields[0].values - 1]
+    order = np.argsort(tiny.lengths, kind="stable")
+    assert (np.diff(np.array([int(a[1:]) for a in act])[order]) >= 0).all()
+    # most items' tag is their author's topic (authors are four per topic)
+    tag = np.array([int(t[1:]) for t in items.fields[0].vocab[items.fields[0].values - 1]])
+    author = np.array([int(a[1:]) for a in items.fields[1].vocab[items.fields[1].values - 1]])
+    assert 0.75 < np.mean(tag == author // 4) < 0.95
+    again = synthesize("tiny", seed=0)
+    assert np.array_equal(again.user_features.fields[1].values, users.fields[1].values)
+    from grstack.runtime.data import synth
+    from grstack.runtime.data.features import Features
+
+    monkeypatch.setattr(synth, "_side_features", lambda cfg, cat, lengths, strongest, seed: (
+        Features("item", cfg.num_items), Features("user", len(lengths))))
+    bare = synthesize("tiny", seed=0)
+    for f in ("offsets", "item_ids", "timestamps", "actions"):
+        assert getattr(bare, f).tobytes() == getattr(tiny, f).tobytes(), f
