@@ -7,6 +7,11 @@ on the data (one class only), so a summary says why a number is missing instead 
   positive wins, ties counted half. Ranks are kept doubled, as integers, so the pair count is exact.
 * GAUC is the per-group AUC averaged with each group's impression count as its weight; groups with one
   class only have no AUC and are skipped (and counted).
+* Exposure AUC (action tasks only): the AUC, across users, of each user's *logged* exposure (the held-out
+  event, candidate slot 0) against its real label: does the head know whether the user clicked (liked,
+  watched long) the item actually shown next. Uniform negatives carry label 0 for every task, so per-user
+  AUC and GAUC of an action task mostly measure telling the real next item from random ones; this one
+  isolates the action.
 * NE (He et al. 2014, "Practical lessons from predicting clicks on ads at Facebook") is the mean log loss
   divided by the entropy of the empirical positive rate: 1.0 is a model that predicts only that rate, lower
   is better. It reads logits, so the log loss is computed stably (``softplus(z) - y·z``).
@@ -140,15 +145,22 @@ def task_report(labels: np.ndarray, logits: np.ndarray, groups: np.ndarray) -> d
 
 def ranking_report(labels: np.ndarray, logits: np.ndarray, tasks: list[str]) -> dict[str, dict[str, object]]:
     """Per task name, :func:`task_report` of candidate sets ``labels`` / ``logits`` [U, M, T] (one set per
-    user, so the user's row is the GAUC group)."""
+    user, so the user's row is the GAUC group; candidate 0 is the user's logged next event, the others
+    uniform items), plus ``exposure_auc`` for the action tasks (t >= 1; module doc)."""
     labels, logits = np.asarray(labels), np.asarray(logits)
     if labels.shape != logits.shape or labels.ndim != 3 or labels.shape[2] != len(tasks):
         raise ValueError(f"labels {labels.shape} and logits {logits.shape} must both be [users, candidates, "
                          f"{len(tasks)} tasks]")
     U, M, _ = labels.shape
     users = np.repeat(np.arange(U), M)
-    return {name: task_report(labels[:, :, t].reshape(-1), logits[:, :, t].reshape(-1), users)
-            for t, name in enumerate(tasks)}
+    out = {name: task_report(labels[:, :, t].reshape(-1), logits[:, :, t].reshape(-1), users)
+           for t, name in enumerate(tasks)}
+    for t, name in enumerate(tasks[1:], start=1):
+        exposed = auc(labels[:, 0, t], logits[:, 0, t])
+        out[name]["exposure_auc"] = exposed.value
+        if exposed.reason is not None:
+            out[name]["undefined"]["exposure_auc"] = exposed.reason  # type: ignore[index]
+    return out
 
 
 def format_ranking(split: str, ranking: dict[str, dict[str, object]]) -> list[str]:
@@ -157,6 +169,7 @@ def format_ranking(split: str, ranking: dict[str, dict[str, object]]) -> list[st
         return [f"{split:5s} ranking skipped: {ranking['skipped']}"]
     lines = []
     for task, r in ranking.items():
-        vals = " ".join(f"{k}={r[k]:.4f}" if isinstance(r[k], float) else f"{k}=n/a" for k in ("auc", "gauc", "ne"))
+        keys = ("auc", "gauc", "ne", *(("exposure_auc",) if "exposure_auc" in r else ()))
+        vals = " ".join(f"{k}={r[k]:.4f}" if isinstance(r[k], float) else f"{k}=n/a" for k in keys)
         lines.append(f"{split:5s} ranking {task}: {vals} impressions={r['impressions']} positives={r['positives']}")
     return lines

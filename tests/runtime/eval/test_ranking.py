@@ -113,6 +113,20 @@ def test_one_class_and_empty_inputs_say_why():
         auc([0, 1], [np.nan, 2])
 
 
+def test_exposure_auc_ranks_the_logged_events_by_their_own_labels():
+    """Action tasks: the AUC across users of candidate 0 (the logged next event) against its real label; the
+    uniform negatives (label 0 everywhere) do not enter it."""
+    labels = np.zeros((4, 3, 2))
+    labels[:, 0, 0] = 1
+    labels[:, 0, 1] = [1, 0, 1, 0]  # users 0 and 2 clicked the item shown next
+    logits = np.zeros((4, 3, 2))
+    logits[:, 0, 1] = [0.9, 0.1, 0.2, 0.5]  # clicked 0.9 and 0.2, not clicked 0.1 and 0.5: 3 of 4 pairs won
+    logits[:, 1:, 1] = 5.0  # negatives far above: the per-user AUC of click is 0, exposure AUC unaffected
+    click = ranking_report(labels, logits, ["next", "click"])["click"]
+    assert click["exposure_auc"] == pytest.approx(0.75)
+    assert click["gauc"] == pytest.approx(0.0)
+
+
 def test_ranking_report_groups_by_user_and_names_tasks():
     # 2 users x 3 candidates x 2 tasks; task 1 has no positive at all
     labels = np.zeros((2, 3, 2))
@@ -129,7 +143,7 @@ def test_ranking_report_groups_by_user_and_names_tasks():
     click = rep["click"]
     assert click["auc"] is None and click["gauc"] is None and click["ne"] is None
     assert click["undefined"] == {"auc": "no positives", "gauc": "no group has both positives and negatives",
-                                  "ne": "no positives"}
-    assert click["gauc_users_skipped"] == 2
+                                  "ne": "no positives", "exposure_auc": "no positives"}
+    assert click["gauc_users_skipped"] == 2 and "exposure_auc" not in nxt
     with pytest.raises(ValueError):
         ranking_report(labels, logits, ["next"])
