@@ -195,7 +195,7 @@ class HSTU(ItemTokens):
         looked up elsewhere (the sharded embedding of distributed training); else read from ``item_emb``."""
         if item_rows is None:
             item_rows = self.token_rows(batch.item_ids)
-        actions = self.action_vectors(batch.input_actions, batch.num_targets, batch.offsets, batch.num_tokens)
+        actions = self.action_vectors(batch.input_actions)
         return self._embed(item_rows, self.token_positions(batch), actions)
 
     def embed_batch(self, batch: JaggedBatch, item_rows: torch.Tensor | None = None,

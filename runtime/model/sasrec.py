@@ -72,7 +72,7 @@ class SASRec(ItemTokens):
         if item_rows is None:
             item_rows = self.token_rows(batch.item_ids)
         x = item_rows * math.sqrt(self.d_model) + self.pos_emb(pos)
-        actions = self.action_vectors(batch.input_actions, batch.num_targets, batch.offsets, batch.num_tokens)
+        actions = self.action_vectors(batch.input_actions)
         if actions is not None:
             x = x + actions
         x = F.dropout(x, self.input_dropout, self.training)

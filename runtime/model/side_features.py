@@ -29,14 +29,8 @@ import numpy as np
 import torch
 from torch import nn
 
-
-class _FieldLike(Protocol):
-    name: str
-    offsets: np.ndarray
-    values: np.ndarray
-
-    @property
-    def num_values(self) -> int: ...
+from grstack import kernels
+from grstack.runtime.model.item_rows import ExternalItemRows
 
 
 class _FeaturesLike(Protocol):
@@ -126,9 +120,6 @@ class ItemFeatureBag(nn.Module):
     def num_rows(self) -> int:
         return sum(self.sizes.values())
 
-    def feature_map(self) -> ItemFeatureMap:
-        return ItemFeatureMap(dict(self.sizes), self.rows.cpu(), self.weights.cpu())
-
     def token_keys(self, item_ids: torch.Tensor) -> torch.Tensor:
         """On ``item_ids``' device (host ids for a sharded lookup stay on the host)."""
         rows = self.rows[item_ids.to(self.rows.device)].to(item_ids.device)
@@ -198,8 +189,6 @@ class ItemTokens(nn.Module):
     def _init_item_table(self, num_items: int, d_model: int, item_table: bool,
                          item_features: ItemFeatureMap | None, user_features: dict[str, int] | None = None,
                          action_bits: int = 0) -> None:
-        from grstack.runtime.model.item_rows import ExternalItemRows
-
         if item_features is not None and item_features.num_items != num_items:
             raise ValueError(f"the item feature map covers {item_features.num_items} items, the model {num_items}")
         self.features = ItemFeatureBag(item_features) if item_features is not None else None
@@ -243,8 +232,6 @@ class ItemTokens(nn.Module):
     def context_rows(self, context: torch.Tensor, looked: torch.Tensor | None = None) -> torch.Tensor:
         """[B, C, d] contextual token rows: per field, the mean of the user's value rows (zero without values).
         ``looked``: the rows of the context keys already fetched; None: read from ``item_emb``."""
-        from grstack import kernels
-
         assert self.context is not None
         keys = self.context.keys(context)
         if looked is None:
@@ -253,8 +240,7 @@ class ItemTokens(nn.Module):
         w = UserContextLayout.weights(context.to(looked.device), looked.dtype)
         return torch.einsum("bcw,bcwd->bcd", w, looked)
 
-    def action_vectors(self, input_actions: torch.Tensor | None, num_targets: torch.Tensor | None,
-                       offsets: torch.Tensor, n: int) -> torch.Tensor | None:
+    def action_vectors(self, input_actions: torch.Tensor | None) -> torch.Tensor | None:
         """[n, d] what each token adds for its own actions (candidates: the "to be predicted" vector); None
         when the model takes no action inputs."""
         if self.action_emb is None:
@@ -272,8 +258,6 @@ class ItemTokens(nn.Module):
         """The jagged input with ``C`` contextual tokens ``context_x`` [B, C, d] at the head of every sequence:
         (x, offsets, timestamps, index of the original tokens). A contextual token carries its sequence's
         first timestamp (it is as old as the history it heads)."""
-        from grstack import kernels
-
         B, C = context_x.shape[0], context_x.shape[1]
         n = x.shape[0]
         dev = x.device
@@ -295,9 +279,6 @@ class ItemTokens(nn.Module):
         """Table rows one item token reads (1 without side features)."""
         return 1 + (self.features.rows.shape[1] if self.features is not None else 0)
 
-    def item_feature_map(self) -> ItemFeatureMap | None:
-        return self.features.feature_map() if self.features is not None else None
-
     def token_keys(self, item_ids: torch.Tensor) -> torch.Tensor:
         """[n, keys_per_token] table rows of item tokens ``item_ids`` (what a sharded lookup fetches)."""
         return self.features.token_keys(item_ids) if self.features is not None else item_ids[:, None]
@@ -306,8 +287,6 @@ class ItemTokens(nn.Module):
         """[n, d] input rows of item tokens: the item row plus its pooled features. ``looked``: the rows of
         :meth:`token_keys` already fetched (``[n * keys_per_token, d]`` or ``[n, keys_per_token, d]``);
         None: read from ``item_emb``."""
-        from grstack import kernels
-
         if looked is None:
             if self.features is None:
                 return kernels.embedding_gather(self.item_emb.weight, item_ids)

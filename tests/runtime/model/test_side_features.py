@@ -146,7 +146,7 @@ def test_a_token_reads_its_own_actions_and_a_candidate_never_its_label():
     model = build_model(ModelConfig(d_model=8, num_blocks=1, num_heads=1, dqk=4, dv=4, action_inputs=True), 12, 50,
                         num_tasks=3)
     e = model.action_emb.weight
-    vec = model.action_vectors(torch.tensor([0, 1, 3, -1]), None, torch.tensor([0, 4]), 4)
+    vec = model.action_vectors(torch.tensor([0, 1, 3, -1]))
     torch.testing.assert_close(vec, torch.stack([torch.zeros(8), e[0], e[0] + e[1], e[2]]))
 
 
