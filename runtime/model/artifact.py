@@ -90,7 +90,7 @@ def export_state(state_dict: dict[str, torch.Tensor], cfg: Config, ds: SequenceD
     if fmap is not None:
         blob["item_features"] = fmap.to_blob()
     if ds.user_features is not None and ds.user_features.fields:
-        # sizes rebuild the model; the vocabularies translate a request's raw user features
+        # sizes rebuild the model; the vocabularies are kept for serving, once requests carry user features
         blob["user_features"] = {"sizes": ds.user_features.sizes,
                                  "vocab": {f.name: [str(t) for t in f.vocab] for f in ds.user_features.fields}}
     if item_parts is not None:
