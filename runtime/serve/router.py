@@ -672,6 +672,8 @@ class Router:
         order, kind = self.route(req.user_id)
         if not order:
             raise RequestError(503, "no ranker replica is available")
+        if self.trigger is not None:
+            self.trigger.consumed(req.user_id)  # the prefix pre-inferred for this visit has served its purpose
         self.metrics.routes.labels(kind).inc()
         if kind == "moved":
             self.metrics.moves.labels("load").inc()

@@ -3,11 +3,17 @@
 A prefill costs device memory (its K/V stay cached) and compute (it competes with ranking), so the router
 admits a prefill signal only when
 
-1. the request is **at risk**: the latency model profiled from the rankers predicts that full inference at
-   this length takes more than ``risk_fraction * slo_ms`` (or the prefix is at least ``length_threshold``
-   tokens when that is set explicitly);
-2. the **cache footprint** of live admitted prefixes plus this one stays within ``cache_budget_bytes``
-   (a prefix stays charged for ``footprint_ttl_s`` after its last admission);
+1. the request is **at risk**: a miss would take more than ``risk_fraction * slo_ms`` (or the prefix is at
+   least ``length_threshold`` tokens when that is set explicitly). A miss's time is the latency model's
+   full-inference time at this length (profiled by the rankers at start-up, on an idle ranker) and, with
+   ``load_aware_risk``, stretched by the queueing of the ranker it would go to: ``full / (1 - ρ)``, ρ the
+   share of the last ``window_s`` that ranker's compute thread was busy (its reported compute, every kind),
+   floored at ``min_idle_fraction`` (an M/M/1 sojourn time). Under load a miss costs several times its bare
+   time, and a static rule leaves exactly those requests unprotected;
+2. the **cache footprint** of admitted prefixes still **awaiting their rank** plus this one stays within
+   ``cache_budget_bytes``: a prefix is charged from its admission until the router has routed the user's
+   rank (:meth:`SequenceAwareTrigger.consumed`) or ``footprint_ttl_s`` passed. After its rank a prefix is
+   one more entry of the ranker's LRU cache, not a reservation;
 3. the predicted **pre-infer load** of prefills admitted in the last ``window_s`` plus this one stays within
    ``prefill_budget_ms`` (the router sets it to a per-replica, per-second rate x replicas x window; the
    window is long enough that one long prefill fits).
@@ -33,12 +39,14 @@ are that ranker's (2, 3 above are the fallback for a ranker that reports nothing
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+SERVED_MAX = 1 << 20  # users whose consumed prefix version is remembered (oldest forgotten first)
 
 
 def _curve(lengths: tuple[int, ...], values: tuple[float, ...], length: float, power: int) -> float:
@@ -124,6 +132,9 @@ class TriggerConfig:
     # (always one prefill): what other routers admit meanwhile is unseen until the next report, so k routers
     # overshoot a ranker's budget by at most k such shares (the router sets it to its poll interval)
     report_interval_s: float = 1.0
+    # at-risk test against the miss time under the ranker's reported load (module doc, 1), not the idle time
+    load_aware_risk: bool = True
+    min_idle_fraction: float = 0.1
 
 
 class RankerLoad:
@@ -139,6 +150,7 @@ class RankerLoad:
         self.window_s = window_s
         self.at = 0.0  # time of the last report
         self._prefill_total: deque[tuple[float, float]] = deque()
+        self._compute_total: deque[tuple[float, float]] = deque()  # every kind: how busy the compute thread is
         self.reports_compute = False
         self.backlog_tokens = 0
         self.backlog_prefills = 0
@@ -152,11 +164,11 @@ class RankerLoad:
         total = compute.get("prefill") if isinstance(compute, dict) else None
         self.reports_compute = total is not None
         if total is not None:
-            if self._prefill_total and total < self._prefill_total[-1][1]:
-                self._prefill_total.clear()
-            self._prefill_total.append((now, float(total)))
-            while len(self._prefill_total) > 2 and self._prefill_total[1][0] <= now - self.window_s:
-                self._prefill_total.popleft()
+            self._keep(self._prefill_total, float(total), now)
+        if isinstance(compute, dict) and compute:
+            self._keep(self._compute_total, float(sum(float(v) for v in compute.values())), now)
+        else:
+            self._compute_total.clear()
         depth = stats.get("queue_depth")
         self.backlog_prefills = int(depth.get("prefills", 0)) if isinstance(depth, dict) else 0
         self.backlog_tokens = int(stats.get("prefill_backlog_tokens", 0) or 0)
@@ -165,13 +177,34 @@ class RankerLoad:
         self.capacity_bytes = (int(stats.get("device_capacity_bytes", 0) or 0)
                                + int(stats.get("dram_capacity_bytes", 0) or 0))
 
+    def _keep(self, history: deque[tuple[float, float]], total: float, now: float) -> None:
+        """Appends a cumulative counter's sample, keeping about ``window_s`` of them (a counter that goes
+        back, a restarted ranker, starts afresh)."""
+        if history and total < history[-1][1]:
+            history.clear()
+        history.append((now, total))
+        while len(history) > 2 and history[1][0] <= now - self.window_s:
+            history.popleft()
+
+    @staticmethod
+    def _rate(history: deque[tuple[float, float]]) -> float:
+        if len(history) < 2:
+            return 0.0
+        (t0, v0), (t1, v1) = history[0], history[-1]
+        return (v1 - v0) / (t1 - t0) if t1 > t0 else 0.0
+
     @property
     def prefill_rate_ms_per_s(self) -> float:
         """Prefill compute milliseconds per second over the samples kept (0 before a second sample)."""
-        if len(self._prefill_total) < 2:
-            return 0.0
-        (t0, v0), (t1, v1) = self._prefill_total[0], self._prefill_total[-1]
-        return (v1 - v0) / (t1 - t0) if t1 > t0 else 0.0
+        return self._rate(self._prefill_total)
+
+    @property
+    def busy_fraction(self) -> float | None:
+        """Share of the last window the ranker's compute thread was busy (all kinds of work), in [0, 1];
+        None before two reports with compute totals."""
+        if len(self._compute_total) < 2:
+            return None
+        return min(1.0, max(0.0, self._rate(self._compute_total) / 1e3))
 
     def backlog_ms(self, model: LatencyModel) -> float:
         """Predicted milliseconds of the prefill tokens still queued (spread evenly over the queued prefills:
@@ -206,6 +239,9 @@ class SequenceAwareTrigger:
 
     def __post_init__(self) -> None:
         self._live: dict[str, tuple[str, int, float, str | None]] = {}  # user -> (version, bytes, expires, replica)
+        # user -> the version whose rank was routed (consumed): most likely still cached, so a repeat signal for
+        # it is admitted as live, uncharged (the ranker's answer says if it had to compute it: :meth:`charge`)
+        self._served: OrderedDict[str, str] = OrderedDict()
         self._live_bytes = 0
         self._replica_bytes: dict[str | None, int] = {}
         self._load: deque[tuple[float, float, str | None]] = deque()  # (admitted at, predicted ms, replica)
@@ -258,11 +294,24 @@ class SequenceAwareTrigger:
         measured = load.load_ms(self.model) if load is not None else None
         return None if measured is None else measured + self.pending_ms(replica)
 
-    def at_risk(self, prefix_len: int) -> tuple[bool, float]:
+    def miss_ms(self, prefix_len: int, replica: str | None = None) -> float:
+        """Predicted time of a miss at this length on ``replica``: the idle full-inference time, stretched by
+        the ranker's reported busy share when ``load_aware_risk`` (module doc, 1)."""
+        full = self.model.predict_full_ms(prefix_len)
+        if not self.config.load_aware_risk:
+            return full
+        load = self._fresh_load(replica, self.clock())
+        busy = load.busy_fraction if load is not None else None
+        if busy is None:
+            return full
+        return full / max(1.0 - busy, self.config.min_idle_fraction)
+
+    def at_risk(self, prefix_len: int, replica: str | None = None) -> tuple[bool, float]:
+        """(at risk, idle full-inference ms)."""
         full = self.model.predict_full_ms(prefix_len)
         if self.config.length_threshold is not None:
             return prefix_len >= self.config.length_threshold, full
-        return full > self.config.risk_fraction * self.config.slo_ms, full
+        return self.miss_ms(prefix_len, replica) > self.config.risk_fraction * self.config.slo_ms, full
 
     def _expire(self, now: float) -> None:
         while self._load and self._load[0][0] <= now - self.config.window_s:
@@ -312,7 +361,7 @@ class SequenceAwareTrigger:
         """Admit a signal for ``user``'s prefix going to ``replica`` (None: no replica known, router-wide)."""
         now = self.clock()
         self._expire(now)
-        risky, full = self.at_risk(prefix_len)
+        risky, full = self.at_risk(prefix_len, replica)
         prefill = self.model.predict_prefill_ms(prefix_len)
         nbytes = self.model.kv_bytes(prefix_len)
         if not self.enabled:
@@ -322,6 +371,8 @@ class SequenceAwareTrigger:
         live = self._live.get(user)
         if live is not None and live[0] == version:
             self._live[user] = (version, live[1], now + self.config.footprint_ttl_s, live[3])
+            return Decision(True, "live", full, prefill, nbytes)
+        if live is None and self._served.get(user) == version:
             return Decision(True, "live", full, prefill, nbytes)
         if not risky:
             return Decision(False, "not-at-risk", full, prefill, nbytes)
@@ -342,4 +393,15 @@ class SequenceAwareTrigger:
 
     def forget(self, user: str) -> None:
         """Releases a user's charge (its prefill failed or its replica went away)."""
+        self._release(user)
+
+    def consumed(self, user: str) -> None:
+        """The user's rank was routed: the prefix admitted for it has served, and its bytes stop counting
+        against the footprint budget (the ranker keeps or evicts it as any cached entry)."""
+        live = self._live.get(user)
+        if live is not None:
+            self._served[user] = live[0]
+            self._served.move_to_end(user)
+            while len(self._served) > SERVED_MAX:
+                self._served.popitem(last=False)
         self._release(user)

@@ -191,6 +191,17 @@ async def test_a_live_resignal_the_ranker_recomputed_is_charged(ranker_status: s
         assert router.trigger.replica_bytes(fake.url) == 30 * 100  # the bytes are held once
 
 
+async def test_a_routed_rank_releases_its_prefixs_footprint() -> None:
+    async with Setup(1) as s:
+        await s.poll()
+        router = s.routers[0]
+        assert router.trigger is not None
+        status, first, _ = await post(s.http, s.urls[0] + "/v1/prefill", prefill_body("u", 1))
+        assert status == 200 and first["reason"] == "admitted" and router.trigger.live_bytes == 30 * 100
+        status, _, _ = await post(s.http, s.urls[0] + "/v1/rank", rank_body("u", 1))
+        assert status == 200 and router.trigger.live_bytes == 0
+
+
 # -- moving users off an overloaded replica --------------------------------------------------------
 async def test_a_placed_user_moves_off_a_replica_over_its_load_cap() -> None:
     async with Setup(2, overload_min_load=4) as s:

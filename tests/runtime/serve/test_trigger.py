@@ -115,3 +115,46 @@ def test_admit_all_admits_every_signal_without_checks_or_charges() -> None:
         d = t.decide(f"u{user}", "v", 10)
         assert d.admitted and d.reason == "admitted"
     assert t.live_bytes == 0 and t.window_load_ms == 0.0
+
+
+def _busy_reports(t: SequenceAwareTrigger, clock: Clock, replica: str, busy: float) -> None:
+    """Two stats reports 1 s apart whose compute totals (every kind) grew by ``busy`` x 1000 ms."""
+    t.report(replica, {"compute_ms_total": {"prefill": 0.0, "rank_full": 0.0}})
+    clock.t += 1.0
+    t.report(replica, {"compute_ms_total": {"prefill": 100.0 * busy, "rank_full": 900.0 * busy}})
+
+
+def test_a_miss_on_a_busy_ranker_is_at_risk_where_an_idle_one_is_not() -> None:
+    """Full inference at 300 tokens takes 30 ms idle, under the 50 ms threshold; on a ranker busy 60% of the
+    time a miss waits too: 30 / (1 - 0.6) = 75 ms, at risk. Without reports (or with the rule off) the idle
+    time decides."""
+    clock = Clock()
+    t = trigger(clock)
+    _busy_reports(t, clock, "r1", 0.6)
+    assert t.miss_ms(300, "r1") == pytest.approx(75.0)
+    assert t.decide("a", "h", 300, "r2").reason == "not-at-risk"  # r2 reports nothing
+    d = t.decide("b", "h", 300, "r1")
+    assert d.admitted and d.predicted_full_ms == pytest.approx(30.0)
+    _busy_reports(t, clock, "r3", 0.2)  # 30 / 0.8 = 37.5 ms: not at risk
+    assert t.decide("c", "h", 300, "r3").reason == "not-at-risk"
+    _busy_reports(t, clock, "r4", 1.0)  # saturated: floored at min_idle_fraction 0.1, 300 ms
+    assert t.miss_ms(300, "r4") == pytest.approx(300.0)
+    off = trigger(clock, load_aware_risk=False)
+    _busy_reports(off, clock, "r1", 0.6)
+    assert off.decide("b", "h", 300, "r1").reason == "not-at-risk"
+    clock.t += 10.0  # reports older than report_ttl_s are ignored: the idle time decides again
+    assert t.decide("d", "h", 300, "r1").reason == "not-at-risk"
+
+
+def test_a_prefix_stops_counting_against_the_footprint_once_its_rank_is_routed() -> None:
+    """The footprint holds prefixes awaiting their rank; after it they are ordinary cache entries. A repeat
+    signal for a served version is admitted as live, uncharged."""
+    t = trigger(cache_budget_bytes=100_000)  # one 1000-token prefix
+    assert t.decide("a", "v1", 1000).admitted
+    assert t.decide("b", "v1", 1000).reason == "cache-budget"
+    t.consumed("a")
+    assert t.live_bytes == 0
+    assert t.decide("b", "v1", 1000).reason == "admitted"
+    again = t.decide("a", "v1", 1000)
+    assert again.reason == "live" and t.live_bytes == 100_000  # a's served prefix is not charged again
+    assert t.decide("a", "v2", 1000).reason == "cache-budget"  # a new version of a's history is
