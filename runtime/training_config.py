@@ -340,11 +340,18 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
     except ValidationError as exc:
         raise UserError(_format_validation(exc, origin)) from None
     if cfg.data.format != "synth":
-        src = Path(os.path.expanduser(cfg.data.source))
-        if not src.is_absolute():
-            src = (base_dir / src).resolve()
-        cfg.data.source = str(src)
+        cfg.data.source = _resolve(cfg.data.source, base_dir)
+    for key in ("item_features_file", "user_features_file"):
+        value = getattr(cfg.data, key)
+        if value != "auto":
+            on_cli = any(k in (f"data.{key}", "data") for k, _ in parsed)
+            setattr(cfg.data, key, _resolve(value, Path.cwd() if on_cli or path is None else Path(path).resolve().parent))
     return cfg
+
+
+def _resolve(path: str, base_dir: Path) -> str:
+    p = Path(os.path.expanduser(path))
+    return str(p if p.is_absolute() else (base_dir / p).resolve())
 
 
 def dump_config(cfg: Config) -> str:

@@ -201,3 +201,20 @@ def test_action_inputs_need_actions_and_user_context_needs_whole_reads(tmp_path)
     with pytest.raises(ValueError, match=r"data\.user_features needs data\.read=all"):
         Config.model_validate({"data": {"format": "parquet", "source": str(data), "read": "shard",
                                         "user_features": ["cohort"]}})
+
+
+def test_side_file_paths_resolve_like_the_source(tmp_path, monkeypatch):
+    """A side file named in a config file resolves against the config's folder; on the command line, against
+    the working directory; ``auto`` stays ``auto``."""
+    from grstack.runtime.training_config import load_config
+
+    (tmp_path / "cfg").mkdir()
+    cfg_file = tmp_path / "cfg" / "c.yaml"
+    cfg_file.write_text("data:\n  format: recbole\n  source: data\n  item_features: [class]\n"
+                        "  item_features_file: side/x.item\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(cfg_file)
+    assert cfg.data.item_features_file == str(tmp_path / "cfg" / "side" / "x.item")
+    assert cfg.data.user_features_file == "auto"
+    cli = load_config(cfg_file, ["data.item_features_file=other.item"])
+    assert cli.data.item_features_file == str(tmp_path / "other.item")
