@@ -27,14 +27,16 @@ from typing import Any
 from grstack.runtime.bench.serve_trace import Population, Trace, TraceConfig, build_trace, population
 
 # --quick: the first quick run (40 QPS, lengths from 512) failed every point of every mode — the baseline cannot
-# rank 512-token histories at 40 QPS on two 1-thread rankers sharing 2 cores with the load generator — so the
-# length sweep starts at 128 tokens; it probes a failing lowest QPS down to 5 QPS only (a point at 2.5 QPS alone
-# takes 500 s).
-QUICK: dict[str, Any] = {"users": 2000, "lengths": [128, 256, 512, 1024, 2048], "length_qps": 40.0,
-                         "qps": [10.0, 20.0, 40.0, 80.0, 160.0], "qps_length": 1024, "repeats": 1, "qps_floor": 5.0}
+# rank 512-token histories at 40 QPS on two 1-thread rankers sharing 2 cores with the load generator. In the next
+# two, at 1024 tokens the baseline failed every QPS down to the 5 QPS floor, so slo_qps_ratio had no denominator:
+# the QPS sweep runs at 512 tokens (both presets). --quick must finish within 15 minutes with 1,000 measured ranks
+# per point, so its points are few and fast: 4 lengths at 40 QPS (31 s a point), QPS from 20 (62 s a point),
+# probed down to 10 QPS only.
+QUICK: dict[str, Any] = {"users": 2000, "lengths": [256, 512, 1024, 2048], "length_qps": 40.0,
+                         "qps": [20.0, 40.0, 80.0, 160.0], "qps_length": 512, "repeats": 1, "qps_floor": 10.0}
 FULL: dict[str, Any] = {"users": 10_000, "lengths": [256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192],
                         "length_qps": 20.0, "qps": [10.0, 20.0, 30.0, 40.0, 60.0, 80.0, 120.0, 160.0, 240.0, 320.0],
-                        "qps_length": 1024, "repeats": 3, "qps_floor": 2.5}
+                        "qps_length": 512, "repeats": 3, "qps_floor": 2.5}
 MODES = ("baseline", "relay", "no_trigger", "no_affinity", "no_expander")
 ABLATIONS = ("no_trigger", "no_affinity", "no_expander")
 RANKERS = 2
@@ -61,14 +63,14 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths", default=None, help="comma-separated base long-term lengths")
     parser.add_argument("--qps", default=None, help="comma-separated QPS values")
     parser.add_argument("--length-qps", type=float, default=None, help="QPS of the length sweep")
-    parser.add_argument("--qps-length", type=int, default=None, help="base length of the QPS sweep (default 1024)")
+    parser.add_argument("--qps-length", type=int, default=None, help="base length of the QPS sweep (default 512)")
     parser.add_argument("--repeats", type=int, default=None, help="trace seeds per point (default 3; --quick 1)")
     parser.add_argument("--measured", type=int, default=1000, help="measured rank requests per point (>= 1000 "
                                                                   "in the protocol)")
     parser.add_argument("--warmup", type=int, default=250, help="visits sent before measuring (default 250)")
     parser.add_argument("--qps-floor", type=float, default=None,
                         help="a mode failing the lowest QPS is probed down by halves to this (default 2.5; "
-                             "--quick 5)")
+                             "--quick 10)")
     parser.add_argument("--min-user-gap-s", type=float, default=1.0,
                         help="one user's consecutive visits are at least this far apart (default 1 s)")
     parser.add_argument("--seed", type=int, default=0)

@@ -14,8 +14,9 @@ by a retry budget (``retry_budget_ratio`` of the requests over ``retry_budget_wi
 ``retry_budget_min``), so retries cannot multiply the load of an overloaded service. A replica that
 cannot be connected to is marked down until its ``/readyz`` answers; a slow or failing one is ejected by
 outlier detection (``outlier_consecutive_failures`` consecutive 5xx/timeouts, or a median latency
-``outlier_latency_factor`` times the other replicas'), for ``outlier_base_ejection_s`` times the number
-of its ejections (at most ``outlier_max_ejection_s``), never more than ``outlier_max_ejected_fraction`` of
+``outlier_latency_factor`` times the other replicas', looked for among ``outlier_latency_min_hosts`` or more),
+for ``outlier_base_ejection_s`` times the number of its recent ejections (at most ``outlier_max_ejection_s``;
+the count drops by one per base ejection time healthy), never more than ``outlier_max_ejected_fraction`` of
 the replicas at once — one timeout ejects nothing.
 
 Load reports: every ``load_poll_interval_s`` the router reads each up ranker's ``/v1/stats`` (queue depth,
@@ -128,6 +129,11 @@ class RouterConfig:
     outlier_latency_factor: float | None = 5.0  # median latency this many times the others' ejects; None: off
     outlier_latency_min_samples: int = 20
     outlier_latency_floor_ms: float = 20.0  # a replica faster than this is never a latency outlier
+    # latency outliers are looked for only among at least this many replicas with enough samples (Envoy's
+    # success_rate_minimum_hosts, default 5): with fewer, one replica's slowness is as likely the affinity
+    # ring's skew (its users are the busy ones) as a fault, and ejecting it moves that load and loses its
+    # caches. Consecutive failures eject at any replica count.
+    outlier_latency_min_hosts: int = 5
     # Stored placements expire this long after their last write (a new prefill re-writes them); None: they live
     # as long as their replica's lease.
     placement_ttl_s: float | None = 3600.0
@@ -200,6 +206,7 @@ class Router:
         self.queued: dict[str, int] = {}  # replica -> requests queued, as its last /v1/stats reported
         self.ejected: dict[str, float] = {}  # replica -> monotonic time its ejection ends
         self._ejections: dict[str, int] = {}
+        self._returned: dict[str, float] = {}  # replica -> when its last ejection ended
         self._failures: dict[str, int] = {}
         self._latencies: dict[str, deque[float]] = {}
         self.retry_budget = RetryBudget(config.retry_budget_ratio, config.retry_budget_min,
@@ -328,6 +335,7 @@ class Router:
         back = [r for r, until in self.ejected.items() if until <= now]
         for rid in back:
             del self.ejected[rid]
+            self._returned[rid] = now
             self._failures[rid] = 0
             self._latencies.pop(rid, None)
             log.info("ranker %s returns after its ejection", rid)
@@ -341,10 +349,16 @@ class Router:
         cap = max(1, int(cfg.outlier_max_ejected_fraction * len(self.replicas)))
         if len(self.ejected) + 1 > cap:
             return False
-        n = self._ejections.get(rid, 0) + 1
+        now = time.monotonic()
+        n = self._ejections.get(rid, 0)
+        if rid in self._returned and cfg.outlier_base_ejection_s > 0:
+            # the multiplier drops by one per base ejection time the replica stayed healthy since its return
+            healthy = now - self._returned.pop(rid)
+            n = max(0, n - int(healthy // cfg.outlier_base_ejection_s))
+        n += 1
         self._ejections[rid] = n
         period = min(cfg.outlier_base_ejection_s * n, cfg.outlier_max_ejection_s)
-        self.ejected[rid] = time.monotonic() + period
+        self.ejected[rid] = now + period
         self._failures[rid] = 0
         self.metrics.ejections.labels(reason).inc()
         log.warning("ranker %s ejected for %.1f s (%s)", rid, period, reason)
@@ -373,7 +387,7 @@ class Router:
         others = [statistics.median(v) for r, v in self._latencies.items()
                   if r != rid and r in self.replicas and r not in self.ejected
                   and len(v) >= cfg.outlier_latency_min_samples]
-        if not others:
+        if len(others) + 1 < cfg.outlier_latency_min_hosts or not others:
             return
         mine, theirs = statistics.median(lat), statistics.median(others)
         if mine * 1e3 > cfg.outlier_latency_floor_ms and mine > cfg.outlier_latency_factor * theirs:

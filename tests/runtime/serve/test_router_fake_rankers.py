@@ -311,6 +311,7 @@ async def test_no_retries_once_the_retry_budget_is_spent() -> None:
 async def test_a_try_cut_at_the_deadline_is_shed_with_504_not_counted_as_a_failure() -> None:
     async with Setup(2, rank_timeout_s=5.0, rank_budget_ms=150, outlier_consecutive_failures=2,
                      outlier_latency_min_samples=3, outlier_latency_factor=3.0, outlier_latency_floor_ms=1.0,
+                     outlier_latency_min_hosts=2,
                      retry_budget_min=100) as s:
         slow, fast = s.fakes
         slow.rank_delay_s = 1.0

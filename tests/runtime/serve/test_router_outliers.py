@@ -48,13 +48,60 @@ async def test_one_timeout_does_not_eject_consecutive_failures_do_and_it_returns
 
 async def test_latency_outlier_is_ejected() -> None:
     router = Router(RouterConfig(outlier_latency_min_samples=5, outlier_latency_factor=3.0,
-                                 outlier_latency_floor_ms=1.0))
+                                 outlier_latency_floor_ms=1.0, outlier_latency_min_hosts=2))
     router.apply(Event("snapshot", replicas=[Replica("a", "http://a"), Replica("b", "http://b")], placements=[]))
     for _ in range(5):
         router.record_success("b", 0.005)
     for _ in range(5):
         router.record_success("a", 0.1)
     assert "a" in router.ejected
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+async def test_too_few_replicas_for_latency_outliers_eject_none_by_latency(replicas: int) -> None:
+    """Envoy's minimum hosts: below 5 replicas one slow replica is as likely the busy users' as faulty."""
+    router = Router(RouterConfig(outlier_latency_min_samples=5, outlier_latency_factor=3.0,
+                                 outlier_latency_floor_ms=1.0))
+    names = [chr(ord("a") + i) for i in range(replicas)]
+    router.apply(Event("snapshot", replicas=[Replica(r, f"http://{r}") for r in names], placements=[]))
+    for r in names[1:]:
+        for _ in range(5):
+            router.record_success(r, 0.005)
+    for _ in range(5):
+        router.record_success("a", 0.1)
+    assert not router.ejected
+    router.apply(Event("snapshot", replicas=[Replica(r, f"http://{r}") for r in [*names, "x", "y", "z"][:5]],
+                       placements=[]))
+    for r in [*names, "x", "y", "z"][replicas:5]:
+        for _ in range(5):
+            router.record_success(r, 0.005)
+    router.record_success("a", 0.1)  # five replicas with samples: now the slow one is an outlier
+    assert "a" in router.ejected
+
+
+def test_ejection_time_grows_with_recent_ejections_and_decays_while_healthy(monkeypatch: pytest.MonkeyPatch) -> None:
+    from grstack.runtime.serve import router as router_module
+
+    now = [100.0]
+    monkeypatch.setattr(router_module.time, "monotonic", lambda: now[0])
+    router = Router(RouterConfig(outlier_consecutive_failures=1, outlier_base_ejection_s=5.0,
+                                 outlier_latency_factor=None))
+    router.apply(Event("snapshot", replicas=[Replica("a", "http://a"), Replica("b", "http://b")], placements=[]))
+
+    def eject() -> float:
+        router.record_failure("a")
+        period = router.ejected["a"] - now[0]
+        now[0] += period
+        router._release_ejections()
+        assert "a" not in router.ejected
+        return period
+
+    assert eject() == 5.0
+    assert eject() == 10.0  # ejected again at once: twice as long
+    now[0] += 10.0  # healthy for two base periods: the count drops by two
+    assert eject() == 5.0
+    now[0] += 4.0  # under one base period: no drop
+    assert eject() == 10.0
 
 
 def test_without_affinity_routes_ignore_placements_and_spread_over_replicas() -> None:
