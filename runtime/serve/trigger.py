@@ -5,11 +5,13 @@ admits a prefill signal only when
 
 1. the request is **at risk**: a miss would take more than ``risk_fraction * slo_ms`` (or the prefix is at
    least ``length_threshold`` tokens when that is set explicitly). A miss's time is the latency model's
-   full-inference time at this length (profiled by the rankers at start-up, on an idle ranker) and, with
-   ``load_aware_risk``, stretched by the queueing of the ranker it would go to: ``full / (1 - ρ)``, ρ the
-   share of the last ``window_s`` that ranker's compute thread was busy (its reported compute, every kind),
-   floored at ``min_idle_fraction`` (an M/M/1 sojourn time). Under load a miss costs several times its bare
-   time, and a static rule leaves exactly those requests unprotected;
+   full-inference time at this length (profiled by the rankers at start-up, on an idle ranker). With
+   ``load_aware_risk`` it is the miss's time *at the SLO's percentile* on the ranker it would go to: the
+   sojourn time of an M/M/1 queue, exponential with mean ``full / (1 - ρ)``, at ``slo_percentile``, i.e.
+   ``full * ln(1 / (1 - p)) / (1 - ρ)``, ρ the share of the last ``window_s`` that ranker's compute thread was
+   busy (its reported compute, every kind), ``1 - ρ`` floored at ``min_idle_fraction``. The SLO bounds the
+   P99, not the mean: a miss whose mean fits the budget still misses it one time in a hundred several times
+   over, and a rule on the mean leaves exactly the requests that decide the P99 unprotected;
 2. the **cache footprint** of admitted prefixes still **awaiting their rank** plus this one stays within
    ``cache_budget_bytes``: a prefix is charged from its admission until the router has routed the user's
    rank (:meth:`SequenceAwareTrigger.consumed`) or ``footprint_ttl_s`` passed. After its rank a prefix is
@@ -38,6 +40,7 @@ are that ranker's (2, 3 above are the fallback for a ranker that reports nothing
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -132,9 +135,17 @@ class TriggerConfig:
     # (always one prefill): what other routers admit meanwhile is unseen until the next report, so k routers
     # overshoot a ranker's budget by at most k such shares (the router sets it to its poll interval)
     report_interval_s: float = 1.0
-    # at-risk test against the miss time under the ranker's reported load (module doc, 1), not the idle time
+    # at-risk test against the miss time at the SLO's percentile under the ranker's reported load (module doc,
+    # 1), not the idle time
     load_aware_risk: bool = True
     min_idle_fraction: float = 0.1
+    slo_percentile: float = 99.0  # the percentile the SLO bounds
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.slo_percentile < 100.0:
+            raise ValueError(f"slo_percentile must be in (0, 100), got {self.slo_percentile}")
+        if not 0.0 < self.min_idle_fraction <= 1.0:
+            raise ValueError(f"min_idle_fraction must be in (0, 1], got {self.min_idle_fraction}")
 
 
 class RankerLoad:
@@ -295,8 +306,8 @@ class SequenceAwareTrigger:
         return None if measured is None else measured + self.pending_ms(replica)
 
     def miss_ms(self, prefix_len: int, replica: str | None = None) -> float:
-        """Predicted time of a miss at this length on ``replica``: the idle full-inference time, stretched by
-        the ranker's reported busy share when ``load_aware_risk`` (module doc, 1)."""
+        """Predicted time of a miss at this length on ``replica``: the idle full-inference time, or with
+        ``load_aware_risk`` and a fresh report its M/M/1 sojourn time at ``slo_percentile`` (module doc, 1)."""
         full = self.model.predict_full_ms(prefix_len)
         if not self.config.load_aware_risk:
             return full
@@ -304,7 +315,8 @@ class SequenceAwareTrigger:
         busy = load.busy_fraction if load is not None else None
         if busy is None:
             return full
-        return full / max(1.0 - busy, self.config.min_idle_fraction)
+        tail = math.log(1.0 / (1.0 - self.config.slo_percentile / 100.0))
+        return full * tail / max(1.0 - busy, self.config.min_idle_fraction)
 
     def at_risk(self, prefix_len: int, replica: str | None = None) -> tuple[bool, float]:
         """(at risk, idle full-inference ms)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from grstack.runtime.serve.trigger import LatencyModel, SequenceAwareTrigger, TriggerConfig
@@ -125,25 +127,38 @@ def _busy_reports(t: SequenceAwareTrigger, clock: Clock, replica: str, busy: flo
 
 
 def test_a_miss_on_a_busy_ranker_is_at_risk_where_an_idle_one_is_not() -> None:
-    """Full inference at 300 tokens takes 30 ms idle, under the 50 ms threshold; on a ranker busy 60% of the
-    time a miss waits too: 30 / (1 - 0.6) = 75 ms, at risk. Without reports (or with the rule off) the idle
-    time decides."""
+    """Full inference at 50 tokens takes 5 ms idle, far under the 50 ms threshold. Under load the rule takes
+    the miss's time at the SLO's percentile (P99) as an M/M/1 sojourn time: 5 x ln(100) / (1 - ρ), 28.8 ms on a
+    ranker busy 20% of the time (not at risk), 57.6 ms at 60% (at risk). Without reports (or with the rule off)
+    the idle time decides."""
     clock = Clock()
     t = trigger(clock)
+    p99 = math.log(100.0)
     _busy_reports(t, clock, "r1", 0.6)
-    assert t.miss_ms(300, "r1") == pytest.approx(75.0)
-    assert t.decide("a", "h", 300, "r2").reason == "not-at-risk"  # r2 reports nothing
-    d = t.decide("b", "h", 300, "r1")
-    assert d.admitted and d.predicted_full_ms == pytest.approx(30.0)
-    _busy_reports(t, clock, "r3", 0.2)  # 30 / 0.8 = 37.5 ms: not at risk
-    assert t.decide("c", "h", 300, "r3").reason == "not-at-risk"
-    _busy_reports(t, clock, "r4", 1.0)  # saturated: floored at min_idle_fraction 0.1, 300 ms
-    assert t.miss_ms(300, "r4") == pytest.approx(300.0)
+    assert t.miss_ms(50, "r1") == pytest.approx(5.0 * p99 / 0.4)
+    assert t.decide("a", "h", 50, "r2").reason == "not-at-risk"  # r2 reports nothing
+    d = t.decide("b", "h", 50, "r1")
+    assert d.admitted and d.predicted_full_ms == pytest.approx(5.0)
+    _busy_reports(t, clock, "r3", 0.2)
+    assert t.miss_ms(50, "r3") == pytest.approx(5.0 * p99 / 0.8)
+    assert t.decide("c", "h", 50, "r3").reason == "not-at-risk"
+    _busy_reports(t, clock, "r4", 1.0)  # saturated: 1 - ρ floored at min_idle_fraction 0.1
+    assert t.miss_ms(50, "r4") == pytest.approx(5.0 * p99 / 0.1)
+    median = trigger(clock, slo_percentile=50.0)  # the percentile is the SLO's: at P50 ln(2) replaces ln(100)
+    _busy_reports(median, clock, "r1", 0.6)
+    assert median.miss_ms(50, "r1") == pytest.approx(5.0 * math.log(2.0) / 0.4)
+    assert median.decide("b", "h", 50, "r1").reason == "not-at-risk"
     off = trigger(clock, load_aware_risk=False)
     _busy_reports(off, clock, "r1", 0.6)
-    assert off.decide("b", "h", 300, "r1").reason == "not-at-risk"
+    assert off.decide("b", "h", 50, "r1").reason == "not-at-risk"
     clock.t += 10.0  # reports older than report_ttl_s are ignored: the idle time decides again
-    assert t.decide("d", "h", 300, "r1").reason == "not-at-risk"
+    assert t.decide("d", "h", 50, "r1").reason == "not-at-risk"
+
+
+@pytest.mark.parametrize("bad", [{"slo_percentile": 0.0}, {"slo_percentile": 100.0}, {"min_idle_fraction": 0.0}])
+def test_trigger_config_refuses_percentiles_and_floors_out_of_range(bad: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        TriggerConfig(**bad)
 
 
 def test_a_prefix_stops_counting_against_the_footprint_once_its_rank_is_routed() -> None:
