@@ -297,7 +297,7 @@ async def measure_once(m: ModeRun, sweep: str, length: int, qps: float, repeat: 
     trace = s.trace(length, qps, repeat)
     reqs, visit_of = encode(trace, f"{m.mode}-{sweep}-L{length}-q{qps:g}-r{repeat}")
     before = await _ranker_state(m.session, m.ranker_urls)
-    results = await run_open_loop(m.router_url, reqs, timeout_s=s.timeout_s, session=m.session)
+    results = await run_open_loop(m.router_url, reqs, timeout_s=s.timeout_s, session=m.session, deadline_ms=s.slo_ms)
     await _drain(m.session, m.ranker_urls)
     after = await _ranker_state(m.session, m.ranker_urls)
     out = {"trace_seed": s.seed + repeat, **summarize(results, s.slo_ms), **state_deltas(before, after),

@@ -158,7 +158,9 @@ def _router_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--outlier-failures", type=int, default=5,
                    help="consecutive 5xx/timeouts that eject a replica (outlier detection)")
     g.add_argument("--outlier-ejection-s", type=float, default=5.0,
-                   help="base ejection time; x the replica's ejection count, at most 60 s")
+                   help="base ejection time; x the replica's recent ejection count, at most 60 s")
+    g.add_argument("--outlier-latency-min-hosts", type=int, default=5,
+                   help="look for latency outliers only among this many replicas or more (default 5, as Envoy)")
 
 
 def ranker_config(args: argparse.Namespace, max_len: int) -> Any:
@@ -214,6 +216,10 @@ def router_config(args: argparse.Namespace, rankers: tuple[str, ...] = ()) -> An
         raise UserError(f"--ranker-cache-fraction {fraction:g}: must be in (0, 1]")
     if min_load < 1:
         raise UserError(f"--overload-min-load {min_load}: must be at least 1")
+    min_hosts = getattr(args, "outlier_latency_min_hosts", 5)
+    if min_hosts < 2:
+        raise UserError(f"--outlier-latency-min-hosts {min_hosts}: must be at least 2 (an outlier is one replica "
+                        f"against the others)")
     trig = TriggerConfig(slo_ms=args.slo_ms, risk_fraction=args.risk_fraction,
                          length_threshold=args.length_threshold,
                          cache_budget_bytes=int(args.cache_budget_mb * MB), footprint_ttl_s=args.footprint_ttl_s,
@@ -235,7 +241,8 @@ def router_config(args: argparse.Namespace, rankers: tuple[str, ...] = ()) -> An
                         rank_budget_ms=getattr(args, "rank_budget_ms", None),
                         retry_budget_ratio=getattr(args, "retry_budget_ratio", 0.1),
                         outlier_consecutive_failures=getattr(args, "outlier_failures", 5),
-                        outlier_base_ejection_s=getattr(args, "outlier_ejection_s", 5.0))
+                        outlier_base_ejection_s=getattr(args, "outlier_ejection_s", 5.0),
+                        outlier_latency_min_hosts=min_hosts)
 
 
 def _logging(level: str) -> None:

@@ -4,6 +4,11 @@ Latency is measured from each request's scheduled send time, so a server that fa
 the queueing it causes (no coordinated omission). A request that fails or times out counts as a latency
 of +inf, so it always violates an SLO. ``Result.kind`` sorts answers into ok / shed (503 or 504 carrying
 ``X-Grstack-Shed``) / other errors, as the overload checks count them.
+
+With ``deadline_ms`` a request of ``deadline_paths`` carries the caller's remaining budget in
+``X-Grstack-Deadline-Ms``: ``deadline_ms`` minus how late it is sent after its scheduled time, the way a
+cascade stage passes its remaining deadline downstream. The server then measures its budget from the same
+instant the latency is measured from, and sheds what cannot be answered in time as the caller sees it.
 """
 
 from __future__ import annotations
@@ -53,11 +58,18 @@ def poisson_times(qps: float, n: int, rng: np.random.Generator) -> np.ndarray:
     return np.cumsum(rng.exponential(1.0 / qps, n))
 
 
+DEADLINE_HEADER = "X-Grstack-Deadline-Ms"
+
+
 async def _send(session: aiohttp.ClientSession, base_url: str, req: Request, scheduled: float,
-                timeout_s: float) -> Result:
+                timeout_s: float, deadline_ms: float | None = None) -> Result:
     loop = asyncio.get_running_loop()
+    headers = {"Content-Type": "application/json"}
+    if deadline_ms is not None:
+        late_ms = max(0.0, (loop.time() - scheduled) * 1e3)
+        headers[DEADLINE_HEADER] = f"{max(deadline_ms - late_ms, 0.1):.1f}"  # spent: the server sheds it at once
     try:
-        async with session.post(base_url + req.path, data=req.body, headers={"Content-Type": "application/json"},
+        async with session.post(base_url + req.path, data=req.body, headers=headers,
                                 timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             raw = await resp.read()
             latency = (loop.time() - scheduled) * 1e3
@@ -68,8 +80,10 @@ async def _send(session: aiohttp.ClientSession, base_url: str, req: Request, sch
 
 
 async def run_open_loop(base_url: str, requests: list[Request], timeout_s: float = 5.0,
-                        session: aiohttp.ClientSession | None = None) -> list[Result]:
-    """Sends every request at its time; returns results in the order of ``requests``' send times."""
+                        session: aiohttp.ClientSession | None = None, deadline_ms: float | None = None,
+                        deadline_paths: tuple[str, ...] = ("/v1/rank",)) -> list[Result]:
+    """Sends every request at its time; returns results in the order of ``requests``' send times. With
+    ``deadline_ms``, requests to ``deadline_paths`` carry the remaining budget (module doc)."""
     own = session is None
     session = session or aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024))
     loop = asyncio.get_running_loop()
@@ -81,7 +95,8 @@ async def run_open_loop(base_url: str, requests: list[Request], timeout_s: float
             delay = t0 + req.at - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(loop.create_task(_send(session, base_url, req, t0 + req.at, timeout_s)))
+            budget = deadline_ms if req.path in deadline_paths else None
+            tasks.append(loop.create_task(_send(session, base_url, req, t0 + req.at, timeout_s, budget)))
         return list(await asyncio.gather(*tasks))
     finally:
         if own:
