@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MAX_BODY = web.AppKey("max_body_bytes", int)
+# milliseconds left of a rank's budget: set by a client or the router, honoured by router and ranker
+DEADLINE_HEADER = "X-Grstack-Deadline-Ms"
 
 
 class RequestError(Exception):

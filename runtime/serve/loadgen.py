@@ -22,6 +22,8 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from grstack.runtime.serve.http import DEADLINE_HEADER
+
 
 @dataclass
 class Request:
@@ -56,9 +58,6 @@ class Result:
 
 def poisson_times(qps: float, n: int, rng: np.random.Generator) -> np.ndarray:
     return np.cumsum(rng.exponential(1.0 / qps, n))
-
-
-DEADLINE_HEADER = "X-Grstack-Deadline-Ms"
 
 
 async def _send(session: aiohttp.ClientSession, base_url: str, req: Request, scheduled: float,

@@ -38,6 +38,7 @@ from grstack.runtime.device import synchronize
 from grstack.runtime.serve.cache import TieredKVCache
 from grstack.runtime.serve.engine import PrefixKV, RankItem, RelayEngine, prefix_hash
 from grstack.runtime.serve.http import (
+    DEADLINE_HEADER,
     MAX_BODY,
     RequestError,
     error_response,
@@ -64,7 +65,6 @@ from grstack.runtime.serve.schemas import (
 )
 
 log = logging.getLogger(__name__)
-DEADLINE_HEADER = "X-Grstack-Deadline-Ms"
 KV_ARENA_ENV = "GRSTACK_KV_ARENA"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
 

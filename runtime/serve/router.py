@@ -47,6 +47,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from grstack.runtime.serve.http import (
+    DEADLINE_HEADER,
     MAX_BODY,
     RequestError,
     error_response,
@@ -82,7 +83,6 @@ from grstack.runtime.serve.schemas import (
 from grstack.runtime.serve.trigger import LatencyModel, SequenceAwareTrigger, TriggerConfig
 
 log = logging.getLogger(__name__)
-DEADLINE_HEADER = "X-Grstack-Deadline-Ms"
 LOCAL = -1  # revision of a placement known only to this router (written while the store was down)
 HOME = 0  # revision of a placement on the user's ring home: derived, never stored (exceptions-only)
 

@@ -9,8 +9,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from grstack.runtime.serve.http import start_site
-from grstack.runtime.serve.loadgen import DEADLINE_HEADER, Request, run_open_loop
+from grstack.runtime.serve.http import DEADLINE_HEADER, start_site
+from grstack.runtime.serve.loadgen import Request, run_open_loop
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(30)]
 
