@@ -29,9 +29,9 @@ from grstack.runtime.bench.serve_trace import Population, Trace, TraceConfig, bu
 # --quick: the first quick run (40 QPS, lengths from 512) failed every point of every mode — the baseline cannot
 # rank 512-token histories at 40 QPS on two 1-thread rankers sharing 2 cores with the load generator. In the next
 # two, at 1024 tokens the baseline failed every QPS down to the 5 QPS floor, so slo_qps_ratio had no denominator:
-# the QPS sweep runs at 512 tokens (both presets). --quick must finish within 15 minutes with 1,000 measured ranks
-# per point, so its points are few and fast: 4 lengths at 40 QPS (31 s a point), QPS from 20 (62 s a point),
-# probed down to 10 QPS only.
+# the QPS sweep runs at 512 tokens (both presets). --quick is asked to finish within 15 minutes with 1,000 measured
+# ranks per point, so its points are few and fast: 4 lengths at 40 QPS (31 s a point), QPS from 20 (62 s a point),
+# probed down to 10 QPS only. It still takes 16-19 minutes here (docs/bench-serve.md).
 QUICK: dict[str, Any] = {"users": 2000, "lengths": [256, 512, 1024, 2048], "length_qps": 40.0,
                          "qps": [20.0, 40.0, 80.0, 160.0], "qps_length": 512, "repeats": 1, "qps_floor": 10.0}
 FULL: dict[str, Any] = {"users": 10_000, "lengths": [256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192],
