@@ -8,6 +8,7 @@ data paths in a config file resolve against the config file's directory, so conf
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -101,8 +102,16 @@ class LossConfig(_Strict):
         "group", description="batch: one negative set for all tokens of a batch; group: one set per "
         "loss.group_size consecutive tokens; token: one set per token")
     group_size: int = Field(16, ge=1, description="tokens sharing one negative set when sharing=group")
-    ranking_candidates: int = Field(8, ge=2, description="candidates per user for the ranking head (1 positive)")
+    ranking_candidates: int = Field(8, ge=2, description="candidates per user for the ranking head (1 positive "
+                                    "with ranking_on=uniform; the block of logged exposures with exposures)")
     ranking_weight: float = Field(0.1, ge=0.0)
+    ranking_on: Literal["uniform", "exposures"] = Field(
+        "uniform", description="what the ranking head is trained and evaluated on. uniform: the logged next "
+        "event against ranking_candidates - 1 uniform items (task 'next', and the event's actions; uniform items "
+        "are 0 for every task). exposures: blocks of ranking_candidates logged events with their own action "
+        "labels (HSTU's ranking: the impressions a user was shown), the action tasks only; the last three "
+        "blocks of every user are training's, validation's and test's, and users need 3 blocks + 2 events "
+        "(docs/features.md)")
 
 
 class OptimConfig(_Strict):
@@ -137,7 +146,9 @@ class TrainSection(_Strict):
     keep_checkpoints: int = Field(2, ge=1)
     eval_every_epochs: int = Field(1, ge=1)
     patience: int | None = Field(None, ge=1, description="stop after this many evals without improvement")
-    select_metric: str = Field("ndcg@10", description="validation metric that picks the best checkpoint")
+    select_metric: str = Field("ndcg@10", description="validation metric that picks the best checkpoint: a "
+                               "retrieval metric (hr@K, ndcg@K with K in eval.ks, mrr) or a ranking-head one, "
+                               "ranking.TASK.auc or ranking.TASK.gauc (e.g. ranking.click.gauc)")
 
 
 class EvalConfig(_Strict):
@@ -246,9 +257,17 @@ class Config(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> Config:
-        if self.train.select_metric not in metric_names(self.eval.ks):
-            raise ValueError(f"train.select_metric {self.train.select_metric!r} is not one of "
-                             f"{', '.join(metric_names(self.eval.ks))}")
+        sel = self.train.select_metric
+        if sel.startswith(RANKING_PREFIX):
+            if not re.fullmatch(r"ranking\.[A-Za-z0-9_]+\.(auc|gauc)", sel):
+                raise ValueError(f"train.select_metric {sel!r}: a ranking metric is ranking.TASK.auc or "
+                                 f"ranking.TASK.gauc (TASK: next, click, like, ... as the dataset's actions)")
+            if not self.model.ranking_head or self.loss.ranking_weight <= 0 or self.model.type == "sasrec":
+                raise ValueError(f"train.select_metric {sel!r} needs a trained ranking head (an HSTU or FuXi-α "
+                                 f"model, model.ranking_head=true, loss.ranking_weight > 0)")
+        elif sel not in metric_names(self.eval.ks):
+            raise ValueError(f"train.select_metric {sel!r} is not one of {', '.join(metric_names(self.eval.ks))} "
+                             f"or ranking.TASK.auc / ranking.TASK.gauc")
         if self.data.read == "shard" and self.data.format != "parquet":
             raise ValueError(f"data.read=shard reads a Parquet dataset's row groups, not data.format="
                              f"{self.data.format}; write it first (grstack data import/synth --out DIR) and "
@@ -258,7 +277,15 @@ class Config(_Strict):
         if self.data.user_features and self.model.time_bias_query == "next":
             raise ValueError("model.time_bias_query=next does not combine with data.user_features (contextual "
                              "tokens have no next event)")
+        if self.loss.ranking_on == "exposures" and (not self.model.ranking_head or self.loss.ranking_weight <= 0
+                                                    or self.model.type == "sasrec"):
+            raise ValueError("loss.ranking_on=exposures trains the ranking head: it needs an HSTU or FuXi-α model "
+                             "with model.ranking_head=true and loss.ranking_weight > 0")
         return self
+
+    def ranking_block(self) -> int:
+        """Logged exposures per ranking block (``LeaveOneOut.block``): 0 unless ``loss.ranking_on=exposures``."""
+        return self.loss.ranking_candidates if self.loss.ranking_on == "exposures" else 0
 
 
 MOVED_KEYS = (
@@ -266,6 +293,9 @@ MOVED_KEYS = (
     ("distributed", "sparse_lr", "embedding.lr"),
     ("negatives", "offload", "removed (it was never read): semi-async always parks looked-up rows in host memory"),
 )
+
+
+RANKING_PREFIX = "ranking."
 
 
 def metric_names(ks: list[int]) -> list[str]:

@@ -15,7 +15,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from grstack.runtime.data.candidates import append_candidates
+    from grstack.runtime.data.candidates import append_candidates, exposure_labels
     from grstack.runtime.data.dataset import (
         SequenceDataset,
         from_sequences,
@@ -49,6 +49,7 @@ _EXPORTS = {
     "ranges_index": "grstack.runtime.data.splits",
     "JaggedBatch": "grstack.runtime.data.jagged",
     "append_candidates": "grstack.runtime.data.candidates",
+    "exposure_labels": "grstack.runtime.data.candidates",
     "RankShare": "grstack.runtime.data.shards",
     "deal": "grstack.runtime.data.shards",
     "epoch_order": "grstack.runtime.data.shards",
@@ -66,6 +67,7 @@ __all__ = [
     "append_candidates",
     "deal",
     "epoch_order",
+    "exposure_labels",
     "fingerprint",
     "from_sequences",
     "known_item_count",

@@ -1,7 +1,9 @@
-"""Appending ranking candidates to a jagged history batch (the ranking head's input layout)."""
+"""Appending ranking candidates to a jagged history batch (the ranking head's input layout), and the labels of
+candidates that are logged exposures."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from grstack.kernels import segment_ids
@@ -40,3 +42,15 @@ def append_candidates(batch: JaggedBatch, cand_ids: torch.Tensor, cand_ts: torch
                       num_targets=torch.full((B,), M, dtype=torch.int64, device=device),
                       user_index=batch.user_index, input_actions=input_actions, context=batch.context)
     return out, is_hist
+
+
+def exposure_labels(actions: np.ndarray | None, num_tasks: int) -> np.ndarray:
+    """[B, k, T] labels of blocks of logged exposures (action bits [B, k]): task 0 ("next") is 1, every event
+    having been shown; task t >= 1 is the event's action bit t - 1."""
+    if actions is None:
+        raise ValueError("ranking on logged exposures needs a dataset with actions")
+    bits = np.asarray(actions, dtype=np.int64)
+    labels = np.ones((*bits.shape, num_tasks), dtype=np.float32)
+    for t in range(1, num_tasks):
+        labels[:, :, t] = (bits >> (t - 1)) & 1
+    return labels

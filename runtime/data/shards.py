@@ -125,18 +125,19 @@ def metadata_only(path: str | Path) -> SequenceDataset:
                                                        np.arange(1, int(meta["num_items"]) + 1, dtype=np.int64)))
 
 
-def train_lengths(ds: SequenceDataset, min_len: int, max_len: int) -> np.ndarray:
+def train_lengths(ds: SequenceDataset, min_len: int, max_len: int, block: int = 0) -> np.ndarray:
     """History tokens of each training row of ``ds`` (LeaveOneOut's train_users, in order)."""
-    return LeaveOneOut.train_lengths_of(ds.lengths, min_len, max_len)
+    return LeaveOneOut.train_lengths_of(ds.lengths, min_len, max_len, block)
 
 
 class RankShare:
     """This rank's pieces of a dataset: their training lengths, and the rows themselves on demand."""
 
     def __init__(self, path: str | Path, pieces: list[Piece], mine: list[int], *, min_len: int,
-                 max_len: int, has_actions: bool, cache_pieces: int = 16) -> None:
+                 max_len: int, has_actions: bool, cache_pieces: int = 16, block: int = 0) -> None:
         self.path, self.pieces, self.mine = Path(path), pieces, list(mine)
         self.min_len, self.max_len, self.has_actions = min_len, max_len, has_actions
+        self.block = block  # ranking blocks of logged exposures (LeaveOneOut.block)
         self.cache_pieces = max(1, cache_pieces)
         self._cache: OrderedDict[int, SequenceDataset] = OrderedDict()
         self._lock = threading.Lock()
@@ -146,8 +147,8 @@ class RankShare:
         self.lengths, self.num_users = [], 0
         for i in self.mine:
             ds = self._read(i)
-            self.lengths.append(train_lengths(ds, min_len, max_len))
-            self.num_users += int((ds.lengths >= min_len).sum())
+            self.lengths.append(train_lengths(ds, min_len, max_len, block))
+            self.num_users += len(self._split_of(ds).users)
         self._bases = np.concatenate([[0], np.cumsum([len(x) for x in self.lengths])]).astype(np.int64)
 
     @property
@@ -189,9 +190,24 @@ class RankShare:
             self.cache_peak = max(self.cache_peak, len(self._cache))
         return ds
 
-    def train_batch(self, local_rows: np.ndarray, max_len: int) -> tuple[JaggedBatch, torch.Tensor]:
+    def train_batch(self, local_rows: np.ndarray, max_len: int, back: np.ndarray | None = None
+                    ) -> tuple[JaggedBatch, torch.Tensor]:
         """The training batch of local rows (indices into this rank's training rows, piece-major), in the
         given order: the same tokens ``LeaveOneOut.train_batch`` gives for these users on the whole data."""
+        split = self._rows_split(local_rows)
+        return split.train_batch(np.arange(len(local_rows)), max_len, back)
+
+    def train_block(self, local_rows: np.ndarray, back: np.ndarray | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``LeaveOneOut.train_block`` of local rows (as :meth:`train_batch`)."""
+        return self._rows_split(local_rows).train_block(np.arange(len(local_rows)), back)
+
+    def block_backs(self, local_rows: np.ndarray, uniform: np.ndarray) -> np.ndarray:
+        """``LeaveOneOut.block_backs`` of local rows."""
+        return self._rows_split(local_rows).block_backs(np.arange(len(local_rows)), uniform)
+
+    def _rows_split(self, local_rows: np.ndarray) -> LeaveOneOut:
+        """A split over just these local rows' users, in the given order."""
         local_rows = np.asarray(local_rows, dtype=np.int64)
         k = np.searchsorted(self._bases, local_rows, side="right") - 1
         if len(local_rows) and (local_rows.min() < 0 or local_rows.max() >= self.num_train_rows):
@@ -207,13 +223,12 @@ class RankShare:
             if ds.actions is not None:
                 acts.append(ds.actions[lo:hi])
         sub = _concat(items, stamps, acts if self.has_actions else None)
-        split = LeaveOneOut(sub, min_len=self.min_len)
-        return split.train_batch(np.arange(len(local_rows)), max_len)
+        return LeaveOneOut(sub, min_len=self.min_len, block=self.block)
 
     def _split_of(self, ds: SequenceDataset) -> LeaveOneOut:
         split = getattr(ds, "_split", None)
         if split is None:
-            split = LeaveOneOut(ds, min_len=self.min_len)
+            split = LeaveOneOut(ds, min_len=self.min_len, block=self.block)
             ds._split = split  # type: ignore[attr-defined]
         return split
 
@@ -232,7 +247,7 @@ class RankShare:
                 if self.has_actions else None)
         ds = _concat(items, stamps, acts)
         ds.user_ids = np.concatenate([p.user_ids for p in parts] + [np.zeros(0, np.int64)]).astype(np.int64)
-        return LeaveOneOut(ds, min_len=self.min_len)
+        return LeaveOneOut(ds, min_len=self.min_len, block=self.block)
 
 
 def _concat(items: list[np.ndarray], stamps: list[np.ndarray], acts: list[np.ndarray] | None) -> SequenceDataset:

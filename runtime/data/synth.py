@@ -15,7 +15,12 @@ The generative story, chosen so a sequential model has more to learn than popula
   item order) with ``chain_prob``, else it is a fresh Zipf draw from the topic; so the next item depends
   strongly on the last few.
 * Labels (``click``, ``like``, ``long_view``; the same bits as the KuaiRand importer) grow with how well
-  the run's topic matches the user's interests and with a per-item quality.
+  the run's topic matches the user's interests and with a per-item quality. With ``taste_sigma`` (the
+  ``hard-rank`` preset) they also follow a taste the visits do not show, as engagement on a platform's
+  impressions does: each user's own smooth function of the topic ring (three random low-frequency
+  components, std ``taste_sigma`` in logits) plus one per ``age_range`` group (std ``group_taste_sigma``);
+  only the user's past actions (and age) reveal it. Drawn from a generator of their own, so the events and
+  every other preset's labels do not change.
 * Side features, KuaiRand-like (drawn last, from their own generator, so the events do not change): items
   have a ``tag`` (their topic; a random one for 15% of items, as tags are noisy) and an ``author`` (one of
   about four per topic); users have ``activity`` (a quartile of their length, KuaiRand's active degree), a
@@ -61,6 +66,8 @@ class SynthConfig:
     session_mean: float = 12.0  # mean events per session
     within_gap_s: float = 25.0  # median gap inside a session
     span_days: float = 30.0  # heavier users' sessions are packed into about this span
+    taste_sigma: float = 0.0  # std (logits) of a user's hidden taste over the topic ring (module doc)
+    group_taste_sigma: float = 0.0  # std (logits) of each age_range group's taste over the topic ring
     start_time: int = 1_649_376_000  # 2022-04-08 00:00:00 UTC, the start of KuaiRand's logs
 
     def check(self) -> None:
@@ -73,6 +80,8 @@ class SynthConfig:
                 raise UserError(f"synth: {name} must lie in [0, 1], got {getattr(self, name)}")
         if self.session_mean < 1 or self.centers_max < 1:
             raise UserError("synth: session_mean and centers_max must be at least 1")
+        if self.taste_sigma < 0 or self.group_taste_sigma < 0:
+            raise UserError("synth: taste_sigma and group_taste_sigma must be >= 0")
 
 
 PRESETS: dict[str, SynthConfig] = {
@@ -88,6 +97,12 @@ PRESETS: dict[str, SynthConfig] = {
     "hard": SynthConfig(num_users=3000, num_items=40_000, num_topics=200, len_median=120, len_sigma=0.9,
                         min_len=20, max_len=1000, item_zipf=0.5, topic_zipf=0.6, interest_width=6.0, drift=2.0,
                         switch_prob=0.5, chain_prob=0.0, explore_prob=0.6),
+    # The hard preset's events with labels that also follow a taste only actions and age reveal (module doc):
+    # the data the ranking comparison of actions and user context as inputs runs on (docs/features.md).
+    "hard-rank": SynthConfig(num_users=3000, num_items=40_000, num_topics=200, len_median=120, len_sigma=0.9,
+                             min_len=20, max_len=1000, item_zipf=0.5, topic_zipf=0.6, interest_width=6.0,
+                             drift=2.0, switch_prob=0.5, chain_prob=0.0, explore_prob=0.6, taste_sigma=1.0,
+                             group_taste_sigma=0.5),
     # KuaiRand-27K's user count; lengths from 100 to 10k with a heavy tail.
     "27k": SynthConfig(num_users=27_285, num_items=40_000, num_topics=400, len_median=450, len_sigma=1.0,
                        min_len=100, max_len=10_000),
@@ -230,16 +245,19 @@ def synthesize(preset: str, seed: int = 0, **overrides: object) -> SequenceDatas
     timestamps = user_start[user_of] + _segmented_cumsum(gaps, first, user_of)
     del gaps
 
-    # Labels grow with the interest match of the run and the item's quality.
+    strongest = centre0[np.arange(u_count), np.argmax(wts, axis=1)]
+    item_feats, user_feats, age = _side_features(cfg, cat, lengths, strongest, seed)
+
+    # Labels grow with the interest match of the run, the item's quality and the hidden taste (module doc).
     match = run_match[run_of]
     quality = cat.quality[items]
-    click = rng.random(n_events) < _sigmoid(-1.0 + 2.2 * match + quality)
-    like = click & (rng.random(n_events) < _sigmoid(-3.6 + 2.0 * match + quality))
-    long_view = rng.random(n_events) < _sigmoid(-1.8 + 2.4 * match + 0.6 * quality)
+    taste = _taste(cfg, age, seed)
+    pref = taste[user_of, topic] if taste is not None else 0.0
+    del taste
+    click = rng.random(n_events) < _sigmoid(-1.0 + 2.2 * match + quality + pref)
+    like = click & (rng.random(n_events) < _sigmoid(-3.6 + 2.0 * match + quality + pref))
+    long_view = rng.random(n_events) < _sigmoid(-1.8 + 2.4 * match + 0.6 * quality + pref)
     actions = click.astype(np.int64) | (like.astype(np.int64) << 1) | (long_view.astype(np.int64) << 2)
-
-    strongest = centre0[np.arange(u_count), np.argmax(wts, axis=1)]
-    item_feats, user_feats = _side_features(cfg, cat, lengths, strongest, seed)
     ds = SequenceDataset(
         user_ids=np.arange(1, u_count + 1, dtype=np.int64),
         offsets=offsets,
@@ -266,9 +284,29 @@ def _single(name: str, values: np.ndarray, prefix: str) -> FeatureField:
                         np.array([f"{prefix}{c}" for c in codes]))
 
 
+def _ring_functions(rng: np.random.Generator, rows: int, k: int, sigma: float) -> np.ndarray:
+    """[rows, k] smooth random functions of the topic ring: three low-frequency components, std ``sigma``."""
+    angle = 2.0 * np.pi * np.arange(k) / k
+    out = np.zeros((rows, k))
+    for f in (1, 2, 3):
+        a, b = rng.normal(0.0, 1.0, (2, rows, 1))
+        out += a * np.cos(f * angle)[None, :] + b * np.sin(f * angle)[None, :]
+    return out * (sigma / np.sqrt(3.0))
+
+
+def _taste(cfg: SynthConfig, age: np.ndarray, seed: int) -> np.ndarray | None:
+    """[users, topics] hidden taste in logits: each user's own ring function plus their age group's."""
+    if cfg.taste_sigma == 0 and cfg.group_taste_sigma == 0:
+        return None
+    rng = np.random.default_rng([seed, 0x7A57E])
+    k = cfg.num_topics
+    group = _ring_functions(rng, int(age.max()) + 1, k, cfg.group_taste_sigma)
+    return _ring_functions(rng, len(age), k, cfg.taste_sigma) + group[age]
+
+
 def _side_features(cfg: SynthConfig, cat: _Catalogue, lengths: np.ndarray, strongest: np.ndarray,
-                   seed: int) -> tuple[Features, Features]:
-    """Item and user side features (module doc), from a generator of their own."""
+                   seed: int) -> tuple[Features, Features, np.ndarray]:
+    """Item and user side features (module doc), from a generator of their own, and each user's age group."""
     rng = np.random.default_rng([seed, 0x5EA7])
     k, n = cfg.num_topics, cfg.num_items
     topic_of_item = np.empty(n, dtype=np.int64)
@@ -282,4 +320,4 @@ def _side_features(cfg: SynthConfig, cat: _Catalogue, lengths: np.ndarray, stron
     age = rng.integers(0, 7, u)
     users = Features("user", u, [_single("activity", activity, "q"), _single("region", region, "r"),
                                  _single("age_range", age, "age")])
-    return items, users
+    return items, users, age

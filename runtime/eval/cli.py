@@ -35,7 +35,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"{run_dir} has no {BEST_MODEL} yet (it is written after the first validation)")
     model, cfg, tasks = load_exported(model_path)
     # the fields the model was trained on, in its order (the run's copy holds those; select_features checks)
-    split = LeaveOneOut(select_features(read_dataset(run_dir / DATASET_DIR), cfg.data), min_len=cfg.data.min_len)
+    split = LeaveOneOut(select_features(read_dataset(run_dir / DATASET_DIR), cfg.data), min_len=cfg.data.min_len,
+                        block=cfg.ranking_block())
     which = ("valid", "test") if args.split == "both" else (args.split,)
     max_users = None if args.all_users else cfg.eval.max_users
     results: dict[str, dict] = {w: dict(evaluate(model, split, w, max_len=cfg.data.max_len, ks=cfg.eval.ks,
@@ -46,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
         for w in which:
             results[w]["ranking"] = {"skipped": why} if why is not None else evaluate_ranking(
                 model, split, w, tasks, max_len=cfg.data.max_len, num_candidates=cfg.loss.ranking_candidates,
-                seed=cfg.train.seed, batch_size=cfg.eval.batch_size, max_users=max_users)
+                seed=cfg.train.seed, batch_size=cfg.eval.batch_size, max_users=max_users,
+                ranking_on=cfg.loss.ranking_on)
     if args.json:
         print(json.dumps({"run": str(run_dir), "model": cfg.model.type, "metrics": results}, indent=2))
     else:

@@ -1,4 +1,9 @@
-"""Evaluation of the ranking head on the leave-one-out targets (docs/training.md, "Evaluation").
+"""Evaluation of the ranking head on held-out events (docs/training.md, "Evaluation"; docs/features.md).
+
+``ranking_on=exposures`` (HSTU's ranking): each evaluated user's held-out block of ``k`` logged exposures
+(``LeaveOneOut.eval_block``) sits after the history before it, every candidate at the block's first event's
+time (the request time), and each is labelled with its own action bits; task 0 ("next") is 1 for every
+logged event and is not reported. The rest of this note is ``ranking_on=uniform``.
 
 Each evaluated user gets one candidate set shaped like training's (``train/batching.py``): candidate 0 is
 the split's target, the other ``M - 1`` are items drawn uniformly from 1..num_items, history not excluded
@@ -20,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from grstack.runtime.data import LeaveOneOut, append_candidates
+from grstack.runtime.data import LeaveOneOut, append_candidates, exposure_labels
 from grstack.runtime.eval.ranking import ranking_report
 
 _SPLIT_CODE = {"valid": 1, "test": 2}
@@ -66,9 +71,10 @@ def candidate_labels(num_users: int, num_candidates: int, num_tasks: int,
 def rank_head_logits(model: nn.Module, split: LeaveOneOut, which: str, rows: np.ndarray, *, max_len: int,
                      batch_size: int, device: torch.device, num_candidates: int, seed: int,
                      num_items: int | None = None, lookup: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                     rounds: int | None = None, tick: Callable[[], None] | None = None
-                     ) -> tuple[np.ndarray, np.ndarray]:
-    """Labels and ranking-head logits, both [B, M, T], of the users at ``rows``.
+                     rounds: int | None = None, tick: Callable[[], None] | None = None,
+                     ranking_on: str = "uniform") -> tuple[np.ndarray, np.ndarray]:
+    """Labels and ranking-head logits, both [B, M, T], of the users at ``rows`` (``ranking_on``: module doc;
+    with ``exposures`` M is the split's block).
 
     ``num_items``: the catalogue negatives are drawn from (default the split's; a split of a few pieces of a
     larger dataset does not know it). ``lookup``: item rows of host ids from elsewhere (the trainer's sharded
@@ -77,6 +83,10 @@ def rank_head_logits(model: nn.Module, split: LeaveOneOut, which: str, rows: np.
     num_items = split.ds.num_items if num_items is None else num_items
     T = int(model.num_tasks)
     M = num_candidates
+    if ranking_on not in ("uniform", "exposures"):
+        raise ValueError(f"ranking_on must be uniform or exposures, got {ranking_on!r}")
+    if ranking_on == "exposures" and split.block != M:
+        raise ValueError(f"the split's ranking block ({split.block}) is not num_candidates ({M})")
     was_training = model.training
     model.eval()
     ids_ds = split.ds.user_ids[split.users[rows]]
@@ -88,11 +98,18 @@ def rank_head_logits(model: nn.Module, split: LeaveOneOut, which: str, rows: np.
             if lookup is not None:
                 lookup(torch.zeros(0, dtype=torch.int64))
             continue
-        batch, targets = split.eval_batch(which, chunk, max_len)
-        _, target_ts, actions = split.eval_targets(which, chunk)
-        cands = eval_candidates(seed, which, ids_ds[r * batch_size : (r + 1) * batch_size], targets.numpy(),
-                                num_items, M)
-        full, is_hist = append_candidates(batch, torch.from_numpy(cands), torch.from_numpy(target_ts))
+        if ranking_on == "exposures":
+            batch, block_ids, block_ts, block_acts = split.eval_block(which, chunk, max_len)
+            cands = block_ids.numpy()
+            labels = exposure_labels(block_acts.numpy() if block_acts is not None else None, T)
+            full, is_hist = append_candidates(batch, block_ids, block_ts)
+        else:
+            batch, targets = split.eval_batch(which, chunk, max_len)
+            _, target_ts, actions = split.eval_targets(which, chunk)
+            cands = eval_candidates(seed, which, ids_ds[r * batch_size : (r + 1) * batch_size], targets.numpy(),
+                                    num_items, M)
+            labels = candidate_labels(len(chunk), M, T, actions)
+            full, is_hist = append_candidates(batch, torch.from_numpy(cands), torch.from_numpy(target_ts))
         cand_at = torch.nonzero(~is_hist).squeeze(1)
         rows_in = ctx_in = None
         if lookup is not None:
@@ -103,7 +120,7 @@ def rank_head_logits(model: nn.Module, split: LeaveOneOut, which: str, rows: np.
         logits = model.rank_logits(out.index_select(0, cand_at), torch.from_numpy(cands).reshape(-1).to(device),
                                    cand_rows=rows_in.index_select(0, cand_at) if rows_in is not None else None)
         logits_out.append(logits.float().reshape(len(chunk), M, T).cpu().numpy())
-        labels_out.append(candidate_labels(len(chunk), M, T, actions))
+        labels_out.append(labels)
         if tick is not None:
             tick()
     model.train(was_training)
@@ -124,13 +141,14 @@ def has_trained_rank_head(model: nn.Module, ranking_weight: float) -> str | None
 
 def evaluate_ranking(model: nn.Module, split: LeaveOneOut, which: str, tasks: list[str], *, max_len: int,
                      num_candidates: int, seed: int, batch_size: int = 512, device: torch.device | None = None,
-                     max_users: int | None = None) -> dict[str, dict[str, object]]:
+                     max_users: int | None = None, ranking_on: str = "uniform") -> dict[str, dict[str, object]]:
     """Per task: AUC, GAUC, NE, impressions and positives of the ranking head on the ``which`` targets (the
-    users :func:`grstack.runtime.eval.evaluate.evaluate` ranks, ``max_users`` chosen alike)."""
+    users :func:`grstack.runtime.eval.evaluate.evaluate` ranks, ``max_users`` chosen alike), or on their
+    held-out blocks of logged exposures (``ranking_on=exposures``)."""
     rows = np.arange(split.num_users)
     if max_users is not None and max_users < len(rows):
         rows = np.sort(np.random.default_rng(0).choice(rows, size=max_users, replace=False))
     labels, logits = rank_head_logits(model, split, which, rows, max_len=max_len, batch_size=batch_size,
                                       device=device or torch.device("cpu"), num_candidates=num_candidates,
-                                      seed=seed)
-    return ranking_report(labels, logits, tasks)
+                                      seed=seed, ranking_on=ranking_on)
+    return ranking_report(labels, logits, tasks, ranking_on)

@@ -143,16 +143,24 @@ def task_report(labels: np.ndarray, logits: np.ndarray, groups: np.ndarray) -> d
             "undefined": undefined}
 
 
-def ranking_report(labels: np.ndarray, logits: np.ndarray, tasks: list[str]) -> dict[str, dict[str, object]]:
+def ranking_report(labels: np.ndarray, logits: np.ndarray, tasks: list[str],
+                   ranking_on: str = "uniform") -> dict[str, dict[str, object]]:
     """Per task name, :func:`task_report` of candidate sets ``labels`` / ``logits`` [U, M, T] (one set per
-    user, so the user's row is the GAUC group; candidate 0 is the user's logged next event, the others
-    uniform items), plus ``exposure_auc`` for the action tasks (t >= 1; module doc)."""
+    user, so the user's row is the GAUC group). ``uniform``: candidate 0 is the user's logged next event, the
+    others uniform items, and the action tasks (t >= 1) also get ``exposure_auc`` (module doc).
+    ``exposures``: every candidate is a logged exposure with its own labels; task 0 (every one was shown) is
+    left out."""
     labels, logits = np.asarray(labels), np.asarray(logits)
     if labels.shape != logits.shape or labels.ndim != 3 or labels.shape[2] != len(tasks):
         raise ValueError(f"labels {labels.shape} and logits {logits.shape} must both be [users, candidates, "
                          f"{len(tasks)} tasks]")
     U, M, _ = labels.shape
     users = np.repeat(np.arange(U), M)
+    if ranking_on == "exposures":
+        return {name: task_report(labels[:, :, t].reshape(-1), logits[:, :, t].reshape(-1), users)
+                for t, name in enumerate(tasks) if t >= 1}
+    if ranking_on != "uniform":
+        raise ValueError(f"ranking_on must be uniform or exposures, got {ranking_on!r}")
     out = {name: task_report(labels[:, :, t].reshape(-1), logits[:, :, t].reshape(-1), users)
            for t, name in enumerate(tasks)}
     for t, name in enumerate(tasks[1:], start=1):

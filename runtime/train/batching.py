@@ -21,12 +21,14 @@ import queue
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
-from grstack.runtime.data import JaggedBatch, LeaveOneOut, append_candidates, ranges_index
+from grstack.runtime.data import JaggedBatch, LeaveOneOut, append_candidates, exposure_labels, ranges_index
 from grstack.runtime.embedding import LookupUnit, make_unit
+from grstack.runtime.errors import UserError
 from grstack.runtime.model import ItemFeatureMap, UserContextLayout, batch_keys
 from grstack.runtime.train import balance, microbatching
 from grstack.runtime.train.negatives import GroupLayout, share_permutations, step_generator, uniform_items
@@ -84,10 +86,7 @@ class Schedule:
     def __init__(self, split: LeaveOneOut, cfg: Config, world_size: int, ranking_candidates: int) -> None:
         self.split, self.cfg, self.world_size = split, cfg, world_size
         self.extra_tokens = ranking_candidates  # candidate tokens per sequence (0 without the ranking head)
-        u = split.train_users
-        end = split.ends[u] - 3
-        start = np.maximum(split.starts[u], end - cfg.data.max_len)
-        self.lengths = (end - start).astype(np.int64)  # history tokens per training row
+        self.lengths = split.train_lengths(cfg.data.max_len)  # history tokens per training row
         # the split's cost weights: the config's until the trainer sets calibrated / profiled / checkpointed
         # ones (set_weights, before any batch is prepared)
         self.cost_a, self.cost_b = cfg.balance.cost_a, cfg.balance.cost_b
@@ -165,6 +164,31 @@ def _slice(batch: JaggedBatch, target_ts: torch.Tensor, seqs: np.ndarray) -> tup
     return sub, target_ts[t], idx
 
 
+def rank_batch(split: Any, rows: np.ndarray, cfg: Config, num_items: int, ranking: bool, step: int, rank: int
+               ) -> tuple[JaggedBatch, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """A rank's training batch of ``rows`` of ``split`` (a LeaveOneOut, or a rank's share of one): the history
+    batch, its targets' timestamps, and with ``ranking`` the candidates [B, M] and, for logged exposures
+    (``loss.ranking_on=exposures``), their action bits [B, M] (else None).
+
+    Exposures: each user's training block is drawn anew every step (``block_backs``, from the step's
+    generator) and the history stops before it; otherwise each sequence's last target (the logged next
+    event) then ``M - 1`` uniform items of the step's generator."""
+    M, seed = cfg.loss.ranking_candidates, cfg.train.seed
+    if ranking and cfg.loss.ranking_on == "exposures":
+        g = step_generator(seed, "candidates", step, rank)
+        back = split.block_backs(rows, torch.rand(len(rows), generator=g, dtype=torch.float64).numpy())
+        batch, target_ts = split.train_batch(rows, cfg.data.max_len, back)
+        cands, acts = split.train_block(rows, back)
+        return batch, target_ts, cands, acts
+    batch, target_ts = split.train_batch(rows, cfg.data.max_len)
+    if not ranking:
+        return batch, target_ts, None, None
+    g = step_generator(seed, "candidates", step, rank)
+    last = batch.offsets[1:] - 1
+    cands = torch.cat([batch.targets[last][:, None], uniform_items(num_items, (batch.batch_size, M - 1), g)], dim=1)
+    return batch, target_ts, cands, None
+
+
 class Preparer:
     """Builds one rank's PreparedBatch for a global step."""
 
@@ -173,6 +197,11 @@ class Preparer:
                  context_layout: UserContextLayout | None = None) -> None:
         self.s, self.cfg, self.rank = schedule, cfg, rank
         self.num_items, self.num_tasks, self.ranking = num_items, num_tasks, ranking
+        # ranking on blocks of logged exposures (loss.ranking_on=exposures) instead of next-vs-uniform sets
+        self.exposures = ranking and cfg.loss.ranking_on == "exposures"
+        if self.exposures and num_tasks < 2:
+            raise UserError("loss.ranking_on=exposures trains the ranking head on logged actions (click, like, "
+                            "...): this dataset has none")
         # side features and user context: an input token reads its item row and its feature rows, a sequence
         # its context rows (one lookup with the rest)
         self.item_features, self.context_layout = item_features, context_layout
@@ -182,16 +211,12 @@ class Preparer:
         rows_g = s.step_rows(epoch, step)
         parts = s.parts(rows_g)
         mine = rows_g[parts[self.rank]]
-        batch, target_ts = s.split.train_batch(mine, cfg.data.max_len)
+        batch, target_ts, cands, cand_acts = rank_batch(s.split, mine, cfg, self.num_items, self.ranking,
+                                                        global_step, self.rank)
         B, N = batch.batch_size, batch.num_tokens
         M = cfg.loss.ranking_candidates
         R = cfg.loss.negatives
         seed = cfg.train.seed
-        cands = None
-        if self.ranking:
-            last = batch.offsets[1:] - 1
-            g = step_generator(seed, "candidates", global_step, self.rank)
-            cands = torch.cat([batch.targets[last][:, None], uniform_items(self.num_items, (B, M - 1), g)], dim=1)
         per_token = cfg.loss.sharing != "batch"
         per_set = 1 if cfg.loss.sharing == "token" else cfg.loss.group_size
         g = step_generator(seed, "negatives", global_step, self.rank)
@@ -228,13 +253,18 @@ class Preparer:
             full = sub
             if mb_cands is not None:
                 last = sub.offsets[1:] - 1
+                # the candidates' request time: the last input's target (the block's first event, with blocks)
                 full, is_hist = append_candidates(sub, mb_cands, sub_ts[last])
-                labels = torch.zeros(sub.batch_size, M, self.num_tasks)
-                labels[:, 0, 0] = 1.0
-                if sub.actions is not None:
-                    bits = sub.actions[last]
-                    for t in range(1, self.num_tasks):
-                        labels[:, 0, t] = ((bits >> (t - 1)) & 1).float()
+                if cand_acts is not None:  # logged exposures: each candidate's own action bits
+                    labels = torch.from_numpy(exposure_labels(cand_acts[torch.from_numpy(grp)].numpy(),
+                                                              self.num_tasks))
+                else:  # the logged next event (its actions), then uniform items (0 for every task)
+                    labels = torch.zeros(sub.batch_size, M, self.num_tasks)
+                    labels[:, 0, 0] = 1.0
+                    if sub.actions is not None:
+                        bits = sub.actions[last]
+                        for t in range(1, self.num_tasks):
+                            labels[:, 0, t] = ((bits >> (t - 1)) & 1).float()
             input_keys = batch_keys(self.item_features, self.context_layout, full.item_ids, full.context)
             n_in = input_keys.numel()
             mb_negs = neg_group = None

@@ -47,7 +47,7 @@ def run_modes(env: Any, payload: dict[str, Any]) -> dict[str, Any]:
     base = Config.model_validate(payload["config"])
     ctx = DistContext(env, rank_device(base, env), base.distributed.sparse_group_size, base.distributed.timeout_s)
     ds = load_source(base.data)
-    split = LeaveOneOut(ds, min_len=base.data.min_len)
+    split = LeaveOneOut(ds, min_len=base.data.min_len, block=base.ranking_block())
     tasks = task_names(ds)
     if payload.get("interleave", False):
         return _run_interleaved(ctx, base, payload, split, tasks, ds.num_items)

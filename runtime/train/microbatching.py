@@ -388,19 +388,14 @@ def rank_key_inputs(schedule: Any, cfg: Any, num_items: int, epoch: int, step: i
     """What ``Preparer`` builds one rank batch's key sets from (the arguments of ``sequence_key_sets``), its
     history lengths and its micro-batch count: the same rows and the same draws (candidates, negatives,
     sharing permutations from the per-step generators)."""
-    import torch
 
+    from grstack.runtime.train.batching import rank_batch
     from grstack.runtime.train.negatives import share_permutations, step_generator, uniform_items
 
     rows_g = schedule.step_rows(epoch, step)
     parts = schedule.parts(rows_g)
-    batch, _ = schedule.split.train_batch(rows_g[parts[rank]], cfg.data.max_len)
-    B, N, M, seed = batch.batch_size, batch.num_tokens, cfg.loss.ranking_candidates, cfg.train.seed
-    cands = None
-    if ranking:
-        last = batch.offsets[1:] - 1
-        g = step_generator(seed, "candidates", global_step, rank)
-        cands = torch.cat([batch.targets[last][:, None], uniform_items(num_items, (B, M - 1), g)], dim=1)
+    batch, _, cands, _ = rank_batch(schedule.split, rows_g[parts[rank]], cfg, num_items, ranking, global_step, rank)
+    N, seed = batch.num_tokens, cfg.train.seed
     per_token = cfg.loss.sharing != "batch"
     per_set = 1 if cfg.loss.sharing == "token" else cfg.loss.group_size
     R = cfg.loss.negatives

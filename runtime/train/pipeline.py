@@ -85,6 +85,7 @@ class Engine:
         p = cfg.pipeline
         self.prefetching = p.dbp or p.semi_async
         self.ranking = getattr(model, "rank_head", None) is not None and cfg.loss.ranking_weight > 0
+        self.exposures = self.ranking and cfg.loss.ranking_on == "exposures"
         # one rank has nothing to overlap with: its lookups and gradient sends run inline
         self.comm_pool: ThreadPoolExecutor | _Inline = (
             ThreadPoolExecutor(1, thread_name_prefix="grstack-comm") if ctx.sparse_fwd.live else _Inline())
@@ -164,8 +165,10 @@ class Engine:
         rank_t = None
         if logits is not None:
             T = mb.labels.shape[-1]
-            bce = F.binary_cross_entropy_with_logits(logits.float(), _dev(mb.labels.reshape(-1, T), dev),
-                                                     reduction="sum")
+            labels = _dev(mb.labels.reshape(-1, T), dev)
+            if self.exposures:  # every logged exposure was shown: task 0 ("next") is not trained
+                logits, labels, T = logits[:, 1:], labels[:, 1:], T - 1
+            bce = F.binary_cross_entropy_with_logits(logits.float(), labels, reduction="sum")
             rank_t = bce / (batch.global_cands * T)
             loss = loss + cfg.loss.ranking_weight * rank_t
             rank_t = rank_t.detach()

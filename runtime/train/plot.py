@@ -26,7 +26,8 @@ def plot_training_curves(metrics_path: Path, out_path: Path, title: str = "") ->
     ax1.set_ylabel("training loss")
     ax1.legend()
     ax1.grid(alpha=0.3)
-    for key in ("ndcg@10", "hr@10"):
+    selected = [k for k in (evals[0] if evals else {}) if k.startswith("ranking.")]  # a ranking select_metric
+    for key in ("ndcg@10", "hr@10", *selected):
         if evals and key in evals[0]:
             ax2.plot([r["epoch"] for r in evals], [r[key] for r in evals], marker="o", label=f"valid {key}")
     ax2.set_xlabel("epoch")

@@ -167,5 +167,15 @@ class _ShareSplit:
     def __init__(self, share: RankShare, base: int) -> None:
         self.share, self.base = share, base
 
-    def train_batch(self, rows: np.ndarray, max_len: int) -> tuple[JaggedBatch, torch.Tensor]:
-        return self.share.train_batch(np.asarray(rows, dtype=np.int64) - self.base, max_len)
+    def train_batch(self, rows: np.ndarray, max_len: int, back: np.ndarray | None = None
+                    ) -> tuple[JaggedBatch, torch.Tensor]:
+        return self.share.train_batch(self._local(rows), max_len, back)
+
+    def train_block(self, rows: np.ndarray, back: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.share.train_block(self._local(rows), back)
+
+    def block_backs(self, rows: np.ndarray, uniform: np.ndarray) -> np.ndarray:
+        return self.share.block_backs(self._local(rows), uniform)
+
+    def _local(self, rows: np.ndarray) -> np.ndarray:
+        return np.asarray(rows, dtype=np.int64) - self.base

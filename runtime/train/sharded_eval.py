@@ -120,16 +120,18 @@ def sharded_eval_ranks(model: nn.Module, table: ShardedEmbedding, ctx: DistConte
 def sharded_rank_logits(model: nn.Module, table: ShardedEmbedding, ctx: DistContext, split: LeaveOneOut,
                         which: str, rows: np.ndarray, *, max_len: int, batch_size: int, device: torch.device,
                         num_candidates: int, seed: int, num_items: int, tick: Callable[[], None] | None = None,
-                        weight: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray]:
+                        weight: torch.Tensor | None = None, ranking_on: str = "uniform"
+                        ) -> tuple[np.ndarray, np.ndarray]:
     """Labels and ranking-head logits [B, M, T] of this rank's users ``rows``: a collective of this rank's
-    sparse group (item rows through the table's lookup protocol; ``weight`` as in :func:`sharded_eval_ranks`)."""
+    sparse group (item rows through the table's lookup protocol; ``weight`` as in :func:`sharded_eval_ranks`;
+    ``ranking_on`` as in :func:`rank_head_logits`)."""
     comm = ctx.sparse_fwd
     w = table.weight if weight is None else weight
     rounds = max(int(x) for x in comm.meta.all_gather_sizes(-(-len(rows) // batch_size)))
     return rank_head_logits(model, split, which, rows, max_len=max_len, batch_size=batch_size, device=device,
                             num_candidates=num_candidates, seed=seed, num_items=num_items,
                             lookup=lambda ids: table.lookup(ids, comm, w),
-                            rounds=rounds, tick=tick)
+                            rounds=rounds, tick=tick, ranking_on=ranking_on)
 
 
 def export_sharded(model: nn.Module, shard: torch.Tensor, table: ShardedEmbedding, ctx: DistContext,

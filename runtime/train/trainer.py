@@ -63,7 +63,7 @@ from grstack.runtime.train.pipeline import Engine
 from grstack.runtime.train.rundir import reclaim_unstarted
 from grstack.runtime.train.shard_schedule import ShardSchedule
 from grstack.runtime.train.sharded_eval import export_sharded, sharded_eval_ranks, sharded_rank_logits
-from grstack.runtime.training_config import Config, dump_config
+from grstack.runtime.training_config import RANKING_PREFIX, Config, dump_config
 
 # Config sections (or fields) that must match for a checkpoint to be resumed.
 RESUME_FIELDS = ("data", "model", "loss", "optim", "embedding", "balance", "train.batch_size", "train.seed",
@@ -194,7 +194,7 @@ class Trainer:
                 self.ds = ctx.check_all(lambda: read_dataset(self.run_dir / DATASET_DIR))
             else:
                 self.ds = ctx.check_all(lambda: load_source(cfg.data))
-            self.split = LeaveOneOut(self.ds, min_len=cfg.data.min_len)
+            self.split = LeaveOneOut(self.ds, min_len=cfg.data.min_len, block=cfg.ranking_block())
         self.ds = select_features(self.ds, cfg.data)
         self.item_features = item_feature_map(self.ds)
         self.user_features = self.ds.user_features.sizes if self.ds.user_features is not None else None
@@ -243,7 +243,8 @@ class Trainer:
         pieces = list_pieces(d.source, self.ctx.world_size)
         mine = deal(pieces, self.ctx.world_size)[self.ctx.rank]
         return RankShare(d.source, pieces, mine, min_len=d.min_len, max_len=d.max_len,
-                         has_actions=self.ds.actions is not None, cache_pieces=2 * d.shuffle_window + 2)
+                         has_actions=self.ds.actions is not None, cache_pieces=2 * d.shuffle_window + 2,
+                         block=self.cfg.ranking_block())
 
     def _train_rows(self) -> int:
         if self.split is not None:
@@ -425,7 +426,8 @@ class Trainer:
 
     def _evaluate_ranking(self, which: str, model: nn.Module, shard: torch.Tensor | None = None
                           ) -> dict[str, Any] | None:
-        """Per task, the ranking head's AUC, GAUC and NE on candidate sets like training's, over the same users
+        """Per task, the ranking head's AUC, GAUC and NE on candidate sets like training's (or held-out blocks of
+        logged exposures, ``loss.ranking_on=exposures``), over the same users
         as ``_evaluate`` (each rank scores its own; every rank gets the report). None without a ranking head;
         ``{"skipped": why}`` when the head was not trained."""
         if getattr(model, "rank_head", None) is None:
@@ -437,12 +439,13 @@ class Trainer:
         mine = [sharded_rank_logits(model, self.table, ctx, split, which, rows, max_len=self.cfg.data.max_len,
                                     batch_size=e.batch_size, device=self.device,
                                     num_candidates=self.cfg.loss.ranking_candidates, seed=self.cfg.train.seed,
-                                    num_items=self.ds.num_items, tick=self.beat, weight=shard)
+                                    num_items=self.ds.num_items, tick=self.beat, weight=shard,
+                                    ranking_on=self.cfg.loss.ranking_on)
                 for split, rows in self._eval_parts()]
         parts = [p for rank in ctx.world.all_gather_object(mine) for p in rank]
         labels = np.concatenate([p[0] for p in parts])
         logits = np.concatenate([p[1] for p in parts])
-        return ranking_report(labels, logits, self.tasks)
+        return ranking_report(labels, logits, self.tasks, self.cfg.loss.ranking_on)
 
     # -- bookkeeping ----------------------------------------------------------------------------------------------
     def _log(self, record: dict[str, Any]) -> None:
@@ -599,7 +602,10 @@ class Trainer:
         st, cfg = self.state, self.cfg
         model = self.model
         metrics = self._evaluate("valid", model)
-        value = metrics[cfg.train.select_metric]
+        sel = cfg.train.select_metric
+        if sel.startswith(RANKING_PREFIX):  # a ranking-head metric: the validation ranking report's
+            metrics[sel] = self._ranking_select_value(model, sel)
+        value = metrics[sel]
         rec = {"kind": "eval", "split": "valid", "step": st.global_step, "epoch": st.epoch, **metrics}
         st.history.append(rec)
         self._log(rec)
@@ -615,6 +621,18 @@ class Trainer:
             return False
         st.evals_since_best += 1
         return cfg.train.patience is not None and st.evals_since_best >= cfg.train.patience
+
+    def _ranking_select_value(self, model: nn.Module, sel: str) -> float:
+        """``ranking.TASK.METRIC`` of the validation ranking report (-inf where it is undefined: one class)."""
+        _, task, metric = sel.split(".")
+        ranking = self._evaluate_ranking("valid", model)
+        if ranking is None or "skipped" in ranking:
+            raise UserError(f"train.select_metric {sel} needs a trained ranking head")
+        if task not in ranking:
+            raise UserError(f"train.select_metric {sel}: the ranking report has no task {task!r} "
+                            f"(tasks: {', '.join(ranking)})")
+        v = ranking[task][metric]
+        return float(v) if isinstance(v, (int, float)) else float("-inf")
 
     def _finish(self) -> dict[str, Any]:
         st, cfg, ctx = self.state, self.cfg, self.ctx
