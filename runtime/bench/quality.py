@@ -47,5 +47,11 @@ def run(args: argparse.Namespace) -> int:
             "samples_per_second": a["samples_per_second"] / max(b["samples_per_second"], 1e-12),
             "of": f"{a['config']} / {b['config']}",
         }
+        ranked = [r["metrics"]["test"].get("ranking") or {} for r in (a, b)]
+        gaps = {task: ranked[0][task]["gauc"] - ranked[1][task]["gauc"] for task in ranked[0]
+                if isinstance(ranked[0][task], dict) and isinstance(ranked[1].get(task), dict)
+                and ranked[0][task].get("gauc") is not None and ranked[1][task].get("gauc") is not None}
+        if gaps:  # the ranking heads' per-user AUC, first config minus second, per task
+            out["differences"] = {"test_ranking_gauc": gaps, "of": f"{a['config']} - {b['config']}"}
     print(json.dumps(out, indent=2))
     return 0

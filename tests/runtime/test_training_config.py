@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from grstack.runtime.errors import UserError
 from grstack.runtime.training_config import load_config
 
 pytestmark = pytest.mark.unit
@@ -28,3 +29,29 @@ def test_a_path_given_with_set_resolves_against_the_working_directory(tmp_path, 
     cfg = load_config(cfg_file, ["data.format=parquet", "data.source=data/x"])
     assert Path(cfg.data.source) == (work / "data" / "x").resolve()
     assert load_config(cfg_file, []).data.source == "tiny"  # a synthetic preset is a name, not a path
+
+
+def _tiny(tmp_path, *overrides: str):
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("data:\n  format: synth\n  source: tiny\n")
+    return load_config(cfg_file, list(overrides))
+
+
+@pytest.mark.parametrize(("overrides", "says"), [
+    (["loss.ranking_on=exposures", "model.type=sasrec"], "HSTU or FuXi"),
+    (["loss.ranking_on=exposures", "loss.ranking_weight=0"], "ranking_weight > 0"),
+    (["loss.ranking_on=exposures", "model.ranking_head=false"], "ranking_head=true"),
+    (["train.select_metric=ranking.click.ne"], "ranking.TASK.gauc"),
+    (["train.select_metric=ranking.click.gauc", "loss.ranking_weight=0"], "trained ranking head"),
+    (["train.select_metric=ndcg@7"], "is not one of"),
+])
+def test_ranking_settings_a_run_cannot_honour_are_refused(tmp_path, overrides, says):
+    with pytest.raises(UserError, match=says):
+        _tiny(tmp_path, *overrides)
+
+
+def test_the_ranking_block_is_the_candidate_count_with_exposures_only(tmp_path):
+    assert _tiny(tmp_path).ranking_block() == 0
+    cfg = _tiny(tmp_path, "loss.ranking_on=exposures", "loss.ranking_candidates=6",
+                "train.select_metric=ranking.long_view.auc")
+    assert cfg.ranking_block() == 6 and cfg.train.select_metric == "ranking.long_view.auc"

@@ -135,3 +135,27 @@ def test_an_unreadable_piece_is_a_user_error(tmp_path):
     (d / pieces[0].file).write_bytes(b"not parquet")
     with pytest.raises(UserError, match=r"cannot be read|not a readable"):
         RankShare(d, pieces, deal(pieces, 2)[0] + deal(pieces, 2)[1], min_len=3, max_len=10, has_actions=False)
+
+
+def test_a_share_with_ranking_blocks_draws_the_blocks_the_whole_dataset_draws(data_dir):
+    """loss.ranking_on=exposures on data.read=shard: lengths, batches, drawn blocks and their labels are the
+    whole split's for the same users."""
+    k = 4
+    pieces = list_pieces(data_dir, 2)
+    mine = deal(pieces, 2)[0]
+    share = RankShare(data_dir, pieces, mine, min_len=3, max_len=20, has_actions=True, block=k)
+    full = LeaveOneOut(read_dataset(data_dir), min_len=3, block=k)
+    rows = _global_train_rows(full, pieces, mine)
+    assert share.num_train_rows == len(rows) and share.num_users == len(rows)
+    assert np.array_equal(np.concatenate(share.lengths), full.train_lengths(20)[rows])
+    pick = np.random.default_rng(1).permutation(len(rows))[:30]
+    u01 = np.random.default_rng(2).random(len(pick))
+    back = share.block_backs(pick, u01)
+    assert np.array_equal(back, full.block_backs(rows[pick], u01))
+    a, a_ts = share.train_batch(pick, 20, back)
+    b, b_ts = full.train_batch(rows[pick], 20, back)
+    for f in ("item_ids", "offsets", "timestamps", "targets", "input_actions"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+    assert torch.equal(a_ts, b_ts)
+    for x, y in zip(share.train_block(pick, back), full.train_block(rows[pick], back), strict=True):
+        assert torch.equal(x, y)

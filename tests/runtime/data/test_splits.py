@@ -94,3 +94,26 @@ def test_exposure_labels_are_each_events_own_bits():
     assert labels[:, :, 3].tolist() == [[0, 1], [1, 0]]
     with pytest.raises(ValueError, match="actions"):
         exposure_labels(None, 4)
+
+
+def test_a_drawn_block_has_its_history_right_before_it_and_every_start_is_reachable():
+    ds = _dataset()
+    split = LeaveOneOut(ds, min_len=3, block=K)
+    rows = np.arange(len(split.train_users))
+    lengths = ds.lengths[split.users]
+    seen: list[set[int]] = [set() for _ in rows]
+    for u01 in np.linspace(0.0, 0.999, 200):
+        back = split.block_backs(rows, np.full(len(rows), u01))
+        batch, _ = split.train_batch(rows, max_len=100, back=back)
+        ids, _ = split.train_block(rows, back)
+        for b, n in enumerate(lengths):
+            h = _pos(batch.item_ids[int(batch.offsets[b]) : int(batch.offsets[b + 1])])
+            start = int(_pos(ids[b])[0])
+            assert h.tolist() == list(range(0, start))  # the history stops right before the block
+            assert _pos(ids[b]).tolist() == list(range(start, start + K))
+            assert start >= 2 and start + K <= n - 2 * K  # never inside a held-out block
+            seen[b].add(start)
+    for b, n in enumerate(lengths):
+        assert seen[b] == set(range(2, n - 3 * K + 1))
+    with pytest.raises(ValueError, match="back"):
+        split.train_block(rows, np.full(len(rows), 10_000))

@@ -178,3 +178,53 @@ def test_side_features_are_kuairand_like_and_leave_the_events_alone(tiny, monkey
     bare = synthesize("tiny", seed=0)
     for f in ("offsets", "item_ids", "timestamps", "actions"):
         assert getattr(bare, f).tobytes() == getattr(tiny, f).tobytes(), f
+
+
+def _half_consistency(ds) -> float:
+    """Correlation, over (user, tag) pairs seen in both halves of a user's sequence, of the pair's click rate in
+    the first half with that in the second: how much a user's own past clicks on a topic say about later ones."""
+    tag = ds.item_features.fields[0].values  # row i: item i + 1 (single-valued)
+    first, second = [], []
+    for u in range(ds.num_users):
+        lo, hi = int(ds.offsets[u]), int(ds.offsets[u + 1])
+        mid = (lo + hi) // 2
+        t = tag[ds.item_ids[lo:hi] - 1]
+        c = (ds.actions[lo:hi] & 1).astype(float)
+        for v in np.unique(t):
+            a, b = c[: mid - lo][t[: mid - lo] == v], c[mid - lo :][t[mid - lo :] == v]
+            if len(a) >= 2 and len(b) >= 2:
+                first.append(a.mean())
+                second.append(b.mean())
+    return float(np.corrcoef(first, second)[0, 1])
+
+
+def test_a_hidden_taste_changes_the_labels_only_and_past_clicks_reveal_it() -> None:
+    """hard-rank is the hard preset's events with labels that also follow a per-user taste over topics: a
+    user's clicks on a topic early on then say more about their clicks on it later."""
+    hard, rank = synthesize("hard", seed=1, num_users=120), synthesize("hard-rank", seed=1, num_users=120)
+    for f in ("offsets", "item_ids", "timestamps"):
+        assert np.array_equal(getattr(hard, f), getattr(rank, f)), f
+    assert not np.array_equal(hard.actions, rank.actions)
+    plain = synthesize("tiny", seed=3)
+    tasted = synthesize("tiny", seed=3, taste_sigma=3.0)
+    assert np.array_equal(plain.item_ids, tasted.item_ids)
+    assert _half_consistency(tasted) > _half_consistency(plain) + 0.1
+    with pytest.raises(UserError, match="taste_sigma"):
+        synthesize("tiny", taste_sigma=-1.0)
+
+
+def test_an_age_groups_taste_shows_in_its_click_rates_by_topic() -> None:
+    """group_taste_sigma: users of one age_range share a taste over topics, so click rates by (age, tag) spread
+    further around each tag's rate than without it."""
+    def spread(ds) -> float:
+        tag = ds.item_features.fields[0].values[ds.item_ids - 1]
+        age = ds.user_features.fields[2].values[np.repeat(np.arange(ds.num_users), ds.lengths)]
+        click = (ds.actions & 1).astype(float)
+        out = []
+        for v in np.unique(tag):
+            on = tag == v
+            rates = [click[on & (age == a)].mean() for a in np.unique(age) if (on & (age == a)).sum() >= 30]
+            if len(rates) >= 3:
+                out.append(np.std(rates))
+        return float(np.mean(out))
+    assert spread(synthesize("tiny", seed=5, group_taste_sigma=3.0)) > 1.5 * spread(synthesize("tiny", seed=5))

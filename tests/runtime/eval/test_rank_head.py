@@ -132,3 +132,36 @@ def test_hstu_logits_do_not_depend_on_batching_and_match_the_report():
     assert has_trained_rank_head(model, 0.1) is None
     assert "ranking_weight" in has_trained_rank_head(model, 0.0)
     assert "no ranking head" in has_trained_rank_head(nn.Linear(1, 1), 0.1)
+
+
+def test_exposures_score_each_users_held_out_block_with_its_own_labels():
+    """ranking_on=exposures: the candidates are the user's held-out block of logged events (validation: the
+    block before the test block), after the history before it, labelled with their own action bits."""
+    rng = np.random.default_rng(5)
+    K = 3
+    items = [rng.integers(1, NUM_ITEMS + 1, int(n)) for n in rng.integers(3 * K + 2, 20, 10)]
+    acts = [rng.integers(0, 4, len(s)) for s in items]
+    ds = from_sequences(list(range(200, 210)), items, [np.arange(len(s)) * 7 for s in items], num_items=NUM_ITEMS,
+                        actions=acts, action_names=["click", "like"])
+    split = LeaveOneOut(ds, block=K)
+    prefs = np.zeros((3, NUM_ITEMS + 1))
+    prefs[1] = rng.normal(size=NUM_ITEMS + 1)
+    model = ItemScorer(prefs)
+    rows = np.arange(split.num_users)
+    for which, back in (("valid", 2 * K), ("test", K)):
+        labels, logits = rank_head_logits(model, split, which, rows, max_len=50, batch_size=4,
+                                          device=torch.device("cpu"), num_candidates=K, seed=0,
+                                          ranking_on="exposures")
+        assert labels.shape == (10, K, 3)
+        for u, (s, a) in enumerate(zip(items, acts, strict=True)):
+            block = s[len(s) - back : len(s) - back + K]
+            np.testing.assert_array_equal(logits[u, :, 1], prefs[1][block].astype(np.float32))
+            assert labels[u, :, 0].tolist() == [1.0] * K
+            np.testing.assert_array_equal(labels[u, :, 1], a[len(s) - back : len(s) - back + K] & 1)
+            np.testing.assert_array_equal(labels[u, :, 2], (a[len(s) - back : len(s) - back + K] >> 1) & 1)
+    rep = evaluate_ranking(model, split, "test", ["next", "click", "like"], max_len=50, num_candidates=K, seed=0,
+                           ranking_on="exposures")
+    assert set(rep) == {"click", "like"}
+    with pytest.raises(ValueError, match="ranking block"):
+        rank_head_logits(model, split, "test", rows, max_len=50, batch_size=4, device=torch.device("cpu"),
+                         num_candidates=K + 1, seed=0, ranking_on="exposures")

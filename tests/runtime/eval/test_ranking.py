@@ -147,3 +147,21 @@ def test_ranking_report_groups_by_user_and_names_tasks():
     assert click["gauc_users_skipped"] == 2 and "exposure_auc" not in nxt
     with pytest.raises(ValueError):
         ranking_report(labels, logits, ["next"])
+
+
+def test_an_exposures_report_groups_each_users_logged_block_and_leaves_next_out():
+    """ranking_on=exposures: every candidate is a logged impression with its own labels; task 0 (shown) is not
+    reported, GAUC averages each user's AUC over their block, no exposure_auc."""
+    labels = np.ones((2, 4, 2))
+    labels[0, :, 1] = [1, 0, 1, 0]
+    labels[1, :, 1] = [0, 0, 1, 1]
+    logits = np.zeros((2, 4, 2))
+    logits[0, :, 1] = [3.0, 1.0, 2.0, 0.0]  # user 0: both clicks above both non-clicks, AUC 1
+    logits[1, :, 1] = [3.0, 2.0, 1.0, 0.0]  # user 1: both clicks below, AUC 0
+    rep = ranking_report(labels, logits, ["next", "click"], "exposures")
+    assert list(rep) == ["click"]
+    assert rep["click"]["gauc"] == pytest.approx(0.5) and rep["click"]["gauc_users"] == 2
+    assert rep["click"]["auc"] == pytest.approx(pair_auc(labels[:, :, 1].ravel(), logits[:, :, 1].ravel()))
+    assert rep["click"]["impressions"] == 8 and "exposure_auc" not in rep["click"]
+    with pytest.raises(ValueError, match="ranking_on"):
+        ranking_report(labels, logits, ["next", "click"], "sampled")

@@ -55,7 +55,10 @@ def _plain_step(model, opt, batch, cfg) -> None:
     ret = sampled_softmax_sum(q, pos, neg, mb.targets, neg_ids, cfg.loss.temperature, group, mb.share)
     logits = model.rank_logits(out[~mb.is_hist], mb.cand_ids.reshape(-1))
     T = mb.labels.shape[-1]
-    bce = F.binary_cross_entropy_with_logits(logits, mb.labels.reshape(-1, T), reduction="sum")
+    labels = mb.labels.reshape(-1, T)
+    if cfg.loss.ranking_on == "exposures":  # logged impressions: task 0 (shown) is not trained
+        logits, labels, T = logits[:, 1:], labels[:, 1:], T - 1
+    bce = F.binary_cross_entropy_with_logits(logits, labels, reduction="sum")
     loss = ret / batch.global_tokens + cfg.loss.ranking_weight * bce / (batch.global_cands * T)
     opt.zero_grad()
     loss.backward()
@@ -63,19 +66,21 @@ def _plain_step(model, opt, batch, cfg) -> None:
     opt.step()
 
 
-@pytest.mark.parametrize(("sharing", "features"), [("group", False), ("batch", False), ("group", True)])
-def test_a_one_rank_step_is_the_plain_pytorch_step(data_dir, feature_dir, sharing, features):
+@pytest.mark.parametrize(("sharing", "features", "ranking_on"),
+                         [("group", False, "uniform"), ("batch", False, "uniform"), ("group", True, "uniform"),
+                          ("group", True, "exposures")])
+def test_a_one_rank_step_is_the_plain_pytorch_step(data_dir, feature_dir, sharing, features, ranking_on):
     """With side features, user context and action inputs the engine looks each token's feature rows and
     each sequence's context rows up with the item rows and pools them outside the model; the plain model
-    reads them from its own table and the batch."""
+    reads them from its own table and the batch. Ranking on logged exposures trains the action tasks only."""
     args = [*tiny_config_args(feature_dir if features else data_dir), "model.dropout=0", "model.input_dropout=0",
             "optim.grad_clip=0.05", "optim.weight_decay=0.01", f"loss.sharing={sharing}", "loss.group_size=4"]
     if features:
         args += ['data.item_features=["decade", "parity"]', 'data.user_features=["tags", "cohort"]',
-                 "model.action_inputs=true"]
+                 "model.action_inputs=true", f"loss.ranking_on={ranking_on}"]
     cfg = load_config(CONFIG, args)
     ds = load_source(cfg.data)
-    split = LeaveOneOut(ds, min_len=cfg.data.min_len)
+    split = LeaveOneOut(ds, min_len=cfg.data.min_len, block=cfg.ranking_block())
     tasks = task_names(ds)
     ctx = DistContext.single(torch.device("cpu"))
     fmap = item_feature_map(ds)

@@ -183,3 +183,30 @@ def test_an_attempt_that_died_before_its_first_checkpoint_starts_over(tmp_path, 
     shutil.rmtree(run / "checkpoints")
     with pytest.raises(UserError, match="not empty"):
         train(load_config(CONFIG, [*args, "model.d_model=24"]), run, progress=False)
+
+
+def test_ranking_on_logged_exposures_end_to_end(tmp_path, capsys):
+    """loss.ranking_on=exposures on data with actions: the summary reports the action task on each user's
+    held-out block (no 'next'), the checkpoint is chosen on validation click GAUC (logged per evaluation), and
+    grstack eval on the export reproduces the summary."""
+    from grstack_testing import cyclic_dataset, with_user_context
+
+    from grstack.runtime.data.dataset import write_dataset
+
+    data = write_dataset(with_user_context(cyclic_dataset()), tmp_path / "acted")
+    run = tmp_path / "run"
+    assert main(["train", "--config", str(CONFIG), "--out", str(run), "--no-progress",
+                 *set_args([*tiny_config_args(data), "loss.ranking_on=exposures",
+                            "train.select_metric=ranking.click.gauc", "train.epochs=2"])]) == 0
+    capsys.readouterr()
+    summary = json.loads((run / "summary.json").read_text())
+    for split in ("valid", "test"):
+        ranking = summary["metrics"][split]["ranking"]
+        assert list(ranking) == ["click"]
+        users = ranking["click"]["impressions"] // 4
+        assert ranking["click"]["impressions"] == users * 4 and users > 50  # 4 logged events per user
+    evals = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"eval"' in x]
+    best = max(evals, key=lambda r: r["ranking.click.gauc"])
+    assert summary["best_epoch"] == best["epoch"]
+    assert main(["eval", "--run", str(run), "--json"]) == 0
+    assert_same_metrics(json.loads(capsys.readouterr().out)["metrics"], summary["metrics"])
