@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from grstack.runtime.data.dataset import SequenceDataset
 
 FORMATS = ("recbole", "seqtxt", "movielens", "kuairand")  # kept in sync with importers.IMPORTERS by a test
-PRESETS = ("tiny", "small", "hard", "27k")  # kept in sync with synth.PRESETS by a test
+PRESETS = ("tiny", "small", "hard", "hard-rank", "27k")  # kept in sync with synth.PRESETS by a test
 
 
 def _check_out(out: Path) -> None:

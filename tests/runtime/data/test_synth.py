@@ -174,7 +174,7 @@ def test_side_features_are_kuairand_like_and_leave_the_events_alone(tiny, monkey
     from grstack.runtime.data.features import Features
 
     monkeypatch.setattr(synth, "_side_features", lambda cfg, cat, lengths, strongest, seed: (
-        Features("item", cfg.num_items), Features("user", len(lengths))))
+        Features("item", cfg.num_items), Features("user", len(lengths)), np.zeros(len(lengths), np.int64)))
     bare = synthesize("tiny", seed=0)
     for f in ("offsets", "item_ids", "timestamps", "actions"):
         assert getattr(bare, f).tobytes() == getattr(tiny, f).tobytes(), f
