@@ -5,7 +5,7 @@ validation target is ``s[-2]`` given ``s[:-2]``, the test target is ``s[-1]`` gi
 are truncated to the most recent ``max_len`` items.
 
 With a ranking ``block`` of ``k`` logged exposures (``loss.ranking_on=exposures``: the ranking head is trained
-and evaluated on logged impressions with their own labels, as HSTU ranks KuaiRand) the last ``3k`` events are
+and evaluated on logged impressions with their own labels, as HSTU ranks KuaiRand) the last ``2k`` events are
 two held-out blocks: ``s[-k:]`` the test block (scored given ``s[:-k]``) and ``s[-2k:-k]`` the validation
 block (given ``s[:-2k]``). Training reads ``s[:-2k]`` only: by default its last block ``s[-3k:-2k]`` after the
 inputs ``s[:-3k]`` (targets shifted by one: the last input predicts the block's first item); with ``back``

@@ -361,6 +361,20 @@ class HSTU(ItemTokens):
     def query_vectors(self, outputs: torch.Tensor) -> torch.Tensor:
         return F.normalize(outputs, dim=-1)
 
+    def keep_tasks(self, keep: Sequence[int]) -> None:
+        """Keeps only the ranking head's outputs ``keep``, in that order: a head trained on logged exposures
+        (``loss.ranking_on=exposures``) serves its action tasks, not its untrained "next" output."""
+        if self.rank_head is None:
+            raise RuntimeError("this model was built without a ranking head")
+        keep = list(keep)
+        last = self.rank_head[-1]
+        head = nn.Linear(last.in_features, len(keep)).to(last.weight.device, last.weight.dtype)
+        with torch.no_grad():
+            head.weight.copy_(last.weight[keep])
+            head.bias.copy_(last.bias[keep])
+        self.rank_head[-1] = head
+        self.num_tasks = len(keep)
+
     def rank_logits(self, cand_outputs: torch.Tensor, cand_ids: torch.Tensor,
                     cand_rows: torch.Tensor | None = None) -> torch.Tensor:
         """[M, num_tasks] logits from candidate-token outputs and the candidates' token rows (item row and

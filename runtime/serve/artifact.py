@@ -30,6 +30,9 @@ def load_ranking_model(path: str | Path) -> tuple[nn.Module, list[str]]:
         raise UserError(f"{p}: this model reads user context (data.user_features) or actions (model.action_inputs), "
                         f"which rank requests do not carry yet; serve a model trained without them (item side "
                         f"features are served: the model carries its item feature map)")
+    if cfg.loss.ranking_on == "exposures":  # trained on logged impressions: "next" was never a label
+        model.keep_tasks(range(1, len(tasks)))
+        tasks = tasks[1:]
     return model, tasks
 
 

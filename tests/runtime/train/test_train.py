@@ -210,3 +210,12 @@ def test_ranking_on_logged_exposures_end_to_end(tmp_path, capsys):
     assert summary["best_epoch"] == best["epoch"]
     assert main(["eval", "--run", str(run), "--json"]) == 0
     assert_same_metrics(json.loads(capsys.readouterr().out)["metrics"], summary["metrics"])
+    # served, the head gives the trained action columns only
+    from grstack.runtime.model import load_exported
+    from grstack.runtime.serve import load_ranking_model
+
+    full, _, all_tasks = load_exported(run / "model.pt")
+    served, tasks = load_ranking_model(run / "model.pt")
+    assert all_tasks == ["next", "click"] and tasks == ["click"] and served.num_tasks == 1
+    out, ids = torch.randn(5, full.d_model), torch.arange(1, 6)
+    torch.testing.assert_close(served.rank_logits(out, ids), full.rank_logits(out, ids)[:, 1:])
