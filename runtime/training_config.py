@@ -24,6 +24,9 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+RATING_FORMATS = ("recbole", "movielens")
+
+
 class DataConfig(_Strict):
     format: DataFormat = "synth"
     source: str = Field("tiny", description="a path (file/dir) for imports and parquet; the preset for synth")
@@ -51,6 +54,10 @@ class DataConfig(_Strict):
         "auto", description="imports with data.user_features: the side file (RecBole .user, KuaiRand "
         "user_features CSV, MovieLens u.user); auto: the one beside data.source")
 
+    rating_actions: bool = Field(
+        False, description="imports with ratings (recbole's rating field, movielens): each event's rating becomes "
+        "its action bits, one per rating level (rating_1 ... rating_5), for model.action_inputs (docs/features.md)")
+
     @field_validator("item_features", "user_features")
     @classmethod
     def _unique_fields(cls, v: list[str]) -> list[str]:
@@ -58,6 +65,14 @@ class DataConfig(_Strict):
         if dup:
             raise ValueError(f"names a field more than once: {', '.join(dup)}")
         return v
+
+    @model_validator(mode="after")
+    def _check_ratings(self) -> DataConfig:
+        if self.rating_actions and self.format not in RATING_FORMATS:
+            raise ValueError(f"rating_actions reads ratings at import (formats {', '.join(RATING_FORMATS)}); "
+                             f"format {self.format} has none to read (a parquet dataset keeps the actions it "
+                             "was imported with: `grstack data import --rating-actions`)")
+        return self
 
 
 class ModelConfig(_Strict):

@@ -61,6 +61,10 @@ def _import(args: argparse.Namespace) -> int:
         if args.format != "kuairand":
             raise UserError("--clicks-only applies to --format kuairand only")
         opts["clicks_only"] = True
+    if args.rating_actions:
+        if args.format not in ("recbole", "movielens"):
+            raise UserError("--rating-actions applies to --format recbole or movielens (the formats with ratings)")
+        opts["ratings"] = True
     for kind in ("item", "user"):
         side, fields = getattr(args, f"{kind}_features"), getattr(args, f"{kind}_fields")
         if fields is not None and side is None:
@@ -131,6 +135,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     imp.add_argument("--clicks-only", action="store_true",
                      help="kuairand: keep only clicked exposures "
                           "(default: every exposure, with clicks as actions)")
+    imp.add_argument("--rating-actions", action="store_true",
+                     help="recbole, movielens: each event's rating becomes its action bits, one per rating level "
+                          "(rating_1 ... rating_5), for model.action_inputs")
     imp.add_argument("--row-group-size", type=_positive, default=4096, help=ROW_GROUP_HELP)
     imp.add_argument("--item-features", metavar="FILE|auto", default=None,
                      help="item side file to attach as categorical item features, or 'auto': the one beside SRC "

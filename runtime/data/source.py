@@ -28,6 +28,8 @@ def load_source(cfg: DataConfig) -> SequenceDataset:
         opts |= {"item_features": cfg.item_features_file, "item_fields": list(cfg.item_features)}
     if cfg.user_features:
         opts |= {"user_features": cfg.user_features_file, "user_fields": list(cfg.user_features)}
+    if cfg.rating_actions:
+        opts["ratings"] = True
     return select_features(import_dataset(cfg.format, src, **opts), cfg)
 
 

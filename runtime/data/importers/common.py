@@ -36,6 +36,22 @@ class Events:
     action_names: list[str] = field(default_factory=list)
 
 
+MAX_RATING_LEVELS = 16  # actions are an int64 bitmask; a rating scale wider than this is not a scale
+
+
+def rating_actions(path: Path | str, ratings: np.ndarray) -> tuple[np.ndarray, list[str]]:
+    """Ratings as action bits, one per rating level present in the file (``rating_1`` … ``rating_5`` on
+    MovieLens; ``rating_0p5`` for half stars): each event sets exactly the bit of its own rating, so a model
+    with ``model.action_inputs`` embeds the rating value, and nothing about its order is assumed."""
+    levels = np.unique(ratings)
+    if len(levels) > MAX_RATING_LEVELS:
+        raise UserError(f"{path}: the rating field has {len(levels)} distinct values; ratings become one action "
+                        f"bit per level, at most {MAX_RATING_LEVELS} (is it a rating?)")
+    bits = np.searchsorted(levels, ratings)
+    names = ["rating_" + f"{float(v):g}".replace(".", "p").replace("-", "m") for v in levels]
+    return (np.int64(1) << bits.astype(np.int64)), names
+
+
 def bad_line(path: Path | str, lineno: int, what: str) -> UserError:
     return UserError(f"{path}, line {lineno}: {what}")
 

@@ -19,6 +19,7 @@ from grstack.runtime.data.importers.common import (
     fields_check,
     locate_bad_line,
     numbered_lines,
+    rating_actions,
 )
 from grstack.runtime.errors import UserError
 
@@ -58,7 +59,8 @@ def detect(src: Path) -> tuple[Path, str]:
 
 
 def import_movielens(src: Path, *, min_len: int = DEFAULT_MIN_LEN,
-                     name: str | None = None) -> SequenceDataset:
+                     name: str | None = None, ratings: bool = False) -> SequenceDataset:
+    """With ``ratings``, each event's rating becomes its action bits (:func:`rating_actions`)."""
     path, layout = detect(src)
     delimiter, skip = LAYOUTS[layout]
     data = path.read_bytes()
@@ -89,5 +91,7 @@ def import_movielens(src: Path, *, min_len: int = DEFAULT_MIN_LEN,
         raise locate_bad_line(path, numbered_lines(path, skip=skip), check, "non-finite rating")
     ev = Events(users=table.column("user_id").to_numpy(), items=table.column("item_id").to_numpy(),
                 times=table.column("timestamp").to_numpy())
+    if ratings:
+        ev.actions, ev.action_names = rating_actions(path, table.column("rating").to_numpy())
     return build_dataset(ev, src=path, fmt="movielens", name=name or path.parent.name, min_len=min_len,
                          info={"layout": path.name if path.name in FILE_NAMES else layout})

@@ -22,6 +22,7 @@ from grstack.runtime.data.importers.common import (
     fields_check,
     locate_bad_line,
     numbered_lines,
+    rating_actions,
 )
 from grstack.runtime.errors import UserError
 
@@ -54,7 +55,9 @@ def _header(path: Path) -> tuple[list[str], list[str]]:
 
 def import_recbole(src: Path, *, min_len: int = DEFAULT_MIN_LEN, name: str | None = None,
                    user_field: str = "user_id", item_field: str = "item_id",
-                   time_field: str = "timestamp") -> SequenceDataset:
+                   time_field: str = "timestamp", ratings: bool = False,
+                   rating_field: str = "rating") -> SequenceDataset:
+    """With ``ratings``, the ``rating_field`` of each event becomes its action bits (:func:`rating_actions`)."""
     path = find_inter(src)
     names, types = _header(path)
     for required in (user_field, item_field):
@@ -63,10 +66,13 @@ def import_recbole(src: Path, *, min_len: int = DEFAULT_MIN_LEN, name: str | Non
     has_time = time_field in names
     if has_time and types[names.index(time_field)] != "float":
         raise bad_line(path, 1, f"field {time_field!r} must have type float")
-    used = [user_field, item_field] + ([time_field] if has_time else [])
-    check = fields_check("\t", names, numbers=[time_field] if has_time else [],
-                         tokens=[user_field, item_field])
-    column_types = {n: pa.string() for n in names} | ({time_field: pa.float64()} if has_time else {})
+    if ratings and rating_field not in names:
+        raise bad_line(path, 1, f"ratings as actions: the header has no {rating_field!r} field "
+                                f"(fields: {', '.join(names)})")
+    numbers = ([time_field] if has_time else []) + ([rating_field] if ratings else [])
+    used = [user_field, item_field, *numbers]
+    check = fields_check("\t", names, numbers=numbers, tokens=[user_field, item_field])
+    column_types = {n: pa.string() for n in names} | {n: pa.float64() for n in numbers}
     try:
         table = pa_csv.read_csv(
             path,
@@ -85,5 +91,10 @@ def import_recbole(src: Path, *, min_len: int = DEFAULT_MIN_LEN, name: str | Non
         raise locate_bad_line(path, numbered_lines(path, skip=1), check, "empty id or non-finite timestamp")
     ev = Events(users=users.to_numpy(zero_copy_only=False), items=items.to_numpy(zero_copy_only=False),
                 times=times)
+    if ratings:
+        values = table.column(rating_field).to_numpy()
+        if not np.isfinite(values).all():
+            raise locate_bad_line(path, numbered_lines(path, skip=1), check, "non-finite rating")
+        ev.actions, ev.action_names = rating_actions(path, values)
     return build_dataset(ev, src=path, fmt="recbole", name=name or path.stem, min_len=min_len,
                          info={"time_field": time_field if has_time else None})
