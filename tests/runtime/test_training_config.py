@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from grstack.runtime.data.source import load_source
 from grstack.runtime.errors import UserError
 from grstack.runtime.training_config import load_config
 
@@ -55,3 +56,15 @@ def test_the_ranking_block_is_the_candidate_count_with_exposures_only(tmp_path):
     cfg = _tiny(tmp_path, "loss.ranking_on=exposures", "loss.ranking_candidates=6",
                 "train.select_metric=ranking.long_view.auc")
     assert cfg.ranking_block() == 6 and cfg.train.select_metric == "ranking.long_view.auc"
+
+
+def test_ratings_as_actions_are_read_by_imports_only(tmp_path):
+    with pytest.raises(UserError, match=r"rating_actions reads ratings at import .* format synth has none"):
+        _tiny(tmp_path, "data.rating_actions=true")
+    inter = tmp_path / "r.inter"
+    inter.write_text("user_id:token\titem_id:token\trating:float\ttimestamp:float\n"
+                     + "".join(f"1\t{i}\t{1 + i % 2}\t{i}\n" for i in range(4)))
+    cfg = _tiny(tmp_path, "data.format=recbole", f"data.source={inter}", "data.rating_actions=true")
+    ds = load_source(cfg.data)
+    assert ds.action_names == ["rating_1", "rating_2"] and ds.actions.tolist() == [1, 2, 1, 2]
+    assert load_source(_tiny(tmp_path, "data.format=recbole", f"data.source={inter}").data).actions is None

@@ -119,3 +119,16 @@ def test_clicks_only_is_for_kuairand(write, tmp_path: Path, capsys) -> None:
     argv = ["data", "import", "--format", "seqtxt", str(src), "--out", str(tmp_path / "o"), "--clicks-only"]
     assert main(argv) == 2
     assert "--clicks-only applies to --format kuairand only" in capsys.readouterr().err
+
+
+def test_rating_actions_flag(recbole_file: Path, write, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "r"
+    assert main(["data", "import", "--format", "recbole", str(recbole_file), "--out", str(out),
+                 "--rating-actions"]) == 0
+    ds = read_dataset(out)
+    assert ds.action_names == ["rating_4"] and ds.actions.tolist() == [1] * 7  # every toy rating is 4
+    src = write("s.txt", "1 2 3 4\n")
+    assert main(["data", "import", "--format", "seqtxt", str(src), "--out", str(tmp_path / "o"),
+                 "--rating-actions"]) == 2
+    assert "--rating-actions applies to --format recbole or movielens" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

@@ -95,6 +95,36 @@ def test_movielens_layouts(write, name: str, text: str) -> None:
     assert ds.timestamps.tolist() == [100, 200, 300, 50, 60, 60]
 
 
+def test_ratings_become_one_action_bit_per_level(write) -> None:
+    ml = write("mlr/u.data", "1\t20\t5\t300\n1\t21\t3\t100\n2\t20\t4\t50\n1\t22\t4\t200\n2\t21\t1\t60\n"
+                             "2\t23\t1\t70\n")
+    ds = import_dataset("movielens", ml.parent, ratings=True)
+    assert ds.action_names == ["rating_1", "rating_3", "rating_4", "rating_5"]  # the levels the file has
+    # sequence order: user 1 rates 21 (3), 22 (4), 20 (5); user 2 rates 20 (4), 21 (1), 23 (1)
+    assert ds.actions.tolist() == [1 << 1, 1 << 2, 1 << 3, 1 << 2, 1 << 0, 1 << 0]
+    assert import_dataset("movielens", ml.parent).actions is None  # off by default
+
+    rows = [(1, 10, 2.5, 1), (1, 11, 0.5, 2), (1, 12, 2.5, 3)]
+    rb = write("rb/h.inter", RECBOLE_HEADER + "".join(f"{u}\t{i}\t{r}\t{t}\n" for u, i, r, t in rows))
+    ds = import_dataset("recbole", rb, ratings=True)
+    assert ds.action_names == ["rating_0p5", "rating_2p5"] and ds.actions.tolist() == [2, 1, 2]
+
+
+def test_ratings_errors_name_the_problem(write) -> None:
+    no_rating = write("a/n.inter", "user_id:token\titem_id:token\ttimestamp:float\n1\t5\t1\n")
+    with pytest.raises(UserError, match=r"n.inter, line 1: ratings as actions: the header has no 'rating' field"):
+        import_dataset("recbole", no_rating, ratings=True)
+    bad = write("b/b.inter", RECBOLE_HEADER + "1\t5\t4\t1\n1\t6\tgood\t2\n1\t7\t3\t3\n")
+    with pytest.raises(UserError, match=r"b.inter, line 3: rating must be a finite number, got 'good'"):
+        import_dataset("recbole", bad, ratings=True)
+    assert import_dataset("recbole", bad).num_events == 3  # the rating is not read without ratings=True
+    wide = write("c/w.inter", RECBOLE_HEADER + "".join(f"1\t{i}\t{i / 7}\t{i}\n" for i in range(20)))
+    with pytest.raises(UserError, match="20 distinct values; ratings become one action bit per level, at most 16"):
+        import_dataset("recbole", wide, ratings=True)
+    with pytest.raises(UserError, match="format 'seqtxt' takes no option"):
+        import_dataset("seqtxt", write("d/T.txt", "1 2 3 4\n"), ratings=True)
+
+
 def test_kuairand_actions_and_millisecond_order(kuairand_dir: Path) -> None:
     ds = import_dataset("kuairand", kuairand_dir)  # the log_random file is not a standard log
     assert ds.action_names == list(ACTIONS)
@@ -228,6 +258,11 @@ def test_real_ml100k() -> None:
         k = int(np.flatnonzero(ds.user_ids == user)[0])
         assert ds.sequence(k).tolist() == [i for _, i in mine]
         assert ds.timestamps[ds.offsets[k] : ds.offsets[k + 1]].tolist() == [int(t) for t, _ in mine]
+    rated = import_dataset("recbole", src, ratings=True)
+    assert rated.action_names == [f"rating_{r}" for r in range(1, 6)]
+    levels = np.log2(rated.actions).astype(int) + 1  # exactly one bit per event
+    assert np.array_equal(rated.item_ids, ds.item_ids) and (rated.actions & (rated.actions - 1) == 0).all()
+    assert np.bincount(levels)[1:].tolist() == [sum(r[2] == str(v) for r in rows) for v in range(1, 6)]
 
 
 @pytest.mark.skipif(not (SHARED_DATA / "amazon-beauty" / "Beauty.txt").exists(), reason="Beauty not present")
