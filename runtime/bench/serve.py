@@ -230,14 +230,21 @@ def state_deltas(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> d
             "dram_bytes": sum(s.get("dram_bytes", 0) for s in after)}
 
 
-def summarize(results: list[Any], slo_ms: float) -> dict[str, Any]:
-    """Latency, errors by kind and cache outcomes of the measured ranks (loadgen results)."""
+def summarize(results: list[Any], slo_ms: float, planned: int | None = None) -> dict[str, Any]:
+    """Latency, errors by kind and cache outcomes of the measured ranks (loadgen results). Fewer than
+    ``planned`` measured results means the load generator gave up (``GiveUp``): the point's P99 is above the
+    SLO whatever the unsent ranks would have done, so it is reported as infinite, with the sent ranks' own."""
     import numpy as np
 
     from grstack.runtime.serve import latency_summary
 
     ranks = [r for r in results if r.request.measure]
     lat = latency_summary(ranks)
+    stopped = planned is not None and len(ranks) < planned
+    early = {"stopped_early": stopped, "planned": planned if planned is not None else len(ranks)}
+    if stopped:
+        early["p99_ms_sent"] = lat["p99_ms"]
+        lat = {**lat, "p99_ms": math.inf}
     kinds = Counter(r.kind for r in ranks)
     cache = Counter(r.payload.get("cache", "miss") for r in ranks if r.status == 200 and r.payload)
     ok = kinds.get("ok", 0)
@@ -253,7 +260,8 @@ def summarize(results: list[Any], slo_ms: float) -> dict[str, Any]:
             "served_qps": ok / span if span > 0 else None,
             "p99_ms_served": float(np.percentile(served, 99, method="higher")) if served else None,
             "p99_ms_shed": float(np.percentile(shed, 99, method="higher")) if shed else None,
-            "truncated_tokens": sum(r.payload.get("truncated", 0) for r in ranks if r.status == 200 and r.payload)}
+            "truncated_tokens": sum(r.payload.get("truncated", 0) for r in ranks if r.status == 200 and r.payload),
+            **early}
 
 
 def combine(runs: list[dict[str, Any]], slo_ms: float) -> dict[str, Any]:
@@ -271,7 +279,9 @@ def combine(runs: list[dict[str, Any]], slo_ms: float) -> dict[str, Any]:
     keys = ("prefill_tokens_computed", "prefill_tokens_without_incremental", "joined_inflight_ranks")
     sums = {k: (None if any(r[k] is None for r in runs) else sum(r[k] for r in runs)) for k in keys}
     shares = [r["prefill_cpu_share"] for r in runs if r["prefill_cpu_share"] is not None]
-    return {"n": sum(r["n"] for r in runs), "p50_ms": float(np.median([r["p50_ms"] for r in runs])),
+    return {"n": sum(r["n"] for r in runs), "planned": sum(r["planned"] for r in runs),
+            "stopped_early": any(r["stopped_early"] for r in runs),
+            "p50_ms": float(np.median([r["p50_ms"] for r in runs])),
             "p99_ms": med, "p99_ms_min": float(min(p99)), "p99_ms_max": float(max(p99)),
             "meets_slo": bool(med <= slo_ms), "errors": sum(errors.values()), "errors_by_kind": dict(errors),
             "hit_rate": hits / answered if answered else None, **sums,
@@ -291,16 +301,21 @@ class ModeRun:
 
 
 async def measure_once(m: ModeRun, sweep: str, length: int, qps: float, repeat: int) -> dict[str, Any]:
-    from grstack.runtime.serve import run_open_loop
+    from grstack.runtime.serve import GiveUp, run_open_loop, violations_to_fail
 
     s = m.settings
     trace = s.trace(length, qps, repeat)
     reqs, visit_of = encode(trace, f"{m.mode}-{sweep}-L{length}-q{qps:g}-r{repeat}")
+    planned = sum(r.measure for r in reqs)
+    # A sweep point stops sending once its P99 is certain to miss the SLO (the overload run is sent whole:
+    # it measures what is served and shed, not a pass/fail).
+    give_up = None if sweep == "overload" else GiveUp(s.slo_ms, violations_to_fail(planned))
     before = await _ranker_state(m.session, m.ranker_urls)
-    results = await run_open_loop(m.router_url, reqs, timeout_s=s.timeout_s, session=m.session, deadline_ms=s.slo_ms)
+    results = await run_open_loop(m.router_url, reqs, timeout_s=s.timeout_s, session=m.session, deadline_ms=s.slo_ms,
+                                  give_up=give_up)
     await _drain(m.session, m.ranker_urls)
     after = await _ranker_state(m.session, m.ranker_urls)
-    out = {"trace_seed": s.seed + repeat, **summarize(results, s.slo_ms), **state_deltas(before, after),
+    out = {"trace_seed": s.seed + repeat, **summarize(results, s.slo_ms, planned), **state_deltas(before, after),
            "trace": trace.shape}
     if m.mode in ("relay", "no_trigger"):
         keep_for_score_check(m.kept, m.mode, trace, visit_of, results)
@@ -339,7 +354,8 @@ async def measure_point(m: ModeRun, sweep: str, length: int, qps: float) -> dict
     runs = [await measure_once(m, sweep, length, qps, rep) for rep in range(s.repeats)]
     p = {"sweep": sweep, "length": length, "qps": qps, **combine(runs, s.slo_ms)}
     hr = "-" if p["hit_rate"] is None else f"{p['hit_rate']:.2f}"
-    _log(f"{m.mode:11s} {sweep:6s} length={length:5d} qps={qps:6.1f} n={p['n']:5d} p50={p['p50_ms']:8.1f} ms "
+    sent = f" (gave up: P99 above the SLO after {p['n']} of {p['planned']})" if p["stopped_early"] else ""
+    _log(f"{m.mode:11s} {sweep:6s} length={length:5d} qps={qps:6.1f} n={p['n']:5d}{sent} p50={p['p50_ms']:8.1f} ms "
          f"p99={p['p99_ms']:8.1f} ms errors={p['errors_by_kind'] or 0} hit_rate={hr} "
          f"elapsed={time.monotonic() - m.t0:6.0f} s")
     return p

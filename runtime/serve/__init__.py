@@ -22,7 +22,14 @@ if TYPE_CHECKING:
     from grstack.runtime.serve.demo import serve_demo
     from grstack.runtime.serve.engine import RelayEngine
     from grstack.runtime.serve.kv_arena import KVArena
-    from grstack.runtime.serve.loadgen import Request, latency_summary, poisson_times, run_open_loop
+    from grstack.runtime.serve.loadgen import (
+        GiveUp,
+        Request,
+        latency_summary,
+        poisson_times,
+        run_open_loop,
+        violations_to_fail,
+    )
     from grstack.runtime.serve.local import spawn_ranker
     from grstack.runtime.serve.router import Router, RouterConfig, start_router
     from grstack.runtime.serve.trigger import TriggerConfig
@@ -33,10 +40,12 @@ _EXPORTS = {
     "serve_demo": "grstack.runtime.serve.demo",
     "RelayEngine": "grstack.runtime.serve.engine",
     "KVArena": "grstack.runtime.serve.kv_arena",
+    "GiveUp": "grstack.runtime.serve.loadgen",
     "Request": "grstack.runtime.serve.loadgen",
     "latency_summary": "grstack.runtime.serve.loadgen",
     "poisson_times": "grstack.runtime.serve.loadgen",
     "run_open_loop": "grstack.runtime.serve.loadgen",
+    "violations_to_fail": "grstack.runtime.serve.loadgen",
     "spawn_ranker": "grstack.runtime.serve.local",
     "Router": "grstack.runtime.serve.router",
     "RouterConfig": "grstack.runtime.serve.router",
@@ -45,6 +54,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "GiveUp",
     "KVArena",
     "RelayEngine",
     "Request",
@@ -58,6 +68,7 @@ __all__ = [
     "serve_demo",
     "spawn_ranker",
     "start_router",
+    "violations_to_fail",
     "write_untrained_model",
 ]
 

@@ -78,24 +78,55 @@ async def _send(session: aiohttp.ClientSession, base_url: str, req: Request, sch
         return Result(req, 0, math.inf, None, f"{type(exc).__name__}: {exc}")
 
 
+def violations_to_fail(n: int, q: float = 99.0) -> int:
+    """How many of ``n`` latencies above an SLO make their ``q``-th percentile (numpy's ``higher`` method, as
+    :func:`latency_summary` takes it) exceed that SLO: the percentile is the value of sorted index
+    ceil(q/100·(n−1)), so the point fails once the values from that index to the end can all be violations."""
+    return n - math.ceil(q / 100.0 * (n - 1) - 1e-9)
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    """Stop sending once ``violations`` measured requests have answered later than ``slo_ms`` or not at all:
+    the run's percentile is then above the SLO whatever the rest would do (:func:`violations_to_fail`)."""
+
+    slo_ms: float
+    violations: int
+
+
 async def run_open_loop(base_url: str, requests: list[Request], timeout_s: float = 5.0,
                         session: aiohttp.ClientSession | None = None, deadline_ms: float | None = None,
-                        deadline_paths: tuple[str, ...] = ("/v1/rank",)) -> list[Result]:
+                        deadline_paths: tuple[str, ...] = ("/v1/rank",),
+                        give_up: GiveUp | None = None) -> list[Result]:
     """Sends every request at its time; returns results in the order of ``requests``' send times. With
-    ``deadline_ms``, requests to ``deadline_paths`` carry the remaining budget (module doc)."""
+    ``deadline_ms``, requests to ``deadline_paths`` carry the remaining budget (module doc). With ``give_up``
+    the requests not yet sent when it is reached are never sent, and have no result; the ones in flight are
+    waited for."""
     own = session is None
     session = session or aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024))
     loop = asyncio.get_running_loop()
     order = sorted(requests, key=lambda r: r.at)
     t0 = loop.time() + 0.05
     tasks = []
+    violations = 0
+
+    def count(task: asyncio.Task[Result]) -> None:
+        nonlocal violations
+        r = task.result()
+        if give_up is not None and r.request.measure and (r.status != 200 or r.latency_ms > give_up.slo_ms):
+            violations += 1
+
     try:
         for req in order:
             delay = t0 + req.at - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
+            if give_up is not None and violations >= give_up.violations:
+                break
             budget = deadline_ms if req.path in deadline_paths else None
-            tasks.append(loop.create_task(_send(session, base_url, req, t0 + req.at, timeout_s, budget)))
+            task = loop.create_task(_send(session, base_url, req, t0 + req.at, timeout_s, budget))
+            task.add_done_callback(count)
+            tasks.append(task)
         return list(await asyncio.gather(*tasks))
     finally:
         if own:

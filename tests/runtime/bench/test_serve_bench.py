@@ -26,7 +26,7 @@ def test_tiny_run_reports_every_mode_the_overload_run_and_the_score_check(tmp_pa
     assert out["slo_ms"] == 5000.0
     for mode in (out["baseline"], out["relay"], *out["ablations"].values()):
         assert {"points", "max_len_at_slo", "max_qps_at_slo"} <= set(mode)
-        assert all(p["n"] == 30 for p in mode["points"])
+        assert all(p["n"] == p["planned"] == 30 and not p["stopped_early"] for p in mode["points"])
     assert set(out["ablations"]) == {"no_trigger", "no_affinity", "no_expander"}
     for ab in out["ablations"].values():
         assert "max_len_ratio" in ab and "slo_qps_ratio" in ab

@@ -82,8 +82,19 @@ def test_summary_counts_measured_ranks_only_and_fails_on_any_error():
     assert s["errors_by_kind"] == {"shed_504": 1} and not s["meets_slo"] and s["p99_ms_shed"] == 150.0
 
 
+def test_a_point_the_generator_gave_up_on_fails_with_the_sent_ranks_p99_kept():
+    sent = [Result(Request(i * 0.1, "/v1/rank", b"", "u", True), 200, 150.0 if i < 10 else 10.0, {})
+            for i in range(40)]
+    s = summarize(sent, slo_ms=100.0, planned=1000)
+    assert s["stopped_early"] and s["planned"] == 1000 and s["n"] == 40
+    assert s["p99_ms"] == math.inf and not s["meets_slo"] and s["p99_ms_sent"] == 150.0
+    whole = summarize(sent, slo_ms=100.0, planned=40)
+    assert not whole["stopped_early"] and whole["p99_ms"] == 150.0 and "p99_ms_sent" not in whole
+
+
 def test_repeats_combine_by_median_p99_with_spread():
-    base = {"n": 10, "p50_ms": 5.0, "errors_by_kind": {}, "cache": {"device": 5, "miss": 5},
+    base = {"n": 10, "planned": 10, "stopped_early": False, "p50_ms": 5.0, "errors_by_kind": {},
+            "cache": {"device": 5, "miss": 5},
             "prefill_tokens_computed": 10, "prefill_tokens_without_incremental": 20, "joined_inflight_ranks": 1,
             "prefill_cpu_share": 0.2, "device_bytes": 1, "dram_bytes": 2}
     runs = [{**base, "p99_ms": 50.0}, {**base, "p99_ms": math.inf, "errors_by_kind": {"timeout": 1}},
