@@ -90,7 +90,7 @@ def export_state(state_dict: dict[str, torch.Tensor], cfg: Config, ds: SequenceD
     if fmap is not None:
         blob["item_features"] = fmap.to_blob()
     if ds.user_features is not None and ds.user_features.fields:
-        # sizes rebuild the model; the vocabularies are kept for serving, once requests carry user features
+        # sizes rebuild the model; the vocabularies map the user features of serving requests
         blob["user_features"] = {"sizes": ds.user_features.sizes,
                                  "vocab": {f.name: [str(t) for t in f.vocab] for f in ds.user_features.fields}}
     if item_parts is not None:
@@ -155,6 +155,13 @@ def exported_state(path: Path, blob: dict[str, Any] | None = None) -> dict[str, 
 
 def load_exported(path: Path) -> tuple[nn.Module, Config, list[str]]:
     """The exported model in eval mode, its config and its task names (either form)."""
+    model, cfg, tasks, _ = load_exported_with_vocab(path)
+    return model, cfg, tasks
+
+
+def load_exported_with_vocab(path: Path) -> tuple[nn.Module, Config, list[str], dict[str, list[str]] | None]:
+    """:func:`load_exported` plus the user features' vocabularies (field -> raw tokens of value ids 1, 2, ...;
+    None when the model reads no user context): what a server maps request user features with."""
     blob = load_checkpoint(path)
     if blob.get("format") != FORMAT:
         raise UserError(f"{path} is not an exported grstack model")
@@ -166,7 +173,8 @@ def load_exported(path: Path) -> tuple[nn.Module, Config, list[str]]:
                         user_features=users)
     model.load_state_dict(exported_state(path, blob))
     model.eval()
-    return model, cfg, tasks
+    vocab = {k: list(v) for k, v in blob["user_features"]["vocab"].items()} if blob.get("user_features") else None
+    return model, cfg, tasks, vocab
 
 
 def resolve_model_file(path: str | Path) -> Path:

@@ -175,14 +175,41 @@ class HSTU(ItemTokens):
     def _prefix_positions(self, plan: kernels.PrefixPlan, num_targets: torch.Tensor | None,
                           device: torch.device) -> torch.Tensor:
         """:meth:`token_positions` of new tokens after cached prefixes (sequence b's start at its prefix
-        length), computed on the host from the plan (a few small tensors, no per-token kernels)."""
+        length), computed on the host from the plan (a few small tensors, no per-token kernels). A prefix
+        starts with the contextual tokens when the model reads user context; they take no position (as in
+        :meth:`embed_batch`), so events count from after them."""
         nts = num_targets.tolist() if num_targets is not None else [0] * plan.batch_size
+        head = self.context.num_fields if self.context is not None else 0
         parts = []
         for b, p in enumerate(plan.prefix_lengths):
             n = plan.offsets[b + 1] - plan.offsets[b]
-            parts.append(np.minimum(np.arange(p, p + n), p + n - int(nts[b])))
+            parts.append(np.minimum(np.arange(p, p + n), p + n - int(nts[b])) - head)
         pos = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-        return torch.as_tensor(np.minimum(pos, self.max_seq_len - 1), dtype=torch.int64).to(device)
+        return torch.as_tensor(np.clip(pos, 0, self.max_seq_len - 1), dtype=torch.int64).to(device)
+
+    def _place_context(self, x: torch.Tensor, plan: kernels.PrefixPlan,
+                       contexts: Sequence[torch.Tensor | None] | None) -> torch.Tensor:
+        """``x`` with the new tokens that are contextual tokens (a sequence's first ``C`` tokens: those after a
+        prefix shorter than ``C``) replaced by the user's context vectors, as :meth:`embed_batch` heads a
+        sequence with them (``contexts[b]``: sequence b's [C, W] value ids)."""
+        head = self.context.num_fields if self.context is not None else 0
+        idx, vecs = [], []
+        for b, p in enumerate(plan.prefix_lengths):
+            if p >= head:
+                continue
+            k = min(head - p, plan.offsets[b + 1] - plan.offsets[b])
+            ctx = contexts[b] if contexts is not None else None
+            if ctx is None:
+                raise ValueError("the model reads user context: a prefix starts with the user's contextual "
+                                 "tokens, and no context was given")
+            rows = self.context_rows(ctx[None].to(x.device))[0] * math.sqrt(self.d_model)
+            idx.append(torch.arange(plan.offsets[b], plan.offsets[b] + k, device=x.device))
+            vecs.append(rows[p:p + k])
+        if not idx:
+            return x
+        x = x.clone()
+        x[torch.cat(idx)] = torch.cat(vecs).to(x.dtype)
+        return x
 
     def _embed(self, item_rows: torch.Tensor, pos: torch.Tensor, actions: torch.Tensor | None = None) -> torch.Tensor:
         x = item_rows * math.sqrt(self.d_model) + self.pos_emb(pos)
@@ -238,10 +265,6 @@ class HSTU(ItemTokens):
         return not (self.time_bias_query == "next" and self._uses_time())
 
     def _check_prefix_servable(self) -> None:
-        if self.context is not None or self.action_emb is not None:
-            raise ValueError("a model with user context (data.user_features) or action inputs (model.action_inputs) "
-                             "cannot run on cached prefixes yet: serving requests carry neither user features nor "
-                             "actions (docs/features.md)")
         if not self.cached_prefix_exact:
             raise ValueError("a model with model.time_bias_query=next cannot run on cached prefixes (the last "
                              "prefix token's keys and values depend on the next event's time, and the cache "
@@ -272,7 +295,10 @@ class HSTU(ItemTokens):
                            prefix_timestamps: Sequence[torch.Tensor], *, num_targets: torch.Tensor | None = None,
                            return_kv: bool = False, backend: str | None = None,
                            kv_out: tuple[Sequence[Sequence[torch.Tensor] | None],
-                                         Sequence[Sequence[torch.Tensor] | None]] | None = None) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+                                         Sequence[Sequence[torch.Tensor] | None]] | None = None,
+                           actions: torch.Tensor | None = None,
+                           contexts: Sequence[torch.Tensor | None] | None = None,
+                           ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         """Outputs [sum_S, d] of new tokens that follow cached prefixes.
 
         Sequence b's new tokens are ``item_ids[offsets[b]:offsets[b+1]]`` (S_b of them, timestamps alike).
@@ -286,13 +312,22 @@ class HSTU(ItemTokens):
         all sequences in order), else two empty lists. ``kv_out`` (keys, values), indexed ``[b][layer]``: tensors
         in :meth:`prefix_layout` of ``S_b`` tokens (e.g. views of a KV arena) the new tokens' keys and values are
         written into (None for a sequence: not written) — no intermediate tensors, no concatenation by the caller.
+
+        A model with action inputs reads ``actions`` [sum_S] (each new token's own action bits; -1 for
+        candidates: the "to be predicted" vector). A model with user context keeps the ``C`` contextual tokens
+        at the head of every prefix: a sequence whose prefix is shorter than ``C`` starts with (the rest of)
+        them, item id 0 in ``item_ids``, their vectors from ``contexts[b]`` ([C, W] value ids) and their time
+        the first event's (:class:`grstack.runtime.serve.engine.PrefixTokens` builds such streams).
         """
         self._check_prefix_servable()
         layout = self.prefix_layout(backend)
         plens = [layout.length(keys[0]) for keys in prefix_keys]
         plan = kernels.make_prefix_plan(offsets, plens)
         rows = self.token_rows(item_ids)
-        x = self._embed(rows, self._prefix_positions(plan, num_targets, item_ids.device))
+        acts = self.action_vectors(actions) if self.action_emb is not None else None
+        x = self._embed(rows, self._prefix_positions(plan, num_targets, item_ids.device), acts)
+        if self.context is not None:
+            x = self._place_context(x, plan, contexts)
         use_time = self._uses_time()
         ts = timestamps if use_time else None
         pts = list(prefix_timestamps) if use_time else None
@@ -315,7 +350,8 @@ class HSTU(ItemTokens):
     def prefill_kv(self, item_ids: torch.Tensor, timestamps: torch.Tensor, keys: Sequence[torch.Tensor] | None = None,
                    values: Sequence[torch.Tensor] | None = None, prefix_timestamps: torch.Tensor | None = None,
                    *, backend: str | None = None,
-                   out: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None = None
+                   out: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None = None,
+                   actions: torch.Tensor | None = None, context: torch.Tensor | None = None,
                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per-layer keys and values of one sequence's prefix — what a relay cache stores, in
         :meth:`prefix_layout` — extended by the tokens ``item_ids`` (with ``timestamps``).
@@ -327,6 +363,9 @@ class HSTU(ItemTokens):
         the new tokens'; e.g. views of a KV arena reserved for the whole prefix, whose first ``P`` tokens are
         the prefix): the new K/V are written into their last ``n`` tokens in place and ``out`` is returned, so
         a chunked prefill copies nothing (without it each chunk concatenates, O(P^2 / chunk) copies).
+
+        ``actions``/``context``: the new tokens' action bits and the user's [C, W] context, for a model that
+        reads them (:meth:`encode_with_prefix`).
         """
         layout = self.prefix_layout(backend)
         if keys is None or values is None:
@@ -344,7 +383,7 @@ class HSTU(ItemTokens):
             dest = ([tail(out[0])], [tail(out[1])])
         _, new_k, new_v = self.encode_with_prefix(item_ids, timestamps, offsets, [keys], [values],
                                                   [prefix_timestamps], return_kv=dest is None, backend=backend,
-                                                  kv_out=dest)
+                                                  kv_out=dest, actions=actions, contexts=[context])
         if out is not None:
             return list(out[0]), list(out[1])
         return ([layout.cat([a, b]) for a, b in zip(keys, new_k, strict=True)],

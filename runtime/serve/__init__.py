@@ -18,7 +18,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from grstack.runtime.serve.artifact import load_ranking_model, write_untrained_model
+    from grstack.runtime.serve.artifact import load_ranking_model, load_serving_model, write_untrained_model
     from grstack.runtime.serve.demo import serve_demo
     from grstack.runtime.serve.engine import RelayEngine
     from grstack.runtime.serve.kv_arena import KVArena
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 _EXPORTS = {
     "load_ranking_model": "grstack.runtime.serve.artifact",
+    "load_serving_model": "grstack.runtime.serve.artifact",
     "write_untrained_model": "grstack.runtime.serve.artifact",
     "serve_demo": "grstack.runtime.serve.demo",
     "RelayEngine": "grstack.runtime.serve.engine",
@@ -63,6 +64,7 @@ __all__ = [
     "TriggerConfig",
     "latency_summary",
     "load_ranking_model",
+    "load_serving_model",
     "poisson_times",
     "run_open_loop",
     "serve_demo",

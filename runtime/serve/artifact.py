@@ -13,12 +13,25 @@ import torch
 from torch import nn
 
 from grstack.runtime.errors import UserError
-from grstack.runtime.model import build_model, export_model, load_exported, resolve_model_file, task_names
+from grstack.runtime.model import (
+    build_model,
+    export_model,
+    load_exported_with_vocab,
+    resolve_model_file,
+    task_names,
+)
 
 
 def load_ranking_model(path: str | Path) -> tuple[nn.Module, list[str]]:
+    model, tasks, _ = load_serving_model(path)
+    return model, tasks
+
+
+def load_serving_model(path: str | Path) -> tuple[nn.Module, list[str], dict[str, list[str]] | None]:
+    """The ranking model, its served tasks and its user features' vocabularies (None without user context):
+    what a ranker needs (``RankerService(model, tasks, user_vocab=...)``)."""
     p = resolve_model_file(path)
-    model, cfg, tasks = load_exported(p)
+    model, cfg, tasks, vocab = load_exported_with_vocab(p)
     if cfg.model.type not in ("hstu", "fuxi") or getattr(model, "rank_head", None) is None:
         raise UserError(f"{p}: relay serving needs an HSTU or FuXi-α model trained with the ranking head "
                         f"(model.type=hstu or fuxi, model.ranking_head=true); this one is {cfg.model.type}")
@@ -26,14 +39,13 @@ def load_ranking_model(path: str | Path) -> tuple[nn.Module, list[str]]:
         raise UserError(f"{p}: relay serving needs model.time_bias_query=self; this model was trained with "
                         f"model.time_bias_query=next, whose cached prefixes would not be exact (the last prefix "
                         f"token's keys and values depend on the next event's time)")
-    if cfg.data.user_features or cfg.model.action_inputs:
-        raise UserError(f"{p}: this model reads user context (data.user_features) or actions (model.action_inputs), "
-                        f"which rank requests do not carry yet; serve a model trained without them (item side "
-                        f"features are served: the model carries its item feature map)")
+    if cfg.data.user_features and vocab is None:
+        raise UserError(f"{p}: this model reads user context but its artefact keeps no user-feature vocabularies "
+                        f"to map requests with; export it again with this version")
     if cfg.loss.ranking_on == "exposures":  # trained on logged impressions: "next" was never a label
         model.keep_tasks(range(1, len(tasks)))
         tasks = tasks[1:]
-    return model, tasks
+    return model, tasks, vocab
 
 
 def write_untrained_model(path: str | Path, *, num_items: int = 10_000, max_len: int = 512, d_model: int = 64,

@@ -62,6 +62,7 @@ class TieredKVCache:
     clock: Callable[[], float] = time.monotonic
     stats: CacheStats = field(default_factory=CacheStats)
     arena: KVArena | None = None  # the device tier's storage (device_bytes should be its capacity_bytes)
+    head: int = 0  # contextual tokens at the start of every prefix (a model with user context), not events
 
     def __post_init__(self) -> None:
         self._device: OrderedDict[str, _Entry] = OrderedDict()
@@ -80,18 +81,22 @@ class TieredKVCache:
             return "dram"
         return None
 
-    def extendable(self, user: str, items: np.ndarray, timestamps: np.ndarray) -> str | None:
-        """The version of ``user``'s cached prefix (either tier) when it is a strict prefix of ``items``/
-        ``timestamps`` (decided exactly: the hash of the new history's first ``P`` events equals the cached
-        version, ``P`` the cached prefix's length), else None. Such an entry can be extended by the new events
-        instead of prefilling from scratch."""
+    def extendable(self, user: str, items: np.ndarray, timestamps: np.ndarray, actions: np.ndarray | None = None,
+                   context: bytes | None = None) -> str | None:
+        """The version of ``user``'s cached prefix (either tier) when it is a strict prefix of the events
+        ``items``/``timestamps`` (with their ``actions`` and the user's ``context`` key when the model reads
+        them; decided exactly: the hash of the new history's first ``P`` events equals the cached version, ``P``
+        the cached prefix's events), else None. Such an entry can be extended by the new events instead of
+        prefilling from scratch."""
         now = self.clock()
         for tier in (self._device, self._dram):
             e = tier.get(user)
             if e is None or (tier is self._dram and e.expires <= now):
                 continue
-            p = e.kv.length
-            if 0 < p < len(items) and prefix_hash(items[:p], timestamps[:p]) == e.version:
+            p = e.kv.length - self.head
+            if 0 < p < len(items) and prefix_hash(items[:p], timestamps[:p],
+                                                  actions[:p] if actions is not None else None,
+                                                  context) == e.version:
                 return e.version
         return None
 

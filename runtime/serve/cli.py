@@ -260,12 +260,12 @@ async def _serve_until_signal(stop_cb: Any) -> None:
 
 
 def run_ranker(args: argparse.Namespace) -> int:
-    from grstack.runtime.serve.artifact import load_ranking_model
+    from grstack.runtime.serve.artifact import load_serving_model
     from grstack.runtime.serve.ranker import RankerService, start_ranker
 
     _logging(args.log_level)
     auth = etcd_auth(args) if args.etcd else None  # a bad TLS/auth option fails before the model loads
-    model, tasks = load_ranking_model(args.checkpoint)
+    model, tasks, user_vocab = load_serving_model(args.checkpoint)
     cfg = ranker_config(args, int(model.max_len))
 
     async def main() -> None:
@@ -274,7 +274,7 @@ def run_ranker(args: argparse.Namespace) -> int:
             from grstack.runtime.serve.etcd_store import EtcdPlacementStore
 
             store = EtcdPlacementStore(args.etcd, args.etcd_root, auth=auth)
-        service = RankerService(model, tasks, cfg, store=store)
+        service = RankerService(model, tasks, cfg, store=store, user_vocab=user_vocab)
         from grstack.runtime.serve.http import start_site
         from grstack.runtime.serve.ranker import make_ranker_app
 

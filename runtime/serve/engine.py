@@ -33,7 +33,7 @@ from grstack import kernels
 from grstack.runtime.data import JaggedBatch, append_candidates
 from grstack.runtime.serve.prefix import prefix_hash, truncate_prefix
 
-__all__ = ["PrefixKV", "RankItem", "RelayEngine", "prefix_hash"]
+__all__ = ["PrefixKV", "PrefixTokens", "RankItem", "RelayEngine", "prefix_hash"]
 
 
 @dataclass
@@ -122,6 +122,27 @@ class RankItem:
     short_ts: np.ndarray
     candidates: np.ndarray
     request_ts: int
+    long_actions: np.ndarray | None = None  # each event's action bits, when the model reads them
+    short_actions: np.ndarray | None = None
+    context: np.ndarray | None = None  # [C, W] the user's feature value ids (0: none), when the model reads them
+
+
+@dataclass
+class PrefixTokens:
+    """What a prefix's K/V are computed from, token by token: the model's ``head`` contextual tokens (item 0,
+    the first event's time, no actions; their vectors come from ``context``), then the long-term events."""
+
+    items: np.ndarray
+    ts: np.ndarray
+    actions: np.ndarray | None = None
+    context: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def slice(self, start: int, stop: int) -> PrefixTokens:
+        acts = self.actions[start:stop] if self.actions is not None else None
+        return PrefixTokens(self.items[start:stop], self.ts[start:stop], acts, self.context)
 
 
 class RelayEngine:
@@ -134,9 +155,6 @@ class RelayEngine:
         if not getattr(model, "cached_prefix_exact", True):
             raise ValueError("relay serving needs model.time_bias_query=self: with next, cached prefixes are not "
                              "exact (the last prefix token's keys and values depend on the next event's time)")
-        if getattr(model, "context", None) is not None or getattr(model, "action_emb", None) is not None:
-            raise ValueError("relay serving does not take user context or action inputs yet (requests carry "
-                             "neither)")
         if not 0 < max_suffix < model.max_len:
             raise ValueError(f"max_suffix must be in 1..{model.max_len - 1} (the model's max_len is "
                              f"{model.max_len})")
@@ -151,17 +169,75 @@ class RelayEngine:
         # (self.model.prefix_layout(self.backend)).
         self.backend = kernels.select_backend(self.device, backend)
         self.kv_bytes_per_token = model.kv_elements_per_token * 4 + 8  # fp32 K/V and an int64 timestamp
+        # What the model reads besides items and times: each event's action bits (candidates get the "to be
+        # predicted" vector), and the user's context as ``head`` tokens at the start of every prefix.
+        action_emb = getattr(model, "action_emb", None)
+        self.action_bits = int(action_emb.num_embeddings) - 1 if action_emb is not None else 0
+        context = getattr(model, "context", None)
+        self.head = int(context.num_fields) if context is not None else 0
 
     # -- request canonicalisation -------------------------------------------------------------------
     def canonical(self, long_items: Sequence[int], long_ts: Sequence[int], short_items: Sequence[int],
-                  short_ts: Sequence[int], candidates: Sequence[int], request_ts: int) -> RankItem:
-        """Applies the serving truncation (the same for the cached and the full path)."""
+                  short_ts: Sequence[int], candidates: Sequence[int], request_ts: int,
+                  long_actions: Sequence[int] | None = None, short_actions: Sequence[int] | None = None,
+                  context: np.ndarray | None = None) -> RankItem:
+        """Applies the serving truncation (the same for the cached and the full path). Actions and context are
+        kept only when the model reads them, and then must be given."""
         li, lt = truncate_prefix(long_items, long_ts, self.max_prefix)
         si, st = truncate_prefix(short_items, short_ts, self.max_suffix)
-        return RankItem(li, lt, si, st, np.asarray(candidates, dtype=np.int64), int(request_ts))
+        la = self._actions(long_actions, len(long_items), self.max_prefix, "long_actions")
+        sa = self._actions(short_actions, len(short_items), self.max_suffix, "short_actions")
+        return RankItem(li, lt, si, st, np.asarray(candidates, dtype=np.int64), int(request_ts), la, sa,
+                        self._context(context))
 
     def truncate_prefix(self, items: Sequence[int], ts: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         return truncate_prefix(items, ts, self.max_prefix)
+
+    def truncate_actions(self, actions: Sequence[int] | None, n: int) -> np.ndarray | None:
+        """The actions of :meth:`truncate_prefix`'s events (None when the model reads none)."""
+        return self._actions(actions, n, self.max_prefix, "long_actions")
+
+    def _actions(self, actions: Sequence[int] | None, n: int, keep: int, name: str) -> np.ndarray | None:
+        if not self.action_bits:
+            return None
+        if actions is None:
+            if n == 0:
+                return np.zeros(0, dtype=np.int64)
+            raise ValueError(f"{name}: the model reads each event's actions; none were given")
+        a = np.asarray(actions, dtype=np.int64)
+        if len(a) != n:
+            raise ValueError(f"{name}: {len(a)} actions for {n} events")
+        return a[-keep:] if keep > 0 else a[:0]
+
+    def _context(self, context: np.ndarray | None) -> np.ndarray | None:
+        if not self.head:
+            return None
+        if context is None:
+            return np.zeros((self.head, 1), dtype=np.int64)  # no values: the fields' tokens are zero vectors
+        c = np.asarray(context, dtype=np.int64)
+        if c.ndim != 2 or c.shape[0] != self.head:
+            raise ValueError(f"context: expected [{self.head}, W] value ids, got shape {tuple(c.shape)}")
+        return c
+
+    def prefix_tokens(self, items: np.ndarray, ts: np.ndarray, actions: np.ndarray | None = None,
+                      context: np.ndarray | None = None) -> PrefixTokens:
+        """The token stream of the prefix of (already truncated) long-term events ``items``/``ts``: the model's
+        contextual tokens first when it reads user context, timed at the first event as in training."""
+        items = np.asarray(items, dtype=np.int64)
+        ts = np.asarray(ts, dtype=np.int64)
+        acts = None
+        if self.action_bits:
+            acts = np.asarray(actions if actions is not None else np.zeros(len(items)), dtype=np.int64)
+        if not self.head or not len(items):
+            return PrefixTokens(items, ts, acts, None)
+        h = self.head
+        first = np.full(h, ts[0], dtype=np.int64)
+        return PrefixTokens(np.concatenate([np.zeros(h, dtype=np.int64), items]), np.concatenate([first, ts]),
+                            np.concatenate([np.zeros(h, dtype=np.int64), acts]) if acts is not None else None,
+                            self._context(context))
+
+    def item_tokens(self, item: RankItem) -> PrefixTokens:
+        return self.prefix_tokens(item.long_items, item.long_ts, item.long_actions, item.context)
 
     # -- building blocks ----------------------------------------------------------------------------
     def _tensor(self, xs: np.ndarray | list[int]) -> torch.Tensor:
@@ -172,42 +248,65 @@ class RelayEngine:
         return PrefixKV(keys, values, torch.zeros(0, dtype=torch.int64, device=self.device))
 
     # -- prefill ------------------------------------------------------------------------------------
+    def _model_inputs(self, actions: np.ndarray | None, context: np.ndarray | None,
+                      n: int) -> dict[str, Any]:
+        """The keyword inputs of the model's prefix calls for tokens of one sequence: their actions and the
+        user's context, when the model reads them."""
+        out: dict[str, Any] = {}
+        if self.action_bits:
+            out["actions"] = self._tensor(actions if actions is not None else np.zeros(n, dtype=np.int64))
+        if self.head:
+            out["context"] = self._tensor(context) if context is not None else None
+        return out
+
     @torch.no_grad()
-    def extend(self, prefix: PrefixKV, items: np.ndarray, ts: np.ndarray) -> PrefixKV:
-        """K/V of ``prefix`` followed by the tokens ``items`` (one chunk of a prefill): written in place when
-        ``prefix`` has the room reserved (a KV arena range), else concatenated into new tensors."""
+    def extend(self, prefix: PrefixKV, items: np.ndarray, ts: np.ndarray, actions: np.ndarray | None = None,
+               context: np.ndarray | None = None) -> PrefixKV:
+        """K/V of ``prefix`` followed by the tokens ``items`` (one chunk of a prefill; with their ``actions``
+        and the user's ``context`` when the model reads them, as :class:`PrefixTokens` holds them): written in
+        place when ``prefix`` has the room reserved (a KV arena range), else concatenated into new tensors."""
         n = len(items)
         if n == 0:
             return prefix
         ids_t, ts_t = self._tensor(items), self._tensor(ts)
+        extra = self._model_inputs(actions, context, n)
         if prefix.room >= n:  # reserved in a KV arena: write the new K/V in place, no concatenation
             grown = prefix.grown(n)  # type: ignore[attr-defined]
             self.model.prefill_kv(ids_t, ts_t, prefix.keys, prefix.values, prefix.timestamps,
-                                  backend=self.backend, out=(grown.keys, grown.values))
+                                  backend=self.backend, out=(grown.keys, grown.values), **extra)
             grown.timestamps[prefix.length:].copy_(ts_t)
             return grown
         keys, values = self.model.prefill_kv(ids_t, ts_t, prefix.keys, prefix.values, prefix.timestamps,
-                                             backend=self.backend)
+                                             backend=self.backend, **extra)
         return PrefixKV(keys, values, torch.cat([prefix.timestamps, ts_t]))
 
     @torch.no_grad()
     def extend_many(self, prefixes: Sequence[PrefixKV], items: Sequence[np.ndarray],
-                    ts: Sequence[np.ndarray]) -> list[PrefixKV]:
+                    ts: Sequence[np.ndarray], actions: Sequence[np.ndarray | None] | None = None,
+                    contexts: Sequence[np.ndarray | None] | None = None) -> list[PrefixKV]:
         """:meth:`extend` of several users' prefixes at once: one model call jagged over the sequences. A
         prefix with room reserved in a KV arena gets its new K/V written in place; the others' come back from
         the model in order and are split and concatenated per sequence here. A single non-empty sequence goes
         through :meth:`extend` itself."""
         out = list(prefixes)
+        acts = list(actions) if actions is not None else [None] * len(prefixes)
+        ctxs = list(contexts) if contexts is not None else [None] * len(prefixes)
         live = [b for b in range(len(prefixes)) if len(items[b])]
         if len(live) == 1:
             b = live[0]
-            out[b] = self.extend(prefixes[b], items[b], ts[b])
+            out[b] = self.extend(prefixes[b], items[b], ts[b], acts[b], ctxs[b])
         if len(live) <= 1:
             return out
         lens = [len(items[b]) for b in live]
         ids_t = self._tensor(np.concatenate([items[b] for b in live]))
         ts_t = self._tensor(np.concatenate([ts[b] for b in live]))
         offsets = self._tensor(np.concatenate([[0], np.cumsum(lens)]))
+        extra: dict[str, Any] = {}
+        if self.action_bits:
+            extra["actions"] = self._tensor(np.concatenate(
+                [acts[b] if acts[b] is not None else np.zeros(lens[j], dtype=np.int64) for j, b in enumerate(live)]))
+        if self.head:
+            extra["contexts"] = [self._tensor(ctxs[b]) if ctxs[b] is not None else None for b in live]
         # Sequences with room reserved in a KV arena get their new K/V written in place; the others' come back
         # from the model and are concatenated onto their prefix.
         layout = self.model.prefix_layout(self.backend)
@@ -224,7 +323,7 @@ class RelayEngine:
         _, new_k, new_v = self.model.encode_with_prefix(
             ids_t, ts_t, offsets, [prefixes[b].keys for b in live], [prefixes[b].values for b in live],
             [prefixes[b].timestamps for b in live], return_kv=len(grown) < len(live), backend=self.backend,
-            kv_out=dest)
+            kv_out=dest, **extra)
         split_ts = torch.split(ts_t, lens)
         split_k = [torch.split(k, lens, dim=layout.seq_dim) for k in new_k]
         split_v = [torch.split(v, lens, dim=layout.seq_dim) for v in new_v]
@@ -239,22 +338,31 @@ class RelayEngine:
                               torch.cat([p.timestamps, split_ts[j]]))
         return out
 
-    def prefill_steps(self, items: np.ndarray, ts: np.ndarray, into: PrefixKV | None = None) -> Iterator[PrefixKV]:
+    def prefill_steps(self, items: np.ndarray, ts: np.ndarray, into: PrefixKV | None = None,
+                      actions: np.ndarray | None = None, context: np.ndarray | None = None) -> Iterator[PrefixKV]:
         """Yields the growing prefix after each chunk; the last value is the whole prefix's K/V. ``into``: an
-        empty prefix with room reserved (a KV arena block) that the chunks are written into in place."""
+        empty prefix with room reserved (a KV arena block) that the chunks are written into in place. For a
+        model with actions or user context, ``items``/``ts``/``actions``/``context`` are a
+        :class:`PrefixTokens` stream (:meth:`prefix_tokens`)."""
         prefix = self.empty_prefix() if into is None else into
         if len(items) == 0:
             yield prefix
             return
         for start in range(0, len(items), self.chunk):
-            prefix = self.extend(prefix, items[start:start + self.chunk], ts[start:start + self.chunk])
+            end = start + self.chunk
+            prefix = self.extend(prefix, items[start:end], ts[start:end],
+                                 actions[start:end] if actions is not None else None, context)
             yield prefix
 
-    def prefill(self, items: np.ndarray, ts: np.ndarray, into: PrefixKV | None = None) -> PrefixKV:
+    def prefill(self, items: np.ndarray, ts: np.ndarray, into: PrefixKV | None = None,
+                actions: np.ndarray | None = None, context: np.ndarray | None = None) -> PrefixKV:
         prefix = self.empty_prefix()
-        for prefix in self.prefill_steps(items, ts, into):  # noqa: B007
+        for prefix in self.prefill_steps(items, ts, into, actions, context):  # noqa: B007
             pass
         return prefix
+
+    def prefill_tokens(self, tokens: PrefixTokens, into: PrefixKV | None = None) -> PrefixKV:
+        return self.prefill(tokens.items, tokens.ts, into, tokens.actions, tokens.context)
 
     # -- ranking ------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -262,19 +370,23 @@ class RelayEngine:
         """[M_b, num_tasks] logits per request, from its cached prefix plus short-term and candidates."""
         if not reqs:
             return []
-        ids, tss, lens, nts = [], [], [], []
+        ids, tss, acts, lens, nts = [], [], [], [], []
         for r in reqs:
             s, mc = len(r.short_items), len(r.candidates)
             ids += [r.short_items, r.candidates]
             tss += [r.short_ts, np.full(mc, r.request_ts, dtype=np.int64)]
+            if self.action_bits:  # a candidate's action is what is predicted: -1, the "to be predicted" vector
+                acts += [r.short_actions if r.short_actions is not None else np.zeros(s, dtype=np.int64),
+                         np.full(mc, -1, dtype=np.int64)]
             lens.append(s + mc)
             nts.append(mc)
         ids_t = self._tensor(np.concatenate(ids))
         ts_t = self._tensor(np.concatenate(tss))
         offsets = np.concatenate([[0], np.cumsum(lens)]).tolist()
+        extra = {"actions": self._tensor(np.concatenate(acts))} if self.action_bits else {}
         x, _, _ = self.model.encode_with_prefix(
             ids_t, ts_t, self._tensor(offsets), [p.keys for p in prefixes], [p.values for p in prefixes],
-            [p.timestamps for p in prefixes], num_targets=self._tensor(nts), backend=self.backend)
+            [p.timestamps for p in prefixes], num_targets=self._tensor(nts), backend=self.backend, **extra)
         cand_rows = self._tensor(np.concatenate([np.arange(offsets[b + 1] - n, offsets[b + 1])
                                                  for b, n in enumerate(nts)]))
         logits = self.model.rank_logits(x[cand_rows], ids_t[cand_rows]).float()
@@ -290,7 +402,7 @@ class RelayEngine:
         short_reqs = sorted(set(range(len(reqs))) - set(long_reqs))
         out: list[torch.Tensor | None] = [None] * len(reqs)
         if long_reqs:
-            prefixes = [self.prefill(reqs[i].long_items, reqs[i].long_ts) for i in long_reqs]
+            prefixes = [self.prefill_tokens(self.item_tokens(reqs[i])) for i in long_reqs]
             for i, logits in zip(long_reqs, self.rank_cached(prefixes, [reqs[i] for i in long_reqs]),
                                  strict=True):
                 out[i] = logits
@@ -310,9 +422,23 @@ class RelayEngine:
         if any(len(r.candidates) != m_max for r in reqs):
             return [t for r in reqs for t in self.rank_encode([r])]
         lengths = torch.tensor([len(h) for h in hist], dtype=torch.int64)
+        input_actions = context = None
+        if self.action_bits:
+            input_actions = self._tensor(np.concatenate([
+                np.concatenate([r.long_actions if r.long_actions is not None else np.zeros(len(r.long_items)),
+                                r.short_actions if r.short_actions is not None else np.zeros(len(r.short_items))])
+                for r in reqs]).astype(np.int64))
+        if self.head:
+            ctxs = [self._context(r.context) for r in reqs]
+            width = max(c.shape[1] for c in ctxs)
+            padded = np.zeros((len(reqs), self.head, width), dtype=np.int64)
+            for b, c in enumerate(ctxs):
+                padded[b, :, :c.shape[1]] = c
+            context = self._tensor(padded)
         batch = JaggedBatch(item_ids=self._tensor(np.concatenate(hist)),
                             offsets=kernels.lengths_to_offsets(lengths).to(self.device),
-                            timestamps=self._tensor(np.concatenate(hts)))
+                            timestamps=self._tensor(np.concatenate(hts)), input_actions=input_actions,
+                            context=context)
         cands = self._tensor(np.stack([r.candidates for r in reqs]))
         cts = self._tensor([r.request_ts for r in reqs])
         full, is_hist = append_candidates(batch, cands, cts)

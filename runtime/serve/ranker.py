@@ -52,10 +52,12 @@ from grstack.runtime.serve.http import (
 )
 from grstack.runtime.serve.kv_arena import KVArena
 from grstack.runtime.serve.placement import PlacementStore, Replica
+from grstack.runtime.serve.prefix import context_key
 from grstack.runtime.serve.scheduler import ComputeScheduler, DeadlineExceeded, QueueFull, Timing
 from grstack.runtime.serve.schemas import (
     MAX_BODY_BYTES,
     CacheStatsModel,
+    Events,
     Health,
     PrefillRequest,
     PrefillResponse,
@@ -120,6 +122,9 @@ class _Metrics:
                                          buckets=LATENCY_BUCKETS, registry=r)
         self.shed = Counter("grstack_ranker_shed", "requests refused or dropped under overload", ["reason"],
                             registry=r)
+        self.unknown_values = Counter("grstack_ranker_unknown_user_feature_values",
+                                      "request user-feature values the model never saw (read as no value)",
+                                      registry=r)
         self.batch = Histogram("grstack_ranker_batch_size", "requests per compute step",
                                buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
         cache_bytes = Gauge("grstack_ranker_cache_bytes", "bytes held by the prefix cache", ["tier"], registry=r)
@@ -142,6 +147,10 @@ class _Metrics:
             depth.labels(q).set_function(lambda q=q: service.scheduler.depth()[q])
 
 
+def _bits(names: Sequence[str]) -> str:
+    return ", ".join(f"{n} = {1 << b}" for b, n in enumerate(names))
+
+
 def _check_items(name: str, items: Sequence[int], num_items: int) -> None:
     if items and max(items) > num_items:
         i = next(i for i, x in enumerate(items) if x > num_items)
@@ -150,8 +159,13 @@ def _check_items(name: str, items: Sequence[int], num_items: int) -> None:
 
 
 class RankerService:
+    """``user_vocab`` (field -> raw tokens of value ids 1, 2, ...: the artefact's, :func:`load_user_vocab`)
+    maps request user features for a model with user context; ``action_names`` names a model's action-input
+    bits (default: the tasks after "next")."""
+
     def __init__(self, model: nn.Module, tasks: list[str], config: RankerConfig | None = None,
-                 store: PlacementStore | None = None) -> None:
+                 store: PlacementStore | None = None, user_vocab: dict[str, list[str]] | None = None,
+                 action_names: Sequence[str] | None = None) -> None:
         self.config = cfg = config or RankerConfig()
         self.tasks = list(tasks)
         self.num_items = int(model.num_items)
@@ -160,6 +174,24 @@ class RankerService:
             # One replica per core: more threads than cores makes small ops spin (10-100x slower under load).
             torch.set_num_threads(cfg.num_threads)
         self.engine = RelayEngine(model, device=device, max_suffix=cfg.max_suffix, chunk=cfg.chunk)
+        bits = self.engine.action_bits
+        names = list(action_names) if action_names is not None else [t for t in tasks if t != "next"]
+        if bits and len(names) != bits:
+            raise ValueError(f"the model reads {bits} action bits; {len(names)} action names were given ({names})")
+        self.action_names = names if bits else []
+        context = getattr(model, "context", None)
+        self.user_fields: list[str] = list(context.sizes) if context is not None else []
+        self._vocab: dict[str, dict[str, int]] = {}
+        if self.user_fields:
+            if user_vocab is None:
+                raise ValueError("the model reads user context: its user features' vocabularies are needed "
+                                 "(load_user_vocab of the artefact)")
+            for f in self.user_fields:
+                tokens = user_vocab.get(f)
+                if tokens is None or len(tokens) != context.sizes[f]:
+                    raise ValueError(f"user feature {f!r}: the vocabulary does not match the model's "
+                                     f"{context.sizes[f]} values")
+                self._vocab[f] = {str(t): i + 1 for i, t in enumerate(tokens)}
         # On CUDA an eviction's device-to-host copy runs on a side stream, so the event loop never blocks on it.
         copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         to_host = (lambda kv: kv.to_host_async(copy_stream)) if copy_stream is not None else (lambda kv: kv.to("cpu"))
@@ -170,7 +202,8 @@ class RankerService:
         self.arena = (KVArena.from_budget(self.engine.model, cfg.device_cache_bytes, backend=self.engine.backend)
                       if use_arena else None)
         self.cache = TieredKVCache(cfg.device_cache_bytes, cfg.dram_cache_bytes, cfg.dram_ttl_s, to_host=to_host,
-                                   to_device=self._to_device if device.type != "cpu" else None, arena=self.arena)
+                                   to_device=self._to_device if device.type != "cpu" else None, arena=self.arena,
+                                   head=self.engine.head)
         self.metrics = _Metrics(self)
         self.scheduler = ComputeScheduler(self.engine, max_batch=cfg.max_batch,
                                           on_batch=self.metrics.batch.observe, max_queue=cfg.max_queue,
@@ -196,10 +229,52 @@ class RankerService:
     def _on_compute(self, kind: str, seconds: float) -> None:
         self.metrics.compute_seconds.labels(kind).inc(seconds)
 
-    async def _base(self, user: str, items: np.ndarray, ts: np.ndarray) -> PrefixKV | None:
+    # -- request inputs beyond items and times -----------------------------------------------------
+    def _event_actions(self, name: str, events: Events) -> np.ndarray | None:
+        """The events' action bits for a model that reads them (None otherwise: a client may send them to
+        any model); a missing list or a bit the model does not know is a 422 naming it."""
+        bits = self.engine.action_bits
+        if not bits:
+            return None
+        if events.actions is None:
+            if not events.items:
+                return np.zeros(0, dtype=np.int64)
+            raise RequestError(422, f"{name}.actions: this model reads each event's actions (bits: "
+                                    f"{_bits(self.action_names)}); the request has none")
+        a = np.asarray(events.actions, dtype=np.int64)
+        beyond = np.flatnonzero(a >> bits)
+        if len(beyond):
+            i = int(beyond[0])
+            raise RequestError(422, f"{name}.actions[{i}]: {a[i]} sets a bit beyond this model's actions "
+                                    f"({_bits(self.action_names)})")
+        return a
+
+    def _user_context(self, user_features: dict[str, list[str]] | None) -> tuple[np.ndarray | None, bytes | None]:
+        """([C, W] value ids, the prefix-version key) for a model with user context; (None, None) otherwise. A
+        field the model does not read is a 422; a value it never saw counts as no value (as in training, where
+        a user without a value has none)."""
+        if not self.user_fields:
+            return None, None
+        given = user_features or {}
+        unknown = sorted(set(given) - set(self.user_fields))
+        if unknown:
+            raise RequestError(422, f"user_features: {unknown[0]!r} is not a field this model reads "
+                                    f"({', '.join(self.user_fields)})")
+        rows = []
+        for f in self.user_fields:
+            ids = {self._vocab[f].get(v, 0) for v in given.get(f, [])}
+            self.metrics.unknown_values.inc(sum(1 for v in given.get(f, []) if v not in self._vocab[f]))
+            rows.append(sorted(ids - {0}))
+        ctx = np.zeros((len(rows), max([1] + [len(r) for r in rows])), dtype=np.int64)
+        for c, r in enumerate(rows):
+            ctx[c, :len(r)] = r
+        return ctx, context_key(given, self.user_fields)
+
+    async def _base(self, user: str, items: np.ndarray, ts: np.ndarray, actions: np.ndarray | None = None,
+                    context: bytes | None = None) -> PrefixKV | None:
         """The user's cached older prefix when it is a prefix of ``items``/``ts`` (promoted to the device if it
         was in DRAM), for an incremental prefill; None otherwise. Not a rank lookup: no hit/miss counted."""
-        old = self.cache.extendable(user, items, ts)
+        old = self.cache.extendable(user, items, ts, actions, context)
         if old is None:
             return None
         kv, _ = await self.cache.lookup(user, old, count=False)
@@ -236,9 +311,11 @@ class RankerService:
         n = prefix_len + s
         items = rng.integers(1, self.num_items + 1, n)
         ts = 1_600_000_000 + np.cumsum(rng.integers(1, 3600, n))
+        acts = rng.integers(0, 1 << self.engine.action_bits, n) if self.engine.action_bits else None
         cands = rng.integers(1, self.num_items + 1, min(cfg.profile_candidates, cfg.max_candidates))
         return self.engine.canonical(items[:prefix_len], ts[:prefix_len], items[prefix_len:], ts[prefix_len:],
-                                     cands, int(ts[-1]) + 1)
+                                     cands, int(ts[-1]) + 1, acts[:prefix_len] if acts is not None else None,
+                                     acts[prefix_len:] if acts is not None else None)
 
     def _measure_profile(self) -> Profile:
         """Times full ranking, prefill and cached ranking at doubling prefix lengths (warms up too)."""
@@ -264,7 +341,7 @@ class RankerService:
             reps: dict[str, list[float]] = {"full": [], "prefill": [], "cached": []}
             for _ in range(3):  # medians: one stall of a shared machine must not skew the model
                 t0, _, t1 = timed(lambda item=item: eng.rank_full([item]))
-                t2, kv, t3 = timed(lambda item=item: eng.prefill(item.long_items, item.long_ts))
+                t2, kv, t3 = timed(lambda item=item: eng.prefill_tokens(eng.item_tokens(item)))
                 t4, _, t5 = timed(lambda kv=kv, item=item: eng.rank_cached([kv], [item]))
                 reps["full"].append(t1 - t0)
                 reps["prefill"].append(t3 - t2)
@@ -278,14 +355,17 @@ class RankerService:
         return Profile(replica=self.replica_id, max_len=eng.max_len, max_suffix=eng.max_suffix,
                        max_candidates=cfg.max_candidates, candidates=cfg.profile_candidates, lengths=out_l,
                        full_ms=full, cached_ms=cached, prefill_ms=prefill,
-                       kv_bytes_per_token=eng.kv_bytes_per_token, tasks=self.tasks, num_items=self.num_items)
+                       kv_bytes_per_token=eng.kv_bytes_per_token, tasks=self.tasks, num_items=self.num_items,
+                       action_names=self.action_names, user_fields=self.user_fields)
 
     # -- prefill ------------------------------------------------------------------------------------
-    async def _compute_prefix(self, user: str, version: str, items: np.ndarray,
-                              ts: np.ndarray) -> tuple[PrefixKV, float, int]:
+    async def _compute_prefix(self, user: str, version: str, items: np.ndarray, ts: np.ndarray,
+                              actions: np.ndarray | None, context: np.ndarray | None,
+                              context_key: bytes | None) -> tuple[PrefixKV, float, int]:
         key = (user, version)
-        base = await self._base(user, items, ts)
-        fut = self.scheduler.submit_prefill(items, ts, base)
+        base = await self._base(user, items, ts, actions, context_key)
+        fut = self.scheduler.submit_prefill(None, None, base,
+                                            prefix=self.engine.prefix_tokens(items, ts, actions, context))
         self._inflight_jobs[key] = fut
         try:
             kv, timing = await fut
@@ -295,12 +375,15 @@ class RankerService:
         self.metrics.prefill_seconds.observe(timing.compute_ms / 1e3)
         self.cache.put(user, version, kv)
         self._prefills_computed += 1
-        return kv, timing.compute_ms, 0 if base is None else base.length
+        return kv, timing.compute_ms, 0 if base is None else base.length - self.engine.head
 
     async def prefill(self, req: PrefillRequest) -> PrefillResponse:
         _check_items("long_term.items", req.long_term.items, self.num_items)
+        actions = self._event_actions("long_term", req.long_term)
+        context, ckey = self._user_context(req.user_features)
         items, ts = self.engine.truncate_prefix(req.long_term.items, req.long_term.timestamps)
-        version = prefix_hash(items, ts)
+        actions = self.engine.truncate_actions(actions, len(req.long_term.items))
+        version = prefix_hash(items, ts, actions, ckey)
         user = req.user_id
         key = (user, version)
         compute_ms, reused = 0.0, 0
@@ -313,7 +396,8 @@ class RankerService:
             status = "joined"
             if task is None:
                 status = "computed"
-                task = asyncio.get_running_loop().create_task(self._compute_prefix(user, version, items, ts))
+                task = asyncio.get_running_loop().create_task(
+                    self._compute_prefix(user, version, items, ts, actions, context, ckey))
                 self._inflight[key] = task
                 task.add_done_callback(lambda _t, key=key: self._inflight.pop(key, None))
                 await asyncio.sleep(0)  # let it submit: a full prefill queue is answered now (503)
@@ -335,11 +419,14 @@ class RankerService:
             _check_items(name, items, self.num_items)
         t0 = time.perf_counter()
         eng = self.engine
+        context, ckey = self._user_context(req.user_features)
         item = eng.canonical(req.long_term.items, req.long_term.timestamps, req.short_term.items,
-                             req.short_term.timestamps, req.candidates, req.request_ts())
+                             req.short_term.timestamps, req.candidates, req.request_ts(),
+                             self._event_actions("long_term", req.long_term),
+                             self._event_actions("short_term", req.short_term), context)
         truncated = (len(req.long_term.items) - len(item.long_items)
                      + len(req.short_term.items) - len(item.short_items))
-        version = prefix_hash(item.long_items, item.long_ts)
+        version = prefix_hash(item.long_items, item.long_ts, item.long_actions, ckey)
         kv, tier, joined = None, None, False
         if len(item.long_items):
             kv, tier = await self.cache.lookup(req.user_id, version)
@@ -366,7 +453,7 @@ class RankerService:
         self._joined += joined
         timing: Timing
         base = None if kv is not None or not len(item.long_items) else await self._base(
-            req.user_id, item.long_items, item.long_ts)
+            req.user_id, item.long_items, item.long_ts, item.long_actions, ckey)
         if kv is not None:
             logits, timing = await self.scheduler.rank_cached(kv, item, deadline)
         elif base is not None:
@@ -383,7 +470,7 @@ class RankerService:
                             scores=logits.cpu().tolist(), cache=cache, prefix_hash=version,
                             prefix_len=len(item.long_items), short_len=len(item.short_items), truncated=truncated,
                             queue_ms=timing.queue_ms, compute_ms=timing.compute_ms,
-                            reused_len=0 if base is None else base.length)
+                            reused_len=0 if base is None else base.length - eng.head)
 
     def stats(self) -> CacheStatsModel:
         s = self.cache.stats

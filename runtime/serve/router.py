@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import numpy as np
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -68,7 +69,7 @@ from grstack.runtime.serve.placement import (
     Replica,
     StoreUnavailable,
 )
-from grstack.runtime.serve.prefix import prefix_hash, truncate_prefix
+from grstack.runtime.serve.prefix import context_key, prefix_hash, truncate_prefix
 from grstack.runtime.serve.ring import HashRing
 from grstack.runtime.serve.schemas import (
     MAX_BODY_BYTES,
@@ -765,7 +766,13 @@ class Router:
                                          prefix_len=len(req.long_term.items), predicted_full_ms=0.0)
         max_prefix = self.profile.max_len - self.profile.max_suffix
         items, ts = truncate_prefix(req.long_term.items, req.long_term.timestamps, max_prefix)
-        version = prefix_hash(items, ts)
+        actions = None
+        if self.profile.action_names:  # the rankers' model reads actions: they are part of the prefix's version
+            if req.long_term.actions is None:
+                raise RequestError(422, "long_term.actions: the served model reads each event's actions ("
+                                        f"{', '.join(self.profile.action_names)}); the request has none")
+            actions = np.asarray(req.long_term.actions, dtype=np.int64)[-max_prefix:]
+        version = prefix_hash(items, ts, actions, context_key(req.user_features, self.profile.user_fields))
         order, kind = self.route(user)
         replica = order[0] if order else None
         decision = self.trigger.decide(user, version, len(items), replica)

@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from grstack.runtime.serve.engine import PrefixKV, RankItem, RelayEngine
+from grstack.runtime.serve.engine import PrefixKV, PrefixTokens, RankItem, RelayEngine
 
 COMPUTE_KINDS = ("prefill", "rank_cached", "rank_full")
 
@@ -75,13 +75,12 @@ class Timing:
 
 @dataclass
 class _Job:
-    """A prefill (``item`` None) or a rank miss: ``items``/``ts`` is the whole prefix, ``kv`` what is computed
-    of it so far (starting from the base, ``base_len`` tokens)."""
+    """A prefill (``item`` None) or a rank miss: ``prefix`` is the whole prefix's token stream, ``kv`` what is
+    computed of it so far (starting from the base, ``base_len`` tokens)."""
 
     future: asyncio.Future[tuple[Any, Timing]]
     enqueued: float
-    items: np.ndarray
-    ts: np.ndarray
+    prefix: PrefixTokens
     kv: PrefixKV
     base_len: int = 0
     item: RankItem | None = None
@@ -92,15 +91,15 @@ class _Job:
 
     @property
     def tokens(self) -> int:
-        return len(self.items)
+        return len(self.prefix)
 
     @property
     def remaining(self) -> int:
-        return len(self.items) - self.kv.length
+        return len(self.prefix) - self.kv.length
 
-    def next_chunk(self, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+    def next_chunk(self, chunk: int) -> PrefixTokens:
         p = self.kv.length
-        return self.items[p:p + chunk], self.ts[p:p + chunk]
+        return self.prefix.slice(p, p + chunk)
 
 
 @dataclass
@@ -179,20 +178,20 @@ class ComputeScheduler:
         if not fut.done():
             fut.set_exception(DeadlineExceeded("deadline passed while queued; dropped before compute"))
 
-    def _job(self, items: Any, ts: Any, base: PrefixKV | None, item: RankItem | None = None,
+    def _job(self, prefix: PrefixTokens, base: PrefixKV | None, item: RankItem | None = None,
              deadline: float | None = None) -> _Job:
-        items, ts = np.asarray(items, dtype=np.int64), np.asarray(ts, dtype=np.int64)
         if base is not None and not base.live:  # its arena range was freed: compute from scratch
             base = None
         kv = base if base is not None else self.engine.empty_prefix()
-        if kv.length > len(items):
-            raise ValueError(f"the base prefix ({kv.length} tokens) is longer than the prefix ({len(items)})")
+        n = len(prefix)
+        if kv.length > n:
+            raise ValueError(f"the base prefix ({kv.length} tokens) is longer than the prefix ({n})")
         fut = asyncio.get_running_loop().create_future()
-        job = _Job(fut, self.clock(), items, ts, kv, kv.length, item, deadline)
-        short = item is not None and base is None and len(items) <= self.engine.chunk  # ranked by full inference
+        job = _Job(fut, self.clock(), prefix, kv, kv.length, item, deadline)
+        short = item is not None and base is None and n <= self.engine.chunk  # ranked by full inference
         room = None
-        if self.reserve is not None and not short and len(items):
-            room = self.reserve(len(items), base, evict=item is None or base is not None)
+        if self.reserve is not None and not short and n:
+            room = self.reserve(n, base, evict=item is None or base is not None)
         if room is not None:
             job.kv, job.reserved = room, True
         if job.kv.pin():
@@ -236,25 +235,29 @@ class ComputeScheduler:
     async def _submit_miss(self, item: RankItem, base: PrefixKV | None,
                            deadline: float | None) -> tuple[tuple[torch.Tensor, PrefixKV | None], Timing]:
         self._admit_rank()
-        job = self._job(item.long_items, item.long_ts, base, item, deadline)
+        job = self._job(self.engine.item_tokens(item), base, item, deadline)
         self._misses.append(job)
         self._wake.set()
         return await job.future
 
-    def submit_prefill(self, items: Any, ts: Any,
-                       base: PrefixKV | None = None) -> asyncio.Future[tuple[PrefixKV, Timing]]:
-        """Queues a prefill of the prefix ``items``/``ts`` (continuing ``base``, the K/V of its first
-        ``base.length`` tokens, when given) and returns its future (a handle for :meth:`boost`)."""
+    def submit_prefill(self, items: Any, ts: Any, base: PrefixKV | None = None,
+                       prefix: PrefixTokens | None = None) -> asyncio.Future[tuple[PrefixKV, Timing]]:
+        """Queues a prefill of the prefix ``items``/``ts`` (or of the token stream ``prefix``, for a model
+        that reads actions or user context: :meth:`RelayEngine.prefix_tokens`), continuing ``base`` (the K/V
+        of its first ``base.length`` tokens) when given, and returns its future (a handle for :meth:`boost`)."""
         depth = len(self._prefills)
         if self.max_prefill_queue is not None and depth >= self.max_prefill_queue:
             raise QueueFull("prefill", depth, self.retry_after_s)
-        job = self._job(items, ts, base)
+        if prefix is None:
+            prefix = self.engine.prefix_tokens(np.asarray(items, dtype=np.int64), np.asarray(ts, dtype=np.int64))
+        job = self._job(prefix, base)
         self._prefills.append(job)
         self._wake.set()
         return job.future
 
-    async def prefill(self, items: Any, ts: Any, base: PrefixKV | None = None) -> tuple[PrefixKV, Timing]:
-        return await self.submit_prefill(items, ts, base)
+    async def prefill(self, items: Any, ts: Any, base: PrefixKV | None = None,
+                      prefix: PrefixTokens | None = None) -> tuple[PrefixKV, Timing]:
+        return await self.submit_prefill(items, ts, base, prefix)
 
     def boost(self, fut: asyncio.Future[Any]) -> bool:
         """A rank waits on this prefill: it moves from the prefill queue to the rank queue (behind the
@@ -405,7 +408,8 @@ class ComputeScheduler:
         misses whose prefix is complete. Returns the new prefixes, logits, and the two parts' seconds."""
         t0 = time.perf_counter()
         chunks = [j.next_chunk(self.engine.chunk) for j in jobs]
-        kvs = self.engine.extend_many([j.kv for j in jobs], [c[0] for c in chunks], [c[1] for c in chunks])
+        kvs = self.engine.extend_many([j.kv for j in jobs], [c.items for c in chunks], [c.ts for c in chunks],
+                                      [c.actions for c in chunks], [c.context for c in chunks])
         t1 = time.perf_counter()
         done = [b for b, j in enumerate(jobs) if j.item is not None and kvs[b].length == j.tokens]
         logits: list[torch.Tensor | None] = [None] * len(jobs)

@@ -18,6 +18,17 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 ItemId = Annotated[int, Field(strict=True, ge=1, le=2**62)]
 Timestamp = Annotated[int, Field(strict=True, ge=0, le=2**62)]
 UserId = Annotated[str, Field(strict=True, min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:@-]+$")]
+ActionBits = Annotated[int, Field(strict=True, ge=0, le=2**62)]
+FeatureName = Annotated[str, Field(strict=True, min_length=1, max_length=128)]
+FeatureValue = Annotated[str, Field(strict=True, max_length=256)]
+MAX_USER_FIELDS = 64
+MAX_FIELD_VALUES = 256
+UserFeatures = Annotated[dict[FeatureName, Annotated[list[FeatureValue], Field(max_length=MAX_FIELD_VALUES)]],
+                         Field(max_length=MAX_USER_FIELDS, description=(
+                             "the user's attribute values by field (raw tokens as in the training data, e.g. "
+                             '{"age": ["25"], "gender": ["M"]}), for a model trained with user context '
+                             "(data.user_features); a field left out or a value the model never saw counts as "
+                             "no value"))]
 
 
 class _Model(BaseModel):
@@ -25,16 +36,23 @@ class _Model(BaseModel):
 
 
 class Events(_Model):
-    """A time-ordered behaviour sequence: item ids and their timestamps (seconds), equally long."""
+    """A time-ordered behaviour sequence: item ids and their timestamps (seconds), equally long; with
+    ``actions``, each event's action bits too (what the user did with the item: the model's action names in
+    bit order, e.g. click = 1, like = 2, long_view = 4), which a model trained with model.action_inputs
+    requires and other models ignore."""
 
     items: list[ItemId] = Field(default_factory=list, max_length=MAX_EVENTS)
     timestamps: list[Timestamp] = Field(default_factory=list, max_length=MAX_EVENTS)
+    actions: list[ActionBits] | None = Field(None, max_length=MAX_EVENTS)
 
     @model_validator(mode="after")
     def _same_length(self) -> Events:
         if len(self.items) != len(self.timestamps):
             raise ValueError(f"items ({len(self.items)}) and timestamps ({len(self.timestamps)}) must have the "
                              f"same length")
+        if self.actions is not None and len(self.actions) != len(self.items):
+            raise ValueError(f"actions ({len(self.actions)}) and items ({len(self.items)}) must have the same "
+                             f"length")
         return self
 
 
@@ -43,6 +61,7 @@ class PrefillRequest(_Model):
 
     user_id: UserId
     long_term: Events
+    user_features: UserFeatures | None = None
     wait: StrictBool = Field(False, description="router: answer after the ranker finished the prefill")
 
     @model_validator(mode="after")
@@ -60,6 +79,7 @@ class RankRequest(_Model):
     short_term: Events = Field(default_factory=Events)
     candidates: list[ItemId] = Field(min_length=1, max_length=MAX_CANDIDATES)
     timestamp: Timestamp | None = Field(None, description="request time (default: the last event's)")
+    user_features: UserFeatures | None = None
 
     @model_validator(mode="after")
     def _has_history(self) -> RankRequest:
@@ -137,6 +157,10 @@ class Profile(_Model):
     kv_bytes_per_token: int
     tasks: list[str]
     num_items: int
+    action_names: list[str] = Field(default_factory=list, description="the action bits the model reads from "
+                                    "each event (model.action_inputs); empty: it reads none")
+    user_fields: list[str] = Field(default_factory=list, description="the user-feature fields the model reads "
+                                   "(its contextual tokens); empty: none")
 
 
 class CacheStatsModel(_Model):

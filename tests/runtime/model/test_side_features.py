@@ -12,7 +12,14 @@ from grstack.runtime.data.candidates import append_candidates
 from grstack.runtime.data.features import FeatureField, Features
 from grstack.runtime.data.jagged import JaggedBatch
 from grstack.runtime.errors import UserError
-from grstack.runtime.model import ItemFeatureMap, build_model, export_model, item_feature_map, load_exported
+from grstack.runtime.model import (
+    ItemFeatureMap,
+    build_model,
+    export_model,
+    item_feature_map,
+    load_exported,
+    task_names,
+)
 from grstack.runtime.training_config import Config, DataConfig, ModelConfig
 
 pytestmark = pytest.mark.unit
@@ -172,8 +179,8 @@ def test_contextual_tokens_head_each_sequence_and_reach_only_their_own():
     torch.testing.assert_close(out[seq != 1], other[seq != 1])
 
 
-def test_models_with_user_context_or_actions_are_refused_by_serving_with_the_reason(tmp_path):
-    from grstack.runtime.serve.artifact import load_ranking_model
+def test_an_exported_model_with_user_context_serves_with_its_vocabulary(tmp_path):
+    from grstack.runtime.serve.artifact import load_serving_model
 
     ds = with_user_context(cyclic_dataset(num_users=10, num_items=12))
     cfg = Config.model_validate({"data": {"format": "parquet", "source": str(tmp_path), "user_features": ["cohort"]},
@@ -183,8 +190,9 @@ def test_models_with_user_context_or_actions_are_refused_by_serving_with_the_rea
     export_model(model, cfg, ds, tmp_path / "model.pt")
     loaded, _, _ = load_exported(tmp_path / "model.pt")
     assert loaded.context.sizes == {"cohort": 3}
-    with pytest.raises(UserError, match=r"reads user context \(data.user_features\) or actions"):
-        load_ranking_model(tmp_path / "model.pt")
+    served, tasks, vocab = load_serving_model(tmp_path / "model.pt")
+    assert served.context.sizes == {"cohort": 3} and tasks == task_names(ds)
+    assert vocab == {"cohort": [str(t) for t in ds.user_features.fields[0].vocab]} and len(vocab["cohort"]) == 3
 
 
 def test_action_inputs_need_actions_and_user_context_needs_whole_reads(tmp_path):

@@ -30,9 +30,9 @@ def counting(eng: RelayEngine) -> list[int]:
     calls: list[int] = []
     orig = eng.extend_many
 
-    def wrapped(prefixes, items, ts):
+    def wrapped(prefixes, items, ts, *rest):
         calls.append(sum(1 for x in items if len(x)))
-        return orig(prefixes, items, ts)
+        return orig(prefixes, items, ts, *rest)
 
     eng.extend_many = wrapped  # type: ignore[method-assign]
     return calls
