@@ -369,6 +369,11 @@ class SequenceAwareTrigger:
             return "load-budget"
         return None
 
+    def live_version(self, user: str) -> str | None:
+        """The prefix version of ``user`` this trigger admitted and still counts as cached, if any."""
+        live = self._live.get(user)
+        return live[0] if live is not None else None
+
     def decide(self, user: str, version: str, prefix_len: int, replica: str | None = None) -> Decision:
         """Admit a signal for ``user``'s prefix going to ``replica`` (None: no replica known, router-wide)."""
         now = self.clock()

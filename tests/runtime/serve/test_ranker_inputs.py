@@ -45,10 +45,10 @@ def body(user: str, seed: int = 1, n_long: int = 20, n_short: int = 4, feats: di
             "user_features": feats if feats is not None else {"age": ["25"], "tags": ["c", "a"]}}
 
 
-@pytest.fixture
-async def ranker():
-    service = RankerService(make_model(), ["next", "click", "like"], RankerConfig(max_suffix=8, chunk=8),
-                            user_vocab=VOCAB)
+@pytest.fixture(params=[False, True], ids=["tensors", "kv-arena"])
+async def ranker(request):
+    cfg = RankerConfig(max_suffix=8, chunk=8, kv_arena=request.param, device_cache_bytes=1 << 20)
+    service = RankerService(make_model(), ["next", "click", "like"], cfg, user_vocab=VOCAB)
     runner, url = await start_ranker(service)
     async with aiohttp.ClientSession() as session:
         yield SimpleNamespace(service=service, url=url, http=session)
@@ -133,3 +133,33 @@ async def test_what_the_model_cannot_read_is_a_422(ranker: SimpleNamespace, chan
     status, err = await post(ranker, "/v1/rank", b)
     assert status == 422 and says in err["error"]
     assert ranker.service.stats().ranks == 0
+
+
+async def test_through_the_router_the_signal_and_the_rank_agree_on_the_version() -> None:
+    """The router versions a signal's prefix as the ranker does (actions and user features included), so the
+    trigger's book-keeping follows the prefix the ranker caches; a signal without actions is refused there."""
+    from grstack.runtime.serve.router import Router, RouterConfig, start_router
+    from grstack.runtime.serve.trigger import TriggerConfig
+
+    service = RankerService(make_model(), ["next", "click", "like"], RankerConfig(max_suffix=8, chunk=8),
+                            user_vocab=VOCAB)
+    ranker_runner, ranker_url = await start_ranker(service)
+    router = Router(RouterConfig(rankers=(ranker_url,), trigger=TriggerConfig(length_threshold=4),
+                                 health_interval_s=0.3, startup_timeout_s=30))
+    runner, url = await start_router(router)
+    try:
+        async with aiohttp.ClientSession() as http:
+            r = SimpleNamespace(url=url, http=http)
+            b = body("frank", seed=5)
+            signal = {k: b[k] for k in ("user_id", "long_term", "user_features")}
+            status, pre = await post(r, "/v1/prefill", {**signal, "wait": True})
+            assert status == 200 and pre["admitted"] and pre["ranker"]["status"] == "computed"
+            assert router.trigger.live_version("frank") == pre["ranker"]["prefix_hash"]
+            status, hit = await post(r, "/v1/rank", b)
+            assert status == 200 and hit["cache"] == "device" and hit["prefix_hash"] == pre["ranker"]["prefix_hash"]
+            no_actions = {**signal, "long_term": {k: v for k, v in b["long_term"].items() if k != "actions"}}
+            status, err = await post(r, "/v1/prefill", no_actions)
+            assert status == 422 and "long_term.actions: the served model reads each event's actions" in err["error"]
+    finally:
+        await runner.cleanup()
+        await ranker_runner.cleanup()
