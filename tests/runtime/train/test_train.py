@@ -219,3 +219,48 @@ def test_ranking_on_logged_exposures_end_to_end(tmp_path, capsys):
     assert all_tasks == ["next", "click"] and tasks == ["click"] and served.num_tasks == 1
     out, ids = torch.randn(5, full.d_model), torch.arange(1, 6)
     torch.testing.assert_close(served.rank_logits(out, ids), full.rank_logits(out, ids)[:, 1:])
+
+
+async def test_a_trained_model_with_actions_and_user_context_is_served_exactly(tmp_path):
+    """Trained with model.action_inputs and data.user_features, exported, loaded by the ranker with its
+    user-feature vocabulary: a request carrying raw feature tokens and action bits is ranked from the cached
+    prefix exactly as by full inference."""
+    import aiohttp
+    import numpy as np
+    from grstack_testing import cyclic_dataset, with_user_context
+
+    from grstack.runtime.data.dataset import write_dataset
+    from grstack.runtime.serve import load_serving_model
+    from grstack.runtime.serve.ranker import RankerConfig, RankerService, start_ranker
+
+    data = write_dataset(with_user_context(cyclic_dataset()), tmp_path / "acted")
+    run = tmp_path / "run"
+    assert main(["train", "--config", str(CONFIG), "--out", str(run), "--no-progress",
+                 *set_args([*tiny_config_args(data), "loss.ranking_on=exposures", "train.epochs=1",
+                            'data.user_features=["tags", "cohort"]', "model.action_inputs=true"])]) == 0
+    model, tasks, vocab = load_serving_model(run / "model.pt")
+    assert set(vocab) == {"tags", "cohort"} and tasks == ["click"]
+    service = RankerService(model, tasks, RankerConfig(max_suffix=4, chunk=4), user_vocab=vocab)
+    runner, url = await start_ranker(service)
+    rng = np.random.default_rng(0)
+    items = rng.integers(1, model.num_items + 1, 14).tolist()
+    ts = list(range(100, 114))
+    acts = rng.integers(0, 2, 14).tolist()
+    body = {"user_id": "u1", "long_term": {"items": items[:10], "timestamps": ts[:10], "actions": acts[:10]},
+            "short_term": {"items": items[10:], "timestamps": ts[10:], "actions": acts[10:]},
+            "candidates": [1, 2, 3], "timestamp": 120,
+            "user_features": {"tags": [vocab["tags"][0]], "cohort": [vocab["cohort"][-1]]}}
+    try:
+        async with aiohttp.ClientSession() as http:
+            async def post(path: str, payload: dict) -> dict:
+                async with http.post(url + path, json=payload) as resp:
+                    assert resp.status == 200, await resp.text()
+                    return await resp.json()
+
+            miss = await post("/v1/rank", {**body, "user_id": "u2"})
+            await post("/v1/prefill", {k: body[k] for k in ("user_id", "long_term", "user_features")})
+            hit = await post("/v1/rank", body)
+    finally:
+        await runner.cleanup()
+    assert miss["cache"] == "miss" and hit["cache"] == "device" and hit["tasks"] == ["click"]
+    assert np.abs(np.array(hit["scores"]) - np.array(miss["scores"])).max() <= 1e-5
