@@ -775,12 +775,13 @@ class Router:
         version = prefix_hash(items, ts, actions, context_key(req.user_features, self.profile.user_fields))
         order, kind = self.route(user)
         replica = order[0] if order else None
-        decision = self.trigger.decide(user, version, len(items), replica)
+        tokens = len(items) + len(self.profile.user_fields)  # the contextual tokens head a prefix too
+        decision = self.trigger.decide(user, version, tokens, replica)
         if decision.reason == "load-budget" and replica is not None and kind != "random":
             # the replica's prefill budget is spent: the prefill goes where the bounded-load ring says
             other = self.ring.choose(user, self.load_view(), self.config.load_factor, exclude=(replica,))
             if other is not None:
-                moved = self.trigger.decide(user, version, len(items), other)
+                moved = self.trigger.decide(user, version, tokens, other)
                 if moved.admitted:
                     decision, replica = moved, other
                     self.metrics.moves.labels("prefill-budget").inc()
@@ -841,7 +842,8 @@ class Router:
             return None
         done = PrefillResponse.model_validate_json(payload)
         if recharge and done.status == "computed" and self.trigger is not None:
-            self.trigger.charge(user, version, done.prefix_len, replica)
+            head = len(self.profile.user_fields) if self.profile is not None else 0
+            self.trigger.charge(user, version, done.prefix_len + head, replica)
             self.metrics.trigger.labels("live-recomputed").inc()
         return done
 
