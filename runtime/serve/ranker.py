@@ -159,7 +159,7 @@ def _check_items(name: str, items: Sequence[int], num_items: int) -> None:
 
 
 class RankerService:
-    """``user_vocab`` (field -> raw tokens of value ids 1, 2, ...: the artefact's, :func:`load_user_vocab`)
+    """``user_vocab`` (field -> raw tokens of value ids 1, 2, ...: the artefact's, as :func:`load_serving_model` returns it)
     maps request user features for a model with user context; ``action_names`` names a model's action-input
     bits (default: the tasks after "next")."""
 
@@ -185,7 +185,7 @@ class RankerService:
         if self.user_fields:
             if user_vocab is None:
                 raise ValueError("the model reads user context: its user features' vocabularies are needed "
-                                 "(load_user_vocab of the artefact)")
+                                 "(load_serving_model returns the artefact's)")
             for f in self.user_fields:
                 tokens = user_vocab.get(f)
                 if tokens is None or len(tokens) != context.sizes[f]:
