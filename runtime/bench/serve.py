@@ -301,7 +301,7 @@ class ModeRun:
 
 
 async def measure_once(m: ModeRun, sweep: str, length: int, qps: float, repeat: int) -> dict[str, Any]:
-    from grstack.runtime.serve import GiveUp, run_open_loop, violations_to_fail
+    from grstack.runtime.serve import GiveUp, frozen_heap, run_open_loop, violations_to_fail
 
     s = m.settings
     trace = s.trace(length, qps, repeat)
@@ -311,9 +311,12 @@ async def measure_once(m: ModeRun, sweep: str, length: int, qps: float, repeat: 
     # it measures what is served and shed, not a pass/fail).
     give_up = None if sweep == "overload" else GiveUp(s.slo_ms, violations_to_fail(planned))
     before = await _ranker_state(m.session, m.ranker_urls)
-    results = await run_open_loop(m.router_url, reqs, timeout_s=s.timeout_s, session=m.session, deadline_ms=s.slo_ms,
-                                  give_up=give_up)
-    await _drain(m.session, m.ranker_urls)
+    # This process is the load generator and the router: the trace just built, the population and every
+    # earlier point's results would make each full collection during the run a 130-140 ms stop of both.
+    with frozen_heap():
+        results = await run_open_loop(m.router_url, reqs, timeout_s=s.timeout_s, session=m.session,
+                                      deadline_ms=s.slo_ms, give_up=give_up)
+        await _drain(m.session, m.ranker_urls)
     after = await _ranker_state(m.session, m.ranker_urls)
     out = {"trace_seed": s.seed + repeat, **summarize(results, s.slo_ms, planned), **state_deltas(before, after),
            "trace": trace.shape}

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from grstack.runtime.serve.artifact import load_ranking_model, load_serving_model, write_untrained_model
     from grstack.runtime.serve.demo import serve_demo
     from grstack.runtime.serve.engine import RelayEngine
+    from grstack.runtime.serve.gc_pauses import frozen_heap
     from grstack.runtime.serve.kv_arena import KVArena
     from grstack.runtime.serve.loadgen import (
         GiveUp,
@@ -40,6 +41,7 @@ _EXPORTS = {
     "write_untrained_model": "grstack.runtime.serve.artifact",
     "serve_demo": "grstack.runtime.serve.demo",
     "RelayEngine": "grstack.runtime.serve.engine",
+    "frozen_heap": "grstack.runtime.serve.gc_pauses",
     "KVArena": "grstack.runtime.serve.kv_arena",
     "GiveUp": "grstack.runtime.serve.loadgen",
     "Request": "grstack.runtime.serve.loadgen",
@@ -62,6 +64,7 @@ __all__ = [
     "Router",
     "RouterConfig",
     "TriggerConfig",
+    "frozen_heap",
     "latency_summary",
     "load_ranking_model",
     "load_serving_model",

@@ -13,6 +13,8 @@ import signal
 import sys
 from typing import Any
 
+from grstack.runtime.serve.gc_pauses import freeze_startup_heap
+
 MB = 1 << 20
 
 
@@ -284,6 +286,7 @@ def run_ranker(args: argparse.Namespace) -> int:
             url = args.advertise_url
         else:
             runner, url = await start_ranker(service, args.host, args.port)
+        freeze_startup_heap()  # this process is the ranker's: its startup heap stays out of later collections
         print(json.dumps({"event": "ready", "url": url, "replica": service.replica_id}), flush=True)
 
         async def stop() -> None:
@@ -313,6 +316,7 @@ def run_router(args: argparse.Namespace) -> int:
             store = EtcdPlacementStore(args.etcd, args.etcd_root, auth=auth)
         router = Router(cfg, store)
         runner, url = await start_router(router, args.host, args.port)
+        freeze_startup_heap()
         print(json.dumps({"event": "ready", "url": url, "replicas": router.up_replicas()}), flush=True)
         await _serve_until_signal(runner.cleanup)
 
@@ -334,6 +338,7 @@ def run_local(args: argparse.Namespace) -> int:
     async def main() -> None:
         cluster = LocalCluster(checkpoint, args.replicas, ranker_flags(args), cfg, host=args.host, port=args.port)
         await cluster.start()
+        freeze_startup_heap()
         print(json.dumps({"event": "ready", "url": cluster.url, "rankers": [r.url for r in cluster.rankers]}),
               flush=True)
         print(f"router at {cluster.url} with {args.replicas} ranker(s); POST /v1/prefill and /v1/rank, API at "

@@ -37,6 +37,7 @@ from torch import nn
 from grstack.runtime.device import synchronize
 from grstack.runtime.serve.cache import TieredKVCache
 from grstack.runtime.serve.engine import PrefixKV, RankItem, RelayEngine, prefix_hash
+from grstack.runtime.serve.gc_pauses import GcPauseMetric
 from grstack.runtime.serve.http import (
     DEADLINE_HEADER,
     MAX_BODY,
@@ -102,6 +103,7 @@ class RankerConfig:
 class _Metrics:
     def __init__(self, service: RankerService) -> None:
         self.registry = r = CollectorRegistry()
+        self.gc_pauses = GcPauseMetric(r, "grstack_ranker")
         self.requests = Counter("grstack_ranker_requests", "HTTP requests", ["endpoint", "status"], registry=r)
         self.latency = Histogram("grstack_ranker_rank_seconds", "rank latency inside the ranker", ["cache"],
                                  buckets=LATENCY_BUCKETS, registry=r)
@@ -303,6 +305,7 @@ class RankerService:
         for task in self._inflight.values():
             task.cancel()
         await self.scheduler.stop()
+        self.metrics.gc_pauses.close()
 
     # -- profile ------------------------------------------------------------------------------------
     def _synthetic(self, prefix_len: int, rng: np.random.Generator) -> RankItem:

@@ -47,6 +47,7 @@ import numpy as np
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from grstack.runtime.serve.gc_pauses import GcPauseMetric
 from grstack.runtime.serve.http import (
     DEADLINE_HEADER,
     MAX_BODY,
@@ -172,6 +173,7 @@ class RetryBudget:
 class _Metrics:
     def __init__(self, router: Router) -> None:
         self.registry = r = CollectorRegistry()
+        self.gc_pauses = GcPauseMetric(r, "grstack_router")
         self.requests = Counter("grstack_router_requests", "HTTP requests", ["endpoint", "status"], registry=r)
         self.latency = Histogram("grstack_router_request_seconds", "request latency through the router, every "
                                  "status", ["route", "outcome"],
@@ -255,6 +257,7 @@ class Router:
         if self._session is not None:
             await self._session.close()
         await self.store.close()
+        self.metrics.gc_pauses.close()
 
     async def _load_profile(self) -> None:
         """Fetches the latency profile from the first ready replica (waits up to startup_timeout_s)."""
