@@ -430,7 +430,7 @@ class RankerService:
         truncated = (len(req.long_term.items) - len(item.long_items)
                      + len(req.short_term.items) - len(item.short_items))
         version = prefix_hash(item.long_items, item.long_ts, item.long_actions, ckey)
-        kv, tier, joined = None, None, False
+        kv, tier, joined, joined_ms = None, None, False, 0.0
         if len(item.long_items):
             kv, tier = await self.cache.lookup(req.user_id, version)
             key = (req.user_id, version)
@@ -441,6 +441,7 @@ class RankerService:
                 if job is not None:
                     self.scheduler.boost(job)
                 timeout = None if deadline is None else max(0.0, deadline - self.scheduler.clock())
+                waited = time.perf_counter()
                 try:
                     kv, _, _ = await asyncio.wait_for(asyncio.shield(task), timeout)
                 except TimeoutError:
@@ -450,6 +451,7 @@ class RankerService:
                     kv = None
                 tier = "device" if kv is not None else None
                 joined = kv is not None
+                joined_ms = (time.perf_counter() - waited) * 1e3
         if kv is not None and not kv.live:  # evicted after its prefill and its arena range freed: a miss
             kv, tier, joined = None, None, False
         self.metrics.lookups.labels("joined" if joined else (tier or "miss")).inc()
@@ -473,7 +475,7 @@ class RankerService:
                             scores=logits.cpu().tolist(), cache=cache, prefix_hash=version,
                             prefix_len=len(item.long_items), short_len=len(item.short_items), truncated=truncated,
                             queue_ms=timing.queue_ms, compute_ms=timing.compute_ms,
-                            reused_len=0 if base is None else base.length - eng.head)
+                            reused_len=0 if base is None else base.length - eng.head, joined_ms=joined_ms)
 
     def stats(self) -> CacheStatsModel:
         s = self.cache.stats

@@ -120,6 +120,8 @@ class RankResponse(_Model):
     compute_ms: float
     reused_len: int = Field(0, description="a miss: prefix tokens reused from the user's cached older prefix "
                                            "(only the newer ones were computed, and the new prefix is cached)")
+    joined_ms: float = Field(0.0, description="time this rank waited for its prefix's in-flight prefill (it "
+                                              "joined that prefill instead of recomputing; cache is then device)")
 
 
 class RouterPrefillResponse(_Model):

@@ -176,6 +176,7 @@ async def test_rank_joins_the_in_flight_prefill_instead_of_recomputing(make) -> 
     (ps, pb, _), (rs, rb, _) = await asyncio.gather(pre, rank)
     assert ps == 200 and pb["status"] == "computed"
     assert rs == 200 and rb["cache"] == "device"
+    assert rb["joined_ms"] >= 300  # it waited for the held prefill, and says so
     assert calls["extend"] == 4 and calls["rank_full"] == 0 and calls["rank_cached"] == 1  # one prefill only
     text = await (await http.get(r.url + "/metrics")).text()
     assert 'grstack_ranker_cache_lookups_total{result="joined"} 1.0' in text
@@ -190,7 +191,8 @@ async def test_hit_rate_counts_rank_lookups_only_and_histograms(make) -> None:
     assert (await post(http, r.url + "/v1/prefill", pre))[1]["status"] == "cached"  # a signal, not a hit
     stats = await (await http.get(r.url + "/v1/stats")).json()
     assert stats["device_hits"] == 0 and stats["dram_hits"] == 0 and stats["misses"] == 0
-    assert (await post(http, r.url + "/v1/rank", body))[1]["cache"] == "device"
+    hit = (await post(http, r.url + "/v1/rank", body))[1]
+    assert hit["cache"] == "device" and hit["joined_ms"] == 0  # cached before the rank came: nothing joined
     assert (await post(http, r.url + "/v1/rank", {**body, "user_id": "other"}))[1]["cache"] == "miss"
     stats = await (await http.get(r.url + "/v1/stats")).json()
     assert stats["device_hits"] == 1 and stats["misses"] == 1

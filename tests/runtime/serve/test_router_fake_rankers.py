@@ -34,18 +34,20 @@ class FakeRanker:
         self.prefill_status = "computed"
         self.report_compute = True  # False: a ranker that reports no compute_ms_total (today's rankers)
         self.accumulate = True  # prefills received stay in the reported prefill backlog
-        self.queued = 0
+        self.queued = 0  # ranks waiting (reported as queued cached ranks)
+        self.queued_prefills = 0  # prefills waiting besides the received ones, when ``accumulate``
         self.prefills: list[dict] = []
         self.ranks: list[dict[str, str]] = []  # headers of each rank received
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {"replica": self.url, "device_hits": 0, "dram_hits": 0, "misses": 0, "promotions": 0,
                                "device_bytes": 0, "dram_bytes": 0, "device_entries": 0, "dram_entries": 0,
-                               "prefills_computed": 0, "ranks": len(self.ranks), "queued": self.queued}
+                               "prefills_computed": 0, "ranks": len(self.ranks),
+                               "queued": self.queued + self.queued_prefills}  # every queue, as a ranker reports
         if self.report_compute:
             backlog = len(self.prefills) if self.accumulate else 0
             out.update(compute_ms_total={"prefill": 0.0, "rank_cached": 0.0, "rank_full": 0.0},
-                       queue_depth={"hits": 0, "misses": 0, "prefills": backlog},
+                       queue_depth={"hits": self.queued, "misses": 0, "prefills": backlog + self.queued_prefills},
                        prefill_backlog_tokens=sum(len(p["long_term"]["items"]) for p in self.prefills[:backlog]))
         return out
 
@@ -226,6 +228,22 @@ async def test_a_placed_user_moves_off_a_replica_over_its_load_cap() -> None:
         await s.poll()
         status, out, headers = await post(s.http, s.urls[0] + "/v1/rank", rank_body(user, 2))
         assert out["replica"] == b.url and headers["X-Grstack-Route"] == "affinity"  # it stays where it moved
+
+
+async def test_queued_prefills_do_not_move_a_user_off_its_prefix() -> None:
+    """Prefills are background work: a long prefill queue on the placed replica is no reason to send the rank to
+    a replica that would have to compute the whole prefix."""
+    async with Setup(2, overload_min_load=4) as s:
+        a, _ = s.fakes
+        user = s.user_first_on(a)
+        await s.poll()
+        status, pre, _ = await post(s.http, s.urls[0] + "/v1/prefill", prefill_body(user, 1))
+        assert status == 200 and pre["replica"] == a.url
+        a.queued_prefills = 40
+        await s.poll()
+        assert s.routers[0].load_view()[a.url] == 0
+        status, out, headers = await post(s.http, s.urls[0] + "/v1/rank", rank_body(user, 1))
+        assert status == 200 and out["replica"] == a.url and headers["X-Grstack-Route"] == "affinity"
 
 
 async def test_a_prefill_moves_when_its_replicas_budget_is_spent() -> None:
