@@ -23,10 +23,9 @@ Load reports: every ``load_poll_interval_s`` the router reads each up ranker's `
 prefill backlog, cumulative compute ms, cache residency and capacity). The trigger turns them into per-ranker
 budgets that hold across routers (see trigger.py); the routing view takes each replica's load as the longer
 of this router's in-flight rank requests and the ranker's reported rank queue (prefills, background work, are
-left out). A placed user whose replica is over its
-load cap (``overload_min_load``, ``load_factor`` x the mean) is routed where the bounded-load ring says
-(``X-Grstack-Route: moved``), and a prefill whose replica's budget is spent is admitted on the ring's next
-choice, placed there through the same placement path.
+left out). A placed user whose replica is over its load cap (``overload_min_load``, ``load_factor`` x the
+mean) is routed where the bounded-load ring says (``X-Grstack-Route: moved``), and a prefill whose replica's
+budget is spent is admitted on the ring's next choice, placed there through the same placement path.
 """
 
 from __future__ import annotations
@@ -208,7 +207,7 @@ class Router:
         self.down: set[str] = set()
         self.inflight: dict[str, int] = {}  # rank requests in flight per replica (the routing load)
         self.inflight_other: dict[str, int] = {}  # prefills and other requests in flight per replica
-        self.queued: dict[str, int] = {}  # replica -> requests queued, as its last /v1/stats reported
+        self.queued: dict[str, int] = {}  # replica -> ranks queued (hits + misses), as its last /v1/stats reported
         self.ejected: dict[str, float] = {}  # replica -> monotonic time its ejection ends
         self._ejections: dict[str, int] = {}
         self._returned: dict[str, float] = {}  # replica -> when its last ejection ended
