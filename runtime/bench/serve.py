@@ -211,10 +211,11 @@ def _delta(before: list[dict[str, Any]], after: list[dict[str, Any]], key: str) 
     return float(sum(a[key] - b[key] for a, b in zip(after, before, strict=True)))
 
 
-def state_deltas(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> dict[str, Any]:
+def state_deltas(before: list[dict[str, Any]], after: list[dict[str, Any]], visits: int) -> dict[str, Any]:
     """Ranker-side counters over a point (all rankers; warm-up included): pre-inference's share of compute,
-    prefill tokens, ranks that joined an in-flight prefill, and the cache bytes at the end."""
-    share = None
+    the rankers' compute per visit sent (what bounds the QPS two rankers can serve at all, whatever the
+    scheduling), prefill tokens, ranks that joined an in-flight prefill, and the cache bytes at the end."""
+    share = per_visit = None
     if all(isinstance(s.get("compute_ms_total"), dict) for s in before + after):
         tot = Counter()
         for a, b in zip(after, before, strict=True):
@@ -222,7 +223,8 @@ def state_deltas(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> d
                 tot[k] += v - b["compute_ms_total"].get(k, 0.0)
         total = sum(tot.values())
         share = tot["prefill"] / total if total > 0 else None
-    return {"prefill_cpu_share": share,
+        per_visit = total / visits if visits else None
+    return {"prefill_cpu_share": share, "compute_ms_per_visit": per_visit,
             "prefill_tokens_computed": _delta(before, after, "prefill_tokens_computed"),
             "prefill_tokens_without_incremental": _delta(before, after, "prefill_tokens_without_incremental"),
             "joined_inflight_ranks": _delta(before, after, "joined"),
@@ -279,6 +281,7 @@ def combine(runs: list[dict[str, Any]], slo_ms: float) -> dict[str, Any]:
     keys = ("prefill_tokens_computed", "prefill_tokens_without_incremental", "joined_inflight_ranks")
     sums = {k: (None if any(r[k] is None for r in runs) else sum(r[k] for r in runs)) for k in keys}
     shares = [r["prefill_cpu_share"] for r in runs if r["prefill_cpu_share"] is not None]
+    per_visit = [r["compute_ms_per_visit"] for r in runs if r.get("compute_ms_per_visit") is not None]
     return {"n": sum(r["n"] for r in runs), "planned": sum(r["planned"] for r in runs),
             "stopped_early": any(r["stopped_early"] for r in runs),
             "p50_ms": float(np.median([r["p50_ms"] for r in runs])),
@@ -286,6 +289,7 @@ def combine(runs: list[dict[str, Any]], slo_ms: float) -> dict[str, Any]:
             "meets_slo": bool(med <= slo_ms), "errors": sum(errors.values()), "errors_by_kind": dict(errors),
             "hit_rate": hits / answered if answered else None, **sums,
             "prefill_cpu_share": float(np.mean(shares)) if shares else None,
+            "compute_ms_per_visit": float(np.median(per_visit)) if per_visit else None,
             "device_bytes": last["device_bytes"], "dram_bytes": last["dram_bytes"], "repeats": runs}
 
 
@@ -318,8 +322,9 @@ async def measure_once(m: ModeRun, sweep: str, length: int, qps: float, repeat: 
                                       deadline_ms=s.slo_ms, give_up=give_up)
         await _drain(m.session, m.ranker_urls)
     after = await _ranker_state(m.session, m.ranker_urls)
-    out = {"trace_seed": s.seed + repeat, **summarize(results, s.slo_ms, planned), **state_deltas(before, after),
-           "trace": trace.shape}
+    visits = sum(r.request.path == "/v1/rank" for r in results)
+    out = {"trace_seed": s.seed + repeat, **summarize(results, s.slo_ms, planned),
+           **state_deltas(before, after, visits), "trace": trace.shape}
     if m.mode in ("relay", "no_trigger"):
         keep_for_score_check(m.kept, m.mode, trace, visit_of, results)
     return out
@@ -497,6 +502,19 @@ def _relay_totals(res: dict[str, Any]) -> dict[str, Any]:
             "dram_bytes": pts[-1]["dram_bytes"] if pts else None}
 
 
+def capacity(points: list[dict[str, Any]], rankers: int) -> dict[str, Any]:
+    """The QPS the rankers could serve at all at the QPS sweep's length: ``rankers`` one-thread compute loops
+    over the median measured compute per visit of that sweep's points (warm-up included). No scheduling
+    serves more than this, so it bounds the mode's ``max_qps_at_slo`` from above, SLO or not."""
+    per_visit = sorted(p["compute_ms_per_visit"] for p in points
+                       if p["sweep"] == "qps" and p.get("compute_ms_per_visit"))
+    if not per_visit:
+        return {"compute_ms_per_visit": None, "ceiling_qps": None}
+    mid = len(per_visit) // 2
+    med = per_visit[mid] if len(per_visit) % 2 else (per_visit[mid - 1] + per_visit[mid]) / 2
+    return {"compute_ms_per_visit": med, "ceiling_qps": rankers * 1000.0 / med}
+
+
 def _tokens(pts: list[dict[str, Any]], key: str) -> float | None:
     vals = [p[key] for p in pts]
     return None if not vals or any(v is None for v in vals) else sum(vals)
@@ -545,6 +563,11 @@ async def bench(s: Settings) -> dict[str, Any]:
     rp = modes["relay"]["points"]
     result["prefill_tokens"] = {"computed": _tokens(rp, "prefill_tokens_computed"),
                                 "without_incremental": _tokens(rp, "prefill_tokens_without_incremental")}
+    caps = {m: capacity(modes[m]["points"], RANKERS) for m in ("baseline", "relay")}
+    relay_ceiling = caps["relay"]["ceiling_qps"]
+    # the largest slo_qps_ratio relay could show against this baseline on these cores, at 100% utilisation
+    caps["slo_qps_ratio_bound"] = ratio(relay_ceiling, base["max_qps_at_slo"]) if relay_ceiling else None
+    result["capacity"] = caps
     result["overload"] = over
     result["max_abs_score_diff"] = diff
     result["score_diff_samples"] = {"n": len(kept), "after_growth": sum(1 for k in kept if k["grew"]),

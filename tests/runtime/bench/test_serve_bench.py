@@ -40,6 +40,13 @@ def test_tiny_run_reports_every_mode_the_overload_run_and_the_score_check(tmp_pa
     assert set(out["prefill_tokens"]) == {"computed", "without_incremental"}
     assert {"offered_qps", "served_qps", "shed_fraction", "p99_ms_served", "errors_other"} <= set(out["overload"])
     assert out["overload"]["n"] == 30
+    for mode in ("baseline", "relay"):  # the rankers' measured compute bounds the QPS they can serve at all
+        cap = out["capacity"][mode]
+        assert cap["compute_ms_per_visit"] > 0
+        assert cap["ceiling_qps"] == pytest.approx(2 * 1000.0 / cap["compute_ms_per_visit"])
+    assert all(p["compute_ms_per_visit"] > 0 for p in out["relay"]["points"])
+    assert out["capacity"]["slo_qps_ratio_bound"] == pytest.approx(
+        out["capacity"]["relay"]["ceiling_qps"] / out["baseline"]["max_qps_at_slo"])
     assert {"users", "top1pct_population_visit_share", "prefix_grew_fraction"} <= set(out["trace"])
     # relay cache hits (topped up by no_trigger's) recomputed by full inference in fp32
     assert out["score_diff_samples"]["n"] > 0 and out["max_abs_score_diff"] <= 1e-4

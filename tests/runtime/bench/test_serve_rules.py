@@ -113,13 +113,15 @@ def test_ranker_counters_become_deltas_and_absent_fields_none():
     after = [{"compute_ms_total": {"prefill": 40.0, "rank_cached": 15.0, "rank_full": 25.0},
               "prefill_tokens_computed": 300, "prefill_tokens_without_incremental": 550, "joined": 3.0,
               "device_bytes": 9, "dram_bytes": 4}] * 2
-    d = state_deltas(before, after)
+    d = state_deltas(before, after, visits=12)
     assert d["prefill_cpu_share"] == pytest.approx(30 / 60)
+    assert d["compute_ms_per_visit"] == pytest.approx(120 / 12)  # both rankers' compute over the visits sent
     assert d["prefill_tokens_computed"] == 400 and d["prefill_tokens_without_incremental"] == 800
     assert d["joined_inflight_ranks"] == 4 and d["device_bytes"] == 18 and d["dram_bytes"] == 8
     old = [{"device_bytes": 1, "dram_bytes": 0, "joined": 0.0}]
-    d = state_deltas(old, old)
+    d = state_deltas(old, old, visits=5)
     assert d["prefill_cpu_share"] is None and d["prefill_tokens_computed"] is None
+    assert d["compute_ms_per_visit"] is None
 
 
 def test_score_samples_follow_each_rank_request_to_its_visit_whatever_the_answer_order():
@@ -141,3 +143,17 @@ def test_score_samples_follow_each_rank_request_to_its_visit_whatever_the_answer
     keep_for_score_check(kept, "relay", trace, visit_of, answers)
     assert kept and all(k["scores"] == k["candidates"].tolist() for k in kept)
     assert kept[0]["grew"] or not any(v.grew for v in trace.visits)  # grown histories are checked first
+
+
+def test_capacity_is_the_rankers_compute_bound_at_the_qps_sweeps_length():
+    from grstack.runtime.bench.serve import capacity
+
+    pts = [{"sweep": "length", "compute_ms_per_visit": 5.0},
+           {"sweep": "qps", "compute_ms_per_visit": 40.0},
+           {"sweep": "qps", "compute_ms_per_visit": 60.0},
+           {"sweep": "qps", "compute_ms_per_visit": 50.0}]
+    cap = capacity(pts, rankers=2)
+    assert cap["compute_ms_per_visit"] == 50.0  # the median of the QPS sweep only
+    assert cap["ceiling_qps"] == pytest.approx(40.0)  # 2 rankers x 1000 ms / 50 ms per visit
+    assert capacity(pts[:1], rankers=2) == {"compute_ms_per_visit": None, "ceiling_qps": None}
+    assert capacity(pts[1:3], rankers=1)["compute_ms_per_visit"] == 50.0  # even count: mean of the middle two
