@@ -196,6 +196,9 @@ class _Metrics:
         reps.labels("up").set_function(lambda: len(router.up_replicas()))
         reps.labels("down").set_function(lambda: len(router.down))
         reps.labels("ejected").set_function(lambda: len(router.ejected))
+        spec = Gauge("grstack_router_trigger_speculative_share", "share of recent admitted prefills whose rank "
+                     "did not follow: what the trigger's load budget charges", registry=r)
+        spec.set_function(lambda: router.trigger.speculative_share if router.trigger is not None else 1.0)
 
 
 class Router:

@@ -20,6 +20,15 @@ admits a prefill signal only when
    ``prefill_budget_ms`` (the router sets it to a per-replica, per-second rate x replicas x window; the
    window is long enough that one long prefill fits).
 
+The load budget bounds **speculative** compute: a prefill whose rank follows replaces the prefix work that
+rank would otherwise do by full inference on the critical path (at least as much compute, later and in the
+way), so refusing it for load saves nothing and moves that work into the latency. The trigger therefore
+counts, over its last ``follow_window`` charged admissions, the share whose rank it saw routed while the
+prefix was live (:meth:`SequenceAwareTrigger.consumed`), and charges every load in 3 and below (measured,
+pending, predicted) at the **speculative share** ``1 - followed``; with fewer than ``follow_min_samples``
+admissions it charges in full. In a cascade, where nearly every signal's rank follows, the budget then binds
+only when signals stop being followed (abandoned visits, ranks that went elsewhere, prefixes evicted unused).
+
 Both budgets are inclusive: a request that lands exactly on a budget is admitted. A signal for a prefix
 that is already live (same user, same prefix hash) is admitted again without being charged twice; if the
 ranker answers that it computed it all the same (it had evicted the prefix), :meth:`charge` charges it.
@@ -140,12 +149,18 @@ class TriggerConfig:
     load_aware_risk: bool = True
     min_idle_fraction: float = 0.1
     slo_percentile: float = 99.0  # the percentile the SLO bounds
+    # the load budget charges the share of recent admissions whose rank did not follow (module doc)
+    follow_window: int = 512  # charged admissions whose outcome is counted
+    follow_min_samples: int = 32  # below this many, every load is charged in full
 
     def __post_init__(self) -> None:
         if not 0.0 < self.slo_percentile < 100.0:
             raise ValueError(f"slo_percentile must be in (0, 100), got {self.slo_percentile}")
         if not 0.0 < self.min_idle_fraction <= 1.0:
             raise ValueError(f"min_idle_fraction must be in (0, 1], got {self.min_idle_fraction}")
+        if self.follow_window < 1 or not 0 <= self.follow_min_samples <= self.follow_window:
+            raise ValueError(f"follow_min_samples must be in [0, follow_window] and follow_window >= 1, got "
+                             f"{self.follow_min_samples} and {self.follow_window}")
 
 
 class RankerLoad:
@@ -257,6 +272,18 @@ class SequenceAwareTrigger:
         self._replica_bytes: dict[str | None, int] = {}
         self._load: deque[tuple[float, float, str | None]] = deque()  # (admitted at, predicted ms, replica)
         self.loads: dict[str, RankerLoad] = {}
+        # outcome of the last follow_window charged admissions: [followed]; a user's newest one by user
+        self._outcomes: deque[list[bool]] = deque(maxlen=self.config.follow_window)
+        self._pending_outcome: OrderedDict[str, list[bool]] = OrderedDict()  # at most follow_window users
+
+    @property
+    def speculative_share(self) -> float:
+        """Share of the recent charged admissions whose rank did not follow while the prefix was live (1.0
+        with fewer than ``follow_min_samples`` of them): what the load budget charges of every load."""
+        n = len(self._outcomes)
+        if n == 0 or n < self.config.follow_min_samples:
+            return 1.0
+        return 1.0 - sum(o[0] for o in self._outcomes) / n
 
     @property
     def live_bytes(self) -> int:
@@ -360,12 +387,14 @@ class SequenceAwareTrigger:
             if self._live_bytes - replaced + nbytes > cfg.cache_budget_bytes:
                 return "cache-budget"
         measured = load.load_ms(self.model) if load is not None else None
+        spec = self.speculative_share
         if measured is not None and cfg.ranker_prefill_budget_ms is not None:
             pending = self.pending_ms(replica or "")
             share = cfg.ranker_prefill_budget_ms * cfg.report_interval_s / cfg.window_s
-            if measured + pending + prefill > cfg.ranker_prefill_budget_ms or (pending and pending + prefill > share):
+            if (spec * (measured + pending + prefill) > cfg.ranker_prefill_budget_ms
+                    or (pending and spec * (pending + prefill) > share)):
                 return "load-budget"
-        elif self._load_sum() + prefill > cfg.prefill_budget_ms:
+        elif spec * (self._load_sum() + prefill) > cfg.prefill_budget_ms:
             return "load-budget"
         return None
 
@@ -398,7 +427,16 @@ class SequenceAwareTrigger:
             return Decision(False, over, full, prefill, nbytes)
         self._hold(user, version, nbytes, replica, now)
         self._load.append((now, prefill, replica))
+        self._track_outcome(user)
         return Decision(True, "admitted", full, prefill, nbytes)
+
+    def _track_outcome(self, user: str) -> None:
+        outcome = [False]
+        self._outcomes.append(outcome)
+        self._pending_outcome[user] = outcome  # an older unfollowed admission of this user stays unfollowed
+        self._pending_outcome.move_to_end(user)
+        while len(self._pending_outcome) > self.config.follow_window:  # older ones have left the window
+            self._pending_outcome.popitem(last=False)
 
     def charge(self, user: str, version: str, prefix_len: int, replica: str) -> None:
         """Charges a prefill that ``replica`` computed for a signal admitted as live, uncharged (the ranker had
@@ -407,15 +445,21 @@ class SequenceAwareTrigger:
         self._expire(now)
         self._hold(user, version, self.model.kv_bytes(prefix_len), replica, now)
         self._load.append((now, self.model.predict_prefill_ms(prefix_len), replica))
+        self._track_outcome(user)
 
     def forget(self, user: str) -> None:
-        """Releases a user's charge (its prefill failed or its replica went away)."""
+        """Releases a user's charge (its prefill failed or its replica went away): its rank cannot follow."""
+        self._pending_outcome.pop(user, None)
         self._release(user)
 
     def consumed(self, user: str) -> None:
         """The user's rank was routed: the prefix admitted for it has served, and its bytes stop counting
         against the footprint budget (the ranker keeps or evicts it as any cached entry)."""
+        self._expire(self.clock())  # a prefix whose charge expired before its rank was not followed live
         live = self._live.get(user)
+        outcome = self._pending_outcome.pop(user, None)
+        if live is not None and outcome is not None:
+            outcome[0] = True
         if live is not None:
             self._served[user] = live[0]
             self._served.move_to_end(user)

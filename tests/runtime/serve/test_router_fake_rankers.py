@@ -176,6 +176,28 @@ async def test_two_routers_stay_within_one_rankers_prefill_budget(report_compute
         assert admitted == len(fake.prefills) == expected
 
 
+@pytest.mark.parametrize(("ranks_follow", "expected"), [(True, 14), (False, 5)])
+async def test_prefills_whose_ranks_follow_are_not_refused_for_load(ranks_follow: bool, expected: int) -> None:
+    """50 ms of prefill budget, 10 ms a prefill: 5 admissions when no rank follows its signal; when every rank
+    follows, the prefills replace the ranks' full inference, charge nothing once 4 outcomes are known, and all
+    14 are admitted (the router's gauge says what share it still charges)."""
+    trig = TriggerConfig(length_threshold=16, follow_window=8, follow_min_samples=4)
+    async with Setup(1, prefill_budget_per_replica_ms=5.0, trigger=trig) as s:
+        (fake,) = s.fakes
+        admitted = 0
+        for i in range(14):
+            status, out, _ = await post(s.http, s.urls[0] + "/v1/prefill", prefill_body(f"u{i}", i))
+            assert status == 200 and (out["admitted"] or out["reason"] == "load-budget")
+            admitted += out["admitted"]
+            if ranks_follow:
+                status, _, _ = await post(s.http, s.urls[0] + "/v1/rank", rank_body(f"u{i}", i))
+                assert status == 200
+        assert admitted == len(fake.prefills) == expected
+        async with s.http.get(s.urls[0] + "/metrics") as resp:
+            share = 0.0 if ranks_follow else 1.0
+            assert f"grstack_router_trigger_speculative_share {share}" in await resp.text()
+
+
 @pytest.mark.parametrize(("ranker_status", "pending"), [("computed", 2 * PREFILL_MS), ("cached", PREFILL_MS)])
 async def test_a_live_resignal_the_ranker_recomputed_is_charged(ranker_status: str, pending: float) -> None:
     async with Setup(1) as s:

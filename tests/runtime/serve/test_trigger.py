@@ -173,3 +173,51 @@ def test_a_prefix_stops_counting_against_the_footprint_once_its_rank_is_routed()
     again = t.decide("a", "v1", 1000)
     assert again.reason == "live" and t.live_bytes == 100_000  # a's served prefix is not charged again
     assert t.decide("a", "v2", 1000).reason == "cache-budget"  # a new version of a's history is
+
+
+def test_load_budget_charges_only_the_share_of_admissions_whose_rank_did_not_follow() -> None:
+    # 4 admissions fill a 40 ms budget (10 ms each); the window of outcomes is 4 with 4 needed to count
+    clock = Clock()
+    t = trigger(clock, prefill_budget_ms=40.0, window_s=1.0, follow_window=4, follow_min_samples=4)
+    assert [t.decide(f"u{i}", "h", 1000).reason for i in range(5)] == ["admitted"] * 4 + ["load-budget"]
+    assert t.speculative_share == 1.0  # none of the four ranks came yet
+    for i in range(4):
+        t.consumed(f"u{i}")  # every rank followed its signal: prefilling replaced their full inference
+    assert t.speculative_share == 0.0
+    # the same 40 ms of prefills are still in the window, but none of it was speculative: admitted
+    assert t.decide("u4", "h", 1000).reason == "admitted"
+    assert t.speculative_share == pytest.approx(0.25)  # u4's outcome is open; u0's has left the window
+
+
+def test_unfollowed_signals_bring_the_load_budget_back() -> None:
+    clock = Clock()
+    t = trigger(clock, prefill_budget_ms=20.0, window_s=1.0, follow_window=4, follow_min_samples=2)
+    assert t.decide("a", "h", 1000).admitted and t.decide("b", "h", 1000).admitted
+    t.consumed("a")
+    t.consumed("b")
+    assert t.speculative_share == 0.0
+    # ranks that go elsewhere or never come: the admissions' outcomes stay unfollowed
+    for user in ("c", "d", "e"):
+        clock.t += 1.0  # each in a fresh window
+        assert t.decide(user, "h", 1000).admitted
+        t.forget(user)
+    assert t.speculative_share == pytest.approx(0.75)  # the window of 4: b followed, c, d, e did not
+    clock.t += 1.0
+    assert t.decide("f", "h", 1000).admitted  # 0.75 x 10 ms <= 20
+    assert t.speculative_share == 1.0  # the window is c, d, e (unfollowed) and f (open)
+    assert t.decide("g", "h", 1000).admitted  # 1.0 x 20 ms <= 20, inclusive
+    assert t.decide("h", "h", 1000).reason == "load-budget"  # 1.0 x 30 ms > 20
+
+
+def test_a_rank_routed_after_its_prefix_expired_does_not_count_as_followed() -> None:
+    clock = Clock()
+    t = trigger(clock, footprint_ttl_s=5.0, follow_window=8, follow_min_samples=1)
+    assert t.decide("a", "h", 1000).admitted
+    clock.t += 6.0  # the admission's charge expired before the rank came
+    t.consumed("a")
+    assert t.speculative_share == 1.0
+
+
+def test_follow_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="follow_min_samples"):
+        TriggerConfig(follow_window=4, follow_min_samples=5)
