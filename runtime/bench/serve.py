@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import math
+import re
 import sys
 import time
 from collections import Counter
@@ -205,6 +206,22 @@ async def _ranker_state(session: Any, urls: list[str]) -> list[dict[str, Any]]:
     return out
 
 
+_TRIGGER_LINE = re.compile(r'^grstack_router_trigger_total\{reason="([^"]+)"\} (\S+)$', re.MULTILINE)
+
+
+async def _trigger_counts(session: Any, router_url: str) -> dict[str, float]:
+    """The router's prefill-signal decisions so far, by reason (its ``/metrics``)."""
+    async with session.get(router_url + "/metrics") as resp:
+        text = await resp.text()
+    return {reason: float(v) for reason, v in _TRIGGER_LINE.findall(text)}
+
+
+def trigger_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
+    """Signals decided over a point (warm-up included), by the trigger's reason: admitted, live, not-at-risk,
+    cache-budget, load-budget, ... (what explains a relay point's hit rate)."""
+    return {k: int(after[k] - before.get(k, 0.0)) for k in sorted(after) if after[k] - before.get(k, 0.0) > 0}
+
+
 def _delta(before: list[dict[str, Any]], after: list[dict[str, Any]], key: str) -> float | None:
     if any(key not in s for s in before + after):
         return None
@@ -282,6 +299,9 @@ def combine(runs: list[dict[str, Any]], slo_ms: float) -> dict[str, Any]:
     sums = {k: (None if any(r[k] is None for r in runs) else sum(r[k] for r in runs)) for k in keys}
     shares = [r["prefill_cpu_share"] for r in runs if r["prefill_cpu_share"] is not None]
     per_visit = [r["compute_ms_per_visit"] for r in runs if r.get("compute_ms_per_visit") is not None]
+    decisions: Counter[str] = Counter()
+    for r in runs:
+        decisions.update(r.get("trigger_decisions", {}))
     return {"n": sum(r["n"] for r in runs), "planned": sum(r["planned"] for r in runs),
             "stopped_early": any(r["stopped_early"] for r in runs),
             "p50_ms": float(np.median([r["p50_ms"] for r in runs])),
@@ -290,6 +310,7 @@ def combine(runs: list[dict[str, Any]], slo_ms: float) -> dict[str, Any]:
             "hit_rate": hits / answered if answered else None, **sums,
             "prefill_cpu_share": float(np.mean(shares)) if shares else None,
             "compute_ms_per_visit": float(np.median(per_visit)) if per_visit else None,
+            "trigger_decisions": dict(sorted(decisions.items())),
             "device_bytes": last["device_bytes"], "dram_bytes": last["dram_bytes"], "repeats": runs}
 
 
@@ -315,6 +336,7 @@ async def measure_once(m: ModeRun, sweep: str, length: int, qps: float, repeat: 
     # it measures what is served and shed, not a pass/fail).
     give_up = None if sweep == "overload" else GiveUp(s.slo_ms, violations_to_fail(planned))
     before = await _ranker_state(m.session, m.ranker_urls)
+    decided = await _trigger_counts(m.session, m.router_url)
     # This process is the load generator and the router: the trace just built, the population and every
     # earlier point's results would make each full collection during the run a 130-140 ms stop of both.
     with frozen_heap():
@@ -322,9 +344,10 @@ async def measure_once(m: ModeRun, sweep: str, length: int, qps: float, repeat: 
                                       deadline_ms=s.slo_ms, give_up=give_up)
         await _drain(m.session, m.ranker_urls)
     after = await _ranker_state(m.session, m.ranker_urls)
+    decisions = trigger_deltas(decided, await _trigger_counts(m.session, m.router_url))
     visits = sum(r.request.path == "/v1/rank" for r in results)
     out = {"trace_seed": s.seed + repeat, **summarize(results, s.slo_ms, planned),
-           **state_deltas(before, after, visits), "trace": trace.shape}
+           **state_deltas(before, after, visits), "trigger_decisions": decisions, "trace": trace.shape}
     if m.mode in ("relay", "no_trigger"):
         keep_for_score_check(m.kept, m.mode, trace, visit_of, results)
     return out

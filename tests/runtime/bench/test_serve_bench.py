@@ -45,6 +45,9 @@ def test_tiny_run_reports_every_mode_the_overload_run_and_the_score_check(tmp_pa
         assert cap["compute_ms_per_visit"] > 0
         assert cap["ceiling_qps"] == pytest.approx(2 * 1000.0 / cap["compute_ms_per_visit"])
     assert all(p["compute_ms_per_visit"] > 0 for p in out["relay"]["points"])
+    # every relay visit's signal was decided by the trigger, and the point says how
+    assert all(sum(p["trigger_decisions"].values()) >= 38 for p in out["relay"]["points"])
+    assert all(set(p["trigger_decisions"]) <= {"disabled"} for p in out["baseline"]["points"])  # relay off
     assert out["capacity"]["slo_qps_ratio_bound"] == pytest.approx(
         out["capacity"]["relay"]["ceiling_qps"] / out["baseline"]["max_qps_at_slo"])
     assert {"users", "top1pct_population_visit_share", "prefix_grew_fraction"} <= set(out["trace"])

@@ -157,3 +157,16 @@ def test_capacity_is_the_rankers_compute_bound_at_the_qps_sweeps_length():
     assert cap["ceiling_qps"] == pytest.approx(40.0)  # 2 rankers x 1000 ms / 50 ms per visit
     assert capacity(pts[:1], rankers=2) == {"compute_ms_per_visit": None, "ceiling_qps": None}
     assert capacity(pts[1:3], rankers=1)["compute_ms_per_visit"] == 50.0  # even count: mean of the middle two
+
+
+def test_trigger_decisions_are_per_point_deltas_by_reason():
+    from grstack.runtime.bench.serve import _TRIGGER_LINE, trigger_deltas
+
+    text = ('# TYPE grstack_router_trigger_total counter\n'
+            'grstack_router_trigger_total{reason="admitted"} 12.0\n'
+            'grstack_router_trigger_total{reason="load-budget"} 3.0\n'
+            'grstack_router_trigger_created{reason="admitted"} 1.7e9\n')
+    after = {k: float(v) for k, v in _TRIGGER_LINE.findall(text)}
+    assert after == {"admitted": 12.0, "load-budget": 3.0}
+    assert trigger_deltas({"admitted": 10.0, "load-budget": 3.0}, after) == {"admitted": 2}
+    assert trigger_deltas({}, after) == {"admitted": 12, "load-budget": 3}
