@@ -272,9 +272,11 @@ class SequenceAwareTrigger:
         self._replica_bytes: dict[str | None, int] = {}
         self._load: deque[tuple[float, float, str | None]] = deque()  # (admitted at, predicted ms, replica)
         self.loads: dict[str, RankerLoad] = {}
-        # outcome of the last follow_window charged admissions: [followed]; a user's newest one by user
-        self._outcomes: deque[list[bool]] = deque(maxlen=self.config.follow_window)
+        # outcome of the last follow_window charged admissions: [followed, still in the window]; a user's
+        # newest one by user; _followed counts the followed ones in the window (O(1) per decision)
+        self._outcomes: deque[list[bool]] = deque()
         self._pending_outcome: OrderedDict[str, list[bool]] = OrderedDict()  # at most follow_window users
+        self._followed = 0
 
     @property
     def speculative_share(self) -> float:
@@ -283,7 +285,7 @@ class SequenceAwareTrigger:
         n = len(self._outcomes)
         if n == 0 or n < self.config.follow_min_samples:
             return 1.0
-        return 1.0 - sum(o[0] for o in self._outcomes) / n
+        return 1.0 - self._followed / n
 
     @property
     def live_bytes(self) -> int:
@@ -431,7 +433,11 @@ class SequenceAwareTrigger:
         return Decision(True, "admitted", full, prefill, nbytes)
 
     def _track_outcome(self, user: str) -> None:
-        outcome = [False]
+        if len(self._outcomes) == self.config.follow_window:
+            old = self._outcomes.popleft()
+            old[1] = False
+            self._followed -= old[0]
+        outcome = [False, True]
         self._outcomes.append(outcome)
         self._pending_outcome[user] = outcome  # an older unfollowed admission of this user stays unfollowed
         self._pending_outcome.move_to_end(user)
@@ -458,8 +464,9 @@ class SequenceAwareTrigger:
         self._expire(self.clock())  # a prefix whose charge expired before its rank was not followed live
         live = self._live.get(user)
         outcome = self._pending_outcome.pop(user, None)
-        if live is not None and outcome is not None:
+        if live is not None and outcome is not None and not outcome[0]:
             outcome[0] = True
+            self._followed += outcome[1]
         if live is not None:
             self._served[user] = live[0]
             self._served.move_to_end(user)

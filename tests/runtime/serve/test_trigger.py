@@ -221,3 +221,22 @@ def test_a_rank_routed_after_its_prefix_expired_does_not_count_as_followed() -> 
 def test_follow_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="follow_min_samples"):
         TriggerConfig(follow_window=4, follow_min_samples=5)
+
+
+def test_speculative_share_counts_exactly_the_last_window_of_admissions() -> None:
+    import random
+
+    rng = random.Random(7)
+    t = trigger(follow_window=8, follow_min_samples=1)
+    followed: list[bool] = []
+    for i in range(200):
+        user = f"u{i}"
+        assert t.decide(user, "h", 1000).admitted
+        followed.append(False)
+        if rng.random() < 0.6:  # some ranks follow (late ones too: after later admissions)
+            back = rng.randrange(min(3, len(followed)))
+            j = len(followed) - 1 - back
+            t.consumed(f"u{j}")
+            followed[j] = True
+        window = followed[-8:]
+        assert t.speculative_share == pytest.approx(1.0 - sum(window) / len(window))
