@@ -232,7 +232,11 @@ async def test_ranking_service_children_readiness_scaling_and_hit_rate(cluster: 
     await create(cluster, pod)
     await cluster.patch("v1/pods", "rank-ranker-0", {"status": {"phase": "Running", "podIP": "127.0.0.1"}}, sub="status")
     await cluster.wait_for("hit rate", lambda: status(cluster, "rank", SERVICES).get("cacheHitRate") == 0.8)
-    # The rate is windowed (10 s here): once the window has moved past, only the new lookups count.
+    # The rate is windowed (10 s here): once the window has moved past, only the new lookups count. That value
+    # shows from 10 s after the first sample with these counters until 10 s after the first sample with the new
+    # ones, so the counters change 3 resync periods (1 s) after the 0.8 was seen: otherwise, on a fast machine,
+    # no reconcile pass may fall in that interval and the value is never written.
+    await asyncio.sleep(3.0)
     counters.update({"device_hits": 7, "dram_hits": 2, "misses": 12})  # 1 hit, 10 misses since
     await cluster.wait_for("windowed hit rate",
                            lambda: status(cluster, "rank", SERVICES).get("cacheHitRate") == 0.0909)
