@@ -125,6 +125,9 @@ def _ranker_args(p: argparse.ArgumentParser) -> None:
                    help="queued rank requests per ranker; beyond it 503 + Retry-After (0 = unbounded)")
     g.add_argument("--max-prefill-queue", type=int, default=1024,
                    help="queued prefills per ranker; beyond it 503 + Retry-After (0 = unbounded)")
+    g.add_argument("--admission-margin-ms", type=float, default=5.0,
+                   help="a rank predicted (queued work ahead, measured compute speed) to finish later than its "
+                        "deadline minus this is answered 503 at once (negative = no prediction)")
 
 
 def _router_args(p: argparse.ArgumentParser) -> None:
@@ -184,7 +187,12 @@ def ranker_config(args: argparse.Namespace, max_len: int) -> Any:
                         max_queue=getattr(args, "max_queue", 256) or None,
                         max_prefill_queue=getattr(args, "max_prefill_queue", 1024) or None,
                         max_step_tokens=args.max_step_tokens,
+                        admission_margin_ms=_margin(getattr(args, "admission_margin_ms", 5.0)),
                         lease_ttl_s=getattr(args, "lease_ttl_s", 5.0), num_threads=args.threads)
+
+
+def _margin(ms: float) -> float | None:
+    return None if ms < 0 else ms
 
 
 def ranker_flags(args: argparse.Namespace) -> list[str]:
@@ -196,6 +204,7 @@ def ranker_flags(args: argparse.Namespace) -> list[str]:
            "--prefill-wait-ms", str(args.prefill_wait_ms),
            "--max-queue", str(getattr(args, "max_queue", 256)),
            "--max-prefill-queue", str(getattr(args, "max_prefill_queue", 1024)),
+           "--admission-margin-ms", str(getattr(args, "admission_margin_ms", 5.0)),
            "--log-level", args.log_level]
     if args.max_suffix is not None:
         out += ["--max-suffix", str(args.max_suffix)]

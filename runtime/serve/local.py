@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import sys
 from dataclasses import dataclass, field, replace
@@ -72,15 +73,23 @@ def ranker_command(checkpoint: str | Path, args: list[str] | None = None) -> lis
 
 
 async def spawn_ranker(checkpoint: str | Path, args: list[str] | None = None, *, timeout_s: float = 180.0,
-                       stderr: IO[Any] | int | None = None, env: dict[str, str] | None = None) -> RankerProcess:
-    """Starts ``grstack serve ranker`` and waits until it reports ready."""
+                       stderr: IO[Any] | int | None = None, env: dict[str, str] | None = None,
+                       nice: int = 0) -> RankerProcess:
+    """Starts ``grstack serve ranker`` and waits until it reports ready. ``nice``: its scheduling niceness
+    (through ``nice(1)``, so every thread it starts has it), for a harness that shares cores with it."""
     full_env = {**os.environ, **(env or {})}
+    cmd = ranker_command(checkpoint, args)
+    if nice:
+        binary = shutil.which("nice")
+        if binary is None:
+            raise UserError("nice(1) is not on PATH: cannot start a ranker at a lower priority")
+        cmd = [binary, "-n", str(nice), *cmd]
     # No ``preexec_fn`` (nor uid/gid/groups): with one, CPython forks with fork(), which runs gRPC's
     # pthread_atfork handlers and Python's at-fork hooks in a copy of a process whose gRPC threads (an aetcd
     # client's lease keep-alive and watch) may be mid-call; the child then aborts or crashes before exec
     # ("skipping fork() handlers", "epoll_wait error: Bad file descriptor", status -6). Without one it uses
     # vfork(), or posix_spawn(), which run no at-fork handlers and no Python code: the child only execs.
-    proc = await asyncio.create_subprocess_exec(*die_with_parent(ranker_command(checkpoint, args)),
+    proc = await asyncio.create_subprocess_exec(*die_with_parent(cmd),
                                                 stdout=asyncio.subprocess.PIPE, stderr=stderr, env=full_env)
     assert proc.stdout is not None
     try:

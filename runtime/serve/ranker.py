@@ -11,8 +11,10 @@ from-scratch prefill would have computed, and the compute-thread time by kind.
 
 Overload: the compute queues are bounded (``max_queue`` ranks, ``max_prefill_queue`` prefills); a request
 beyond the bound is answered 503 with ``Retry-After`` at once. A request may carry
-``X-Grstack-Deadline-Ms`` (milliseconds left of its budget when sent; the router sets it): work whose
-deadline has passed is dropped before it is computed and answered 504 with the reason. ``GET /v1/profile`` returns the latency profile measured at start-up (the
+``X-Grstack-Deadline-Ms`` (milliseconds left of its budget when sent; the router sets it): a rank that the
+work queued ahead of it would push past that deadline (at the compute speed the ranker measures as it runs)
+is answered 503 at once (``X-Grstack-Shed: predicted-late``), and work whose deadline passes anyway is
+dropped before it is computed and answered 504 with the reason. ``GET /v1/profile`` returns the latency profile measured at start-up (the
 router's trigger fits its latency model to it); ``/healthz`` is liveness, ``/readyz`` readiness (model
 loaded, warmed up, profiled), ``/metrics`` Prometheus, ``/openapi.json`` the API.
 """
@@ -88,6 +90,10 @@ class RankerConfig:
     max_queue: int | None = 256  # queued rank requests; beyond it 503 + Retry-After (None: unbounded)
     max_prefill_queue: int | None = 1024  # queued prefills; beyond it 503 + Retry-After
     retry_after_s: float = 1.0
+    # A rank with a deadline that the queued work ahead of it (at the compute speed measured online) would push
+    # past ``deadline - admission_margin_ms`` is answered 503 at once (X-Grstack-Shed: predicted-late), not
+    # queued to expire; the margin is the answer's way back to the caller. None: no prediction.
+    admission_margin_ms: float | None = 5.0
     profile_candidates: int = 64
     profile_short: int = 16
     profile_cap_ms: float = 400.0
@@ -212,7 +218,9 @@ class RankerService:
                                           max_prefill_queue=cfg.max_prefill_queue,
                                           retry_after_s=cfg.retry_after_s, max_step_tokens=cfg.max_step_tokens,
                                           on_tokens=self._on_tokens, on_compute=self._on_compute,
-                                          reserve=self.cache.reserve if self.arena is not None else None)
+                                          reserve=self.cache.reserve if self.arena is not None else None,
+                                          admission_margin_s=None if cfg.admission_margin_ms is None
+                                          else cfg.admission_margin_ms / 1e3)
         self.store = store
         self.replica_id = cfg.replica_id or ""
         self.url = ""
@@ -439,6 +447,7 @@ class RankerService:
                 # Join the in-flight prefill (never recompute the same prefix) and raise its priority.
                 job = self._inflight_jobs.get(key)
                 if job is not None:
+                    self.scheduler.check_join(job, deadline)
                     self.scheduler.boost(job)
                 timeout = None if deadline is None else max(0.0, deadline - self.scheduler.clock())
                 waited = time.perf_counter()
@@ -523,10 +532,10 @@ def make_ranker_app(service: RankerService) -> web.Application:
         try:
             return await handler(request)
         except QueueFull as exc:
-            service.metrics.shed.labels("queue-full").inc()
+            service.metrics.shed.labels(exc.reason).inc()
             retry = max(1, round(exc.retry_after_s))
             return error_response(503, f"overloaded: {exc}; retry after {retry} s",
-                                  headers={"Retry-After": str(retry), "X-Grstack-Shed": "queue-full"})
+                                  headers={"Retry-After": str(retry), "X-Grstack-Shed": exc.reason})
         except DeadlineExceeded as exc:
             service.metrics.shed.labels("deadline").inc()
             return error_response(504, f"deadline exceeded: {exc}", headers={"X-Grstack-Shed": "deadline"})

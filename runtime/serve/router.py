@@ -4,8 +4,8 @@ Routing of a user: the placement recorded in the store (if its replica is up), e
 with bounded load over the replicas that are up. The router keeps a local view of replicas and
 placements fed by the store's watch, so no store round trip sits on the request path; when the store
 (etcd) is unreachable the view keeps its last state, new placements are kept locally, and routing goes on
-over the hash ring. A rank whose replica fails (connection error, timeout, 5xx, a full queue) is retried
-on the next replica in ring order, where it is a cache miss and runs full inference.
+over the hash ring. A rank whose replica fails (connection error, timeout, 5xx, a full queue, a
+rank it predicts would finish late) is retried on the next replica in ring order, where it is a cache miss and runs full inference.
 
 Overload and deadlines: every rank gets a deadline from its budget (``rank_budget_ms``, or less if the
 client sends ``X-Grstack-Deadline-Ms``); the remaining budget travels to the ranker in the same header
@@ -707,7 +707,7 @@ class Router:
         if kind == "moved":
             self.metrics.moves.labels("load").inc()
         self.retry_budget.request()
-        last_error, shed_retry_after = "", None
+        last_error, shed_retry_after, shed_reason = "", None, "queue-full"
         for attempt, rid in enumerate(order):
             if rid not in self.replicas:
                 continue
@@ -754,8 +754,9 @@ class Router:
                 self.metrics.shed.labels("deadline").inc()
                 return web.Response(status=status, body=payload, content_type="application/json",
                                     headers={"X-Grstack-Shed": "deadline", "X-Grstack-Attempts": str(attempt + 1)})
-            if status == 503 and headers.get("X-Grstack-Shed") == "queue-full":
-                last_error = f"{rid}: queue full"
+            if status == 503 and headers.get("X-Grstack-Shed") in ("queue-full", "predicted-late"):
+                shed_reason = headers["X-Grstack-Shed"]
+                last_error = f"{rid}: {shed_reason}"
                 shed_retry_after = headers.get("Retry-After", "1")
                 continue  # overload is not a fault: no outlier count
             if status >= 500:
@@ -766,9 +767,9 @@ class Router:
             return web.Response(status=status, body=payload, content_type="application/json",
                                 headers={"X-Grstack-Route": kind, "X-Grstack-Attempts": str(attempt + 1)})
         if shed_retry_after is not None:
-            self.metrics.shed.labels("queue-full").inc()
-            return error_response(503, f"overloaded: every ranker tried is full ({last_error})",
-                                  headers={"Retry-After": shed_retry_after, "X-Grstack-Shed": "queue-full"})
+            self.metrics.shed.labels(shed_reason).inc()
+            return error_response(503, f"overloaded: every ranker tried refused it ({last_error})",
+                                  headers={"Retry-After": shed_retry_after, "X-Grstack-Shed": shed_reason})
         raise RequestError(503, f"every ranker replica failed ({last_error})")
 
     # -- prefill ------------------------------------------------------------------------------------

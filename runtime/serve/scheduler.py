@@ -54,13 +54,48 @@ COMPUTE_KINDS = ("prefill", "rank_cached", "rank_full")
 
 
 class QueueFull(Exception):
-    """The queue for this kind of work is at its bound; retry after ``retry_after_s``."""
+    """The queue for this kind of work is at its bound; retry after ``retry_after_s``. ``reason`` is what the
+    ranker's 503 says in ``X-Grstack-Shed``."""
 
-    def __init__(self, queue: str, depth: int, retry_after_s: float) -> None:
-        super().__init__(f"{queue} queue full ({depth} waiting)")
+    reason = "queue-full"
+
+    def __init__(self, queue: str, depth: int, retry_after_s: float, message: str | None = None) -> None:
+        super().__init__(message or f"{queue} queue full ({depth} waiting)")
         self.queue = queue
         self.depth = depth
         self.retry_after_s = retry_after_s
+
+
+class PredictedLate(QueueFull):
+    """The rank would finish after its deadline behind the work already queued: refused at once (503), so
+    that the caller can go elsewhere or give up now instead of learning it at the deadline."""
+
+    reason = "predicted-late"
+
+
+@dataclass
+class CostEstimate:
+    """An online estimate of a per-unit compute cost (seconds per cached rank, per prefix token): exponentially
+    weighted mean and mean deviation, as RFC 6298 smooths round-trip times. :attr:`value` is mean + deviation,
+    a cost that most steps stay under; None until ``warm`` samples were seen."""
+
+    alpha: float = 0.2
+    warm: int = 4
+    mean: float = 0.0
+    dev: float = 0.0
+    samples: int = 0
+
+    def add(self, x: float) -> None:
+        if self.samples == 0:
+            self.mean, self.dev = x, x / 2
+        else:
+            self.dev += self.alpha * (abs(x - self.mean) - self.dev)
+            self.mean += self.alpha * (x - self.mean)
+        self.samples += 1
+
+    @property
+    def value(self) -> float | None:
+        return self.mean + self.dev if self.samples >= self.warm else None
 
 
 class DeadlineExceeded(Exception):
@@ -128,6 +163,9 @@ class ComputeScheduler:
     # with it a prefill or miss writes its chunks in place instead of concatenating (RankerConfig.kv_arena).
     # ``evict``: cached entries may be evicted for it (not for a miss without a base: its result is not cached)
     reserve: Callable[..., PrefixKV | None] | None = None
+    # None: no prediction. Else a rank predicted to finish later than its deadline minus this is refused at
+    # admission (:class:`PredictedLate`); the margin is the answer's way back to the caller
+    admission_margin_s: float | None = None
     _hits: deque[_Hit] = field(default_factory=deque)
     _misses: deque[_Job] = field(default_factory=deque)
     _prefills: deque[_Job] = field(default_factory=deque)
@@ -142,6 +180,9 @@ class ComputeScheduler:
         self.tokens_without_incremental = 0
         self.incremental_prefills = 0
         self.compute_s: dict[str, float] = dict.fromkeys(COMPUTE_KINDS, 0.0)
+        self.hit_cost = CostEstimate()  # seconds per cached rank in a batched step
+        self.token_cost = CostEstimate()  # seconds per prefix token computed (chunks, full inference)
+        self._running_until: float | None = None  # when the step on the compute thread is expected to end
 
     # -- public API (event loop) --------------------------------------------------------------------
     def start(self) -> None:
@@ -169,6 +210,83 @@ class ComputeScheduler:
         depth = len(self._hits) + len(self._misses)
         if self.max_queue is not None and depth >= self.max_queue:
             raise QueueFull("rank", depth, self.retry_after_s)
+
+    # -- deadline prediction ------------------------------------------------------------------------
+    def _costs(self) -> tuple[float, float]:
+        """(seconds per cached rank, seconds per prefix token); 0 for one not yet measured, so that a ranker
+        admits everything until it has seen its own speed."""
+        return self.hit_cost.value or 0.0, self.token_cost.value or 0.0
+
+    def _job_cost(self, job: _Job, hit: float, tok: float) -> float:
+        return job.remaining * tok + (hit if job.item is not None and not self._short_miss(job) else 0.0)
+
+    def _prefill_step_tokens(self) -> int:
+        """New tokens of the next prefill step (as :meth:`_collect` would batch them)."""
+        used = 0
+        for n, job in enumerate(self._prefills):
+            c = min(self.engine.chunk, job.remaining)
+            if n >= self.max_batch or (n and self.max_step_tokens is not None and used + c > self.max_step_tokens):
+                break
+            used += c
+        return used
+
+    def _wait_s(self, ahead_s: float, rank_steps: int, now: float) -> float:
+        """Seconds until work behind ``ahead_s`` of queued rank work (``rank_steps`` steps) ends its wait: the
+        running step's rest, that work, and the prefill steps the starvation guard runs between its steps."""
+        running = 0.0 if self._running_until is None else max(0.0, self._running_until - now)
+        prefill_steps = (rank_steps + self._critical_streak) // self.prefill_every if self._prefills else 0
+        return running + ahead_s + prefill_steps * self._prefill_step_tokens() * self._costs()[1]
+
+    def _check_deadline(self, deadline: float | None, wait_s: float, own_s: float) -> None:
+        if self.admission_margin_s is None or deadline is None:
+            return
+        now = self.clock()
+        late = now + wait_s + own_s + self.admission_margin_s - deadline
+        if late > 0:
+            depth = len(self._hits) + len(self._misses)
+            raise PredictedLate("rank", depth, self.retry_after_s,
+                                f"predicted to finish {late * 1e3:.0f} ms after its deadline "
+                                f"({wait_s * 1e3:.0f} ms of work ahead of it, {own_s * 1e3:.0f} ms its own)")
+
+    def _admit_hit(self, deadline: float | None) -> None:
+        """Cached ranks run before every miss: only the queued hits are ahead of a new one."""
+        if self.admission_margin_s is None or deadline is None:
+            return
+        hit, _ = self._costs()
+        steps = -(-len(self._hits) // self.max_batch)
+        self._check_deadline(deadline, self._wait_s(len(self._hits) * hit, steps, self.clock()), hit)
+
+    def _admit_miss(self, deadline: float | None, tokens: int, short: bool) -> None:
+        if self.admission_margin_s is None or deadline is None:
+            return
+        hit, tok = self._costs()
+        ahead = len(self._hits) * hit + sum(self._job_cost(j, hit, tok) for j in self._misses)
+        steps = -(-len(self._hits) // self.max_batch) + len(self._misses)
+        own = tokens * tok + (0.0 if short else hit)
+        self._check_deadline(deadline, self._wait_s(ahead, steps, self.clock()), own)
+
+    def check_join(self, fut: asyncio.Future[Any], deadline: float | None) -> None:
+        """A rank about to join the prefill behind ``fut``: raises :class:`PredictedLate` when that prefill,
+        where :meth:`boost` puts it in the rank queue, and the rank after it are predicted to end past
+        ``deadline``. Call it before :meth:`boost`, so that a refused rank raises no prefill's priority."""
+        if self.admission_margin_s is None or deadline is None:
+            return
+        hit, tok = self._costs()
+        hits_s, hit_steps = len(self._hits) * hit, -(-len(self._hits) // self.max_batch)
+        job = next((j for j in self._prefills if j.future is fut), None)
+        ahead, steps = hits_s, hit_steps
+        if job is None:  # boosted already: behind the misses before it
+            for other in self._misses:
+                if other.future is fut:
+                    job = other
+                    break
+                ahead += self._job_cost(other, hit, tok)
+                steps += 1
+        elif job.started is None:  # boost appends it behind every queued miss
+            ahead += sum(self._job_cost(j, hit, tok) for j in self._misses)
+            steps += len(self._misses)
+        if job is not None:
+            self._check_deadline(deadline, self._wait_s(ahead, steps, self.clock()), job.remaining * tok + hit)
 
     def _expired(self, deadline: float | None, now: float | None = None) -> bool:
         return deadline is not None and (self.clock() if now is None else now) >= deadline
@@ -211,6 +329,7 @@ class ComputeScheduler:
     async def rank_cached(self, kv: PrefixKV, item: RankItem,
                           deadline: float | None = None) -> tuple[torch.Tensor, Timing]:
         self._admit_rank()
+        self._admit_hit(deadline)
         if not kv.pin():
             raise ValueError("the cached prefix was evicted and its arena range freed before the rank was queued")
         fut = asyncio.get_running_loop().create_future()
@@ -235,7 +354,10 @@ class ComputeScheduler:
     async def _submit_miss(self, item: RankItem, base: PrefixKV | None,
                            deadline: float | None) -> tuple[tuple[torch.Tensor, PrefixKV | None], Timing]:
         self._admit_rank()
-        job = self._job(self.engine.item_tokens(item), base, item, deadline)
+        prefix = self.engine.item_tokens(item)
+        start = base.length if base is not None and base.live else 0
+        self._admit_miss(deadline, len(prefix) - start, base is None and len(prefix) <= self.engine.chunk)
+        job = self._job(prefix, base, item, deadline)
         self._misses.append(job)
         self._wake.set()
         return await job.future
@@ -323,6 +445,7 @@ class ComputeScheduler:
         if self.on_batch is not None:
             self.on_batch(len(batch))
         t0 = time.perf_counter()
+        self._expect(len(batch) * self._costs()[0])
         try:
             out = await loop.run_in_executor(self._executor, self.engine.rank_cached,
                                              [h.kv for h in batch], [h.item for h in batch])
@@ -332,7 +455,9 @@ class ComputeScheduler:
                     h.future.set_exception(exc)
             return
         finally:
+            self._running_until = None
             self._account("rank_cached", time.perf_counter() - t0)
+        self.hit_cost.add((time.perf_counter() - t0) / len(batch))
         end = self.clock()
         for h, logits in zip(batch, out, strict=True):
             if not h.future.done():
@@ -363,6 +488,8 @@ class ComputeScheduler:
         if self.on_batch is not None:
             self.on_batch(len(batch))
         t0 = time.perf_counter()
+        tokens = sum(j.tokens for j in batch)
+        self._expect(tokens * self._costs()[1])
         try:
             out = await loop.run_in_executor(self._executor, self.engine.rank_full, [j.item for j in batch])
         except Exception as exc:
@@ -371,8 +498,10 @@ class ComputeScheduler:
                     j.future.set_exception(exc)
             return
         finally:
+            self._running_until = None
             self._account("rank_full", time.perf_counter() - t0)
-        tokens = sum(j.tokens for j in batch)
+        if tokens:
+            self.token_cost.add((time.perf_counter() - t0) / tokens)
         self._count_tokens(tokens, tokens)
         end = self.clock()
         for j, logits in zip(batch, out, strict=True):
@@ -429,6 +558,10 @@ class ComputeScheduler:
             j.started = start if j.started is None else j.started
         if self.on_batch is not None:
             self.on_batch(len(batch))
+        hit, tok = self._costs()
+        chunk = self.engine.chunk
+        self._expect(sum(min(chunk, j.remaining) for j in batch) * tok
+                     + sum(1 for j in batch if j.item is not None and j.remaining <= chunk) * hit)
         try:
             groups = [(batch, first, await loop.run_in_executor(self._executor, self._compute_chunks, batch))]
         except Exception as exc:
@@ -441,13 +574,23 @@ class ComputeScheduler:
                     groups.append(([j], [f], await loop.run_in_executor(self._executor, self._compute_chunks, [j])))
                 except Exception as one:
                     self._fail(j, one)
+        finally:
+            self._running_until = None
         for jobs, firsts, (kvs, logits, extend_s, rank_s) in groups:
             self._apply(jobs, firsts, kvs, logits, extend_s, rank_s)
+
+    def _expect(self, seconds: float) -> None:
+        self._running_until = self.clock() + seconds
 
     def _apply(self, jobs: list[_Job], first: list[bool], kvs: list[PrefixKV], logits: list[torch.Tensor | None],
                extend_s: float, rank_s: float) -> None:
         new = [kv.length - j.kv.length for j, kv in zip(jobs, kvs, strict=True)]
         total = sum(new) or 1
+        if sum(new):
+            self.token_cost.add(extend_s / sum(new))
+        ranked = sum(1 for lg in logits if lg is not None)
+        if ranked:
+            self.hit_cost.add(rank_s / ranked)
         prefill_share = sum(n for j, n in zip(jobs, new, strict=True) if j.item is None) / total
         self._account("prefill", extend_s * prefill_share)
         self._account("rank_full", extend_s * (1 - prefill_share) + rank_s)

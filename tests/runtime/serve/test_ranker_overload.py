@@ -1,5 +1,6 @@
 """The ranker under overload: a bounded queue answers 503 + Retry-After, expired work is dropped before
-compute, a rank joins an in-flight prefill, hit rate counts rank lookups only, queue/prefill histograms."""
+compute, a rank predicted to finish late is refused at once, a rank joins an in-flight prefill, hit rate
+counts rank lookups only, queue/prefill histograms."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 from grstack.runtime.serve.ranker import RankerConfig, RankerService, start_ranker
+from grstack.runtime.serve.scheduler import CostEstimate
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
@@ -204,3 +206,33 @@ async def test_hit_rate_counts_rank_lookups_only_and_histograms(make) -> None:
     await http.post(r.url + "/v1/no/such/path/123")
     text = await (await http.get(r.url + "/metrics")).text()
     assert 'endpoint="unmatched"' in text and "/v1/no/such" not in text
+
+
+async def test_a_rank_predicted_late_is_answered_503_at_once_and_joins_nothing(make) -> None:
+    factory, http = make
+    r = await factory(chunk=8, admission_margin_ms=5.0)
+    sched = r.service.scheduler
+    calls = count_calls(r.service)
+    sched.token_cost = CostEstimate(mean=0.010, samples=4)  # as if measured: 10 ms a prefix token
+    sched.hit_cost = CostEstimate(mean=0.001, samples=4)
+    hold = Hold(r.service)
+    status, body, headers = await post(http, r.url + "/v1/rank", rank_body("late", 1), {"X-Grstack-Deadline-Ms": "100"})
+    assert status == 503 and headers["X-Grstack-Shed"] == "predicted-late" and headers["Retry-After"] == "1"
+    assert "after its deadline" in body["error"]
+    # a rank that would join an in-flight prefill of 30 tokens (300 ms) is refused too, and boosts nothing
+    prefill = rank_body("joiner", 2)
+    pre = asyncio.ensure_future(post(http, r.url + "/v1/prefill", {"user_id": "joiner",
+                                                                  "long_term": prefill["long_term"]}))
+    await until(lambda: bool(r.service._inflight_jobs), "the prefill is queued")
+    status, _, headers = await post(http, r.url + "/v1/rank", prefill, {"X-Grstack-Deadline-Ms": "100"})
+    assert status == 503 and headers["X-Grstack-Shed"] == "predicted-late"
+    assert sched.depth() == {"hits": 0, "misses": 0, "prefills": 1}  # still a background prefill
+    # with time enough the same rank joins it
+    rank = asyncio.ensure_future(post(http, r.url + "/v1/rank", prefill, {"X-Grstack-Deadline-Ms": "30000"}))
+    await until(lambda: sched.depth()["misses"] == 1, "the prefill is boosted")
+    await hold.release()
+    (ps, _, _), (rs, rb, _) = await asyncio.gather(pre, rank)
+    assert ps == 200 and rs == 200 and rb["cache"] == "device"
+    assert calls["rank_full"] == 0  # the refused ranks computed nothing
+    text = await (await http.get(r.url + "/metrics")).text()
+    assert 'grstack_ranker_shed_total{reason="predicted-late"} 2.0' in text

@@ -306,16 +306,17 @@ async def test_a_slow_ranker_times_out_retries_elsewhere_and_is_ejected_after_co
         assert status == 200 and headers["X-Grstack-Attempts"] == "1" and len(slow.ranks) == 3
 
 
-async def test_queue_full_everywhere_is_a_503_with_retry_after_after_trying_the_others() -> None:
+@pytest.mark.parametrize("reason", ["queue-full", "predicted-late"])
+async def test_a_ranker_refusal_everywhere_is_a_503_with_retry_after_after_trying_the_others(reason: str) -> None:
     async with Setup(2, outlier_consecutive_failures=1) as s:
         a, b = s.fakes
         for f in s.fakes:
             f.rank_status = 503
-            f.rank_headers = {"Retry-After": "3", "X-Grstack-Shed": "queue-full"}
+            f.rank_headers = {"Retry-After": "3", "X-Grstack-Shed": reason}
         user = s.user_first_on(a)
         status, err, headers = await post(s.http, s.urls[0] + "/v1/rank", rank_body(user))
-        assert status == 503 and headers["Retry-After"] == "3" and headers["X-Grstack-Shed"] == "queue-full"
-        assert "full" in err["error"] and len(a.ranks) == len(b.ranks) == 1
+        assert status == 503 and headers["Retry-After"] == "3" and headers["X-Grstack-Shed"] == reason
+        assert reason in err["error"] and len(a.ranks) == len(b.ranks) == 1
         assert not s.routers[0].ejected  # overload is not a fault
         b.rank_status = 200
         status, out, headers = await post(s.http, s.urls[0] + "/v1/rank", rank_body(user))

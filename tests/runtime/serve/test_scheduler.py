@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from grstack.runtime.serve.engine import RelayEngine
-from grstack.runtime.serve.scheduler import ComputeScheduler
+from grstack.runtime.serve.scheduler import ComputeScheduler, CostEstimate, PredictedLate
 
 pytestmark = pytest.mark.unit
 
@@ -60,3 +60,67 @@ async def test_ranks_overtake_a_long_prefill_between_its_chunks(kit: SimpleNames
     await sched.stop()
     assert order.index("prefill") == 3  # the ranks did not wait for all ten chunks
     assert torch.allclose(kv.keys[0], eng.prefill(long.long_items, long.long_ts).keys[0], atol=1e-6)
+
+
+def test_cost_estimate_is_mean_plus_deviation_once_warm() -> None:
+    est = CostEstimate(alpha=0.5, warm=3)
+    est.add(0.010)
+    est.add(0.010)
+    assert est.value is None  # two samples: not warm
+    est.add(0.020)
+    assert est.mean == pytest.approx(0.015) and est.dev > 0
+    assert est.value == pytest.approx(est.mean + est.dev)
+    for _ in range(30):
+        est.add(0.004)
+    assert est.value == pytest.approx(0.004, abs=1e-6)  # a steady cost: the deviation decays to nothing
+
+
+async def test_a_rank_predicted_to_miss_its_deadline_is_refused_at_admission(kit: SimpleNamespace) -> None:
+    eng = RelayEngine(kit.make_model(), max_suffix=8, chunk=8)
+    rng = np.random.default_rng(2)
+    reqs = [request(eng, rng, 12) for _ in range(6)]
+    prefixes = [eng.prefill(r.long_items, r.long_ts) for r in reqs]
+    clock = [100.0]
+    sched = ComputeScheduler(eng, max_batch=2, clock=lambda: clock[0], admission_margin_s=0.005)
+    # as if measured: 10 ms a cached rank, 1 ms a prefix token, no spread
+    sched.hit_cost = CostEstimate(mean=0.010, samples=4)
+    sched.token_cost = CostEstimate(mean=0.001, samples=4)
+    queued = [asyncio.ensure_future(sched.rank_cached(p, r, deadline=200.0)) for p, r in zip(prefixes[:4], reqs[:4], strict=True)]
+    await asyncio.sleep(0)
+    assert sched.depth()["hits"] == 4
+    # 4 hits ahead (40 ms) + its own 10 ms + the 5 ms margin: due in 54 ms is late, in 56 ms is not
+    with pytest.raises(PredictedLate, match="ms after its deadline"):
+        await sched.rank_cached(prefixes[4], reqs[4], deadline=100.054)
+    assert sched.depth()["hits"] == 4  # refused before it was queued: nothing to compute, nothing lost
+    ok = asyncio.ensure_future(sched.rank_cached(prefixes[4], reqs[4], deadline=100.056))
+    await asyncio.sleep(0)
+    assert sched.depth()["hits"] == 5
+    # a miss (longer than a chunk: computed in chunks, then a cached-prefix rank) waits behind the 5 hits:
+    # 50 ms + its tokens at 1 ms + 10 ms for its rank + the margin
+    due = 0.050 + len(eng.item_tokens(reqs[5])) * 0.001 + 0.010 + 0.005
+    with pytest.raises(PredictedLate):
+        await sched.rank_full(reqs[5], deadline=100.0 + due - 0.001)
+    miss = asyncio.ensure_future(sched.rank_full(reqs[5], deadline=100.0 + due + 0.001))
+    await asyncio.sleep(0)
+    assert sched.depth()["misses"] == 1
+    # no deadline, or no prediction: admitted whatever is queued
+    free = asyncio.ensure_future(sched.rank_cached(prefixes[0], reqs[0]))
+    sched.start()
+    results = await asyncio.gather(*queued, ok, miss, free)
+    await sched.stop()
+    assert len(results) == 7
+    assert sched.hit_cost.samples > 4  # the measured steps update the estimates
+
+
+async def test_without_measured_costs_every_rank_is_admitted(kit: SimpleNamespace) -> None:
+    eng = RelayEngine(kit.make_model(), max_suffix=8, chunk=8)
+    rng = np.random.default_rng(3)
+    r = request(eng, rng, 12)
+    prefix = eng.prefill(r.long_items, r.long_ts)
+    clock = [5.0]
+    sched = ComputeScheduler(eng, clock=lambda: clock[0], admission_margin_s=0.005)
+    pending = [asyncio.ensure_future(sched.rank_cached(prefix, r, deadline=5.006)) for _ in range(20)]
+    await asyncio.sleep(0)
+    assert sched.depth()["hits"] == 20  # a ranker that has not measured its speed yet refuses nothing
+    for p in pending:
+        p.cancel()
