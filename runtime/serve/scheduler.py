@@ -74,28 +74,47 @@ class PredictedLate(QueueFull):
 
 
 @dataclass
-class CostEstimate:
-    """An online estimate of a per-unit compute cost (seconds per cached rank, per prefix token): exponentially
-    weighted mean and mean deviation, as RFC 6298 smooths round-trip times. :attr:`value` is mean + deviation,
-    a cost that most steps stay under; None until ``warm`` samples were seen."""
+class StepCost:
+    """Seconds of one compute step as ``a + b·n`` (``n``: cached ranks in the batch, or prefix tokens computed),
+    fitted by exponentially weighted least squares, so that it follows the speed the ranker has now (CPU
+    contention, a warm allocator), fixed per-step overhead included; ``dev`` is the weighted mean absolute
+    error of its predictions. It predicts 0 until ``warm`` steps were seen: a ranker admits everything until
+    it has measured its own speed."""
 
-    alpha: float = 0.2
-    warm: int = 4
-    mean: float = 0.0
-    dev: float = 0.0
+    alpha: float = 0.1
+    warm: int = 8
     samples: int = 0
+    dev: float = 0.0
+    sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # weighted Σ1, Σn, Σt, Σn², Σn·t
 
-    def add(self, x: float) -> None:
-        if self.samples == 0:
-            self.mean, self.dev = x, x / 2
-        else:
-            self.dev += self.alpha * (abs(x - self.mean) - self.dev)
-            self.mean += self.alpha * (x - self.mean)
+    def add(self, n: float, seconds: float) -> None:
+        if self.samples >= self.warm:
+            self.dev += self.alpha * (abs(seconds - self.predict(n)) - self.dev)
+        for i, v in enumerate((1.0, n, seconds, n * n, n * seconds)):
+            self.sums[i] = self.sums[i] * (1 - self.alpha) + v
         self.samples += 1
 
-    @property
-    def value(self) -> float | None:
-        return self.mean + self.dev if self.samples >= self.warm else None
+    def coefficients(self) -> tuple[float, float]:
+        """(a, b), both non-negative: a line through the origin when the sizes seen do not vary enough, a
+        constant when the fitted slope is negative."""
+        w, sn, st, snn, snt = self.sums
+        if w <= 0:
+            return 0.0, 0.0
+        var = w * snn - sn * sn
+        if var > 1e-9 * w * snn:
+            b = (w * snt - sn * st) / var
+            a = (st - b * sn) / w
+            if b < 0:
+                return st / w, 0.0
+            if a >= 0:
+                return a, b
+        return (0.0, st / sn) if sn > 0 else (st / w, 0.0)
+
+    def predict(self, n: float) -> float:
+        if self.samples < self.warm:
+            return 0.0
+        a, b = self.coefficients()
+        return a + b * n
 
 
 class DeadlineExceeded(Exception):
@@ -180,8 +199,9 @@ class ComputeScheduler:
         self.tokens_without_incremental = 0
         self.incremental_prefills = 0
         self.compute_s: dict[str, float] = dict.fromkeys(COMPUTE_KINDS, 0.0)
-        self.hit_cost = CostEstimate()  # seconds per cached rank in a batched step
-        self.token_cost = CostEstimate()  # seconds per prefix token computed (chunks, full inference)
+        self.hit_cost = StepCost()  # a batched cached-prefix rank step, by ranks
+        self.token_cost = StepCost()  # a chunk step (prefills, long misses), by new prefix tokens
+        self.full_cost = StepCost()  # a batched full inference of short misses, by tokens
         self._running_until: float | None = None  # when the step on the compute thread is expected to end
 
     # -- public API (event loop) --------------------------------------------------------------------
@@ -212,13 +232,19 @@ class ComputeScheduler:
             raise QueueFull("rank", depth, self.retry_after_s)
 
     # -- deadline prediction ------------------------------------------------------------------------
-    def _costs(self) -> tuple[float, float]:
-        """(seconds per cached rank, seconds per prefix token); 0 for one not yet measured, so that a ranker
-        admits everything until it has seen its own speed."""
-        return self.hit_cost.value or 0.0, self.token_cost.value or 0.0
+    def _hits_s(self, count: int) -> float:
+        """Predicted seconds of ``count`` cached ranks, in steps of ``max_batch``."""
+        full, rest = divmod(count, self.max_batch)
+        return full * self.hit_cost.predict(self.max_batch) + (self.hit_cost.predict(rest) if rest else 0.0)
 
-    def _job_cost(self, job: _Job, hit: float, tok: float) -> float:
-        return job.remaining * tok + (hit if job.item is not None and not self._short_miss(job) else 0.0)
+    def _job_s(self, job: _Job) -> float:
+        """Predicted seconds of what is left of a miss or prefill: its chunk steps and, for a miss computed in
+        chunks, the cached-prefix rank after them; a short miss is one full inference."""
+        if self._short_miss(job):
+            return self.full_cost.predict(job.tokens)
+        full, rest = divmod(job.remaining, self.engine.chunk)
+        s = full * self.token_cost.predict(self.engine.chunk) + (self.token_cost.predict(rest) if rest else 0.0)
+        return s + (self.hit_cost.predict(1) if job.item is not None else 0.0)
 
     def _prefill_step_tokens(self) -> int:
         """New tokens of the next prefill step (as :meth:`_collect` would batch them)."""
@@ -230,40 +256,36 @@ class ComputeScheduler:
             used += c
         return used
 
-    def _wait_s(self, ahead_s: float, rank_steps: int, now: float) -> float:
-        """Seconds until work behind ``ahead_s`` of queued rank work (``rank_steps`` steps) ends its wait: the
-        running step's rest, that work, and the prefill steps the starvation guard runs between its steps."""
+    def _check_deadline(self, deadline: float, work_s: float, rank_steps: int) -> None:
+        """Raises :class:`PredictedLate` when ``work_s`` of queued work (``rank_steps`` steps, the request's own
+        included) after the running step, with the prefill steps the starvation guard runs between them and
+        the models' error, would end later than ``deadline`` minus the margin."""
+        now = self.clock()
         running = 0.0 if self._running_until is None else max(0.0, self._running_until - now)
         prefill_steps = (rank_steps + self._critical_streak) // self.prefill_every if self._prefills else 0
-        return running + ahead_s + prefill_steps * self._prefill_step_tokens() * self._costs()[1]
-
-    def _check_deadline(self, deadline: float | None, wait_s: float, own_s: float) -> None:
-        if self.admission_margin_s is None or deadline is None:
-            return
-        now = self.clock()
-        late = now + wait_s + own_s + self.admission_margin_s - deadline
+        prefills = prefill_steps * self.token_cost.predict(self._prefill_step_tokens())
+        error = max(self.hit_cost.dev, self.token_cost.dev, self.full_cost.dev)
+        total = running + work_s + prefills + error
+        late = now + total + (self.admission_margin_s or 0.0) - deadline
         if late > 0:
             depth = len(self._hits) + len(self._misses)
             raise PredictedLate("rank", depth, self.retry_after_s,
-                                f"predicted to finish {late * 1e3:.0f} ms after its deadline "
-                                f"({wait_s * 1e3:.0f} ms of work ahead of it, {own_s * 1e3:.0f} ms its own)")
+                                f"predicted to finish {late * 1e3:.0f} ms after its deadline ({total * 1e3:.0f} ms "
+                                f"of compute before its answer, {depth} ranks queued)")
 
     def _admit_hit(self, deadline: float | None) -> None:
         """Cached ranks run before every miss: only the queued hits are ahead of a new one."""
         if self.admission_margin_s is None or deadline is None:
             return
-        hit, _ = self._costs()
-        steps = -(-len(self._hits) // self.max_batch)
-        self._check_deadline(deadline, self._wait_s(len(self._hits) * hit, steps, self.clock()), hit)
+        n = len(self._hits) + 1
+        self._check_deadline(deadline, self._hits_s(n), -(-n // self.max_batch))
 
-    def _admit_miss(self, deadline: float | None, tokens: int, short: bool) -> None:
+    def _admit_miss(self, deadline: float | None, job_s: float) -> None:
         if self.admission_margin_s is None or deadline is None:
             return
-        hit, tok = self._costs()
-        ahead = len(self._hits) * hit + sum(self._job_cost(j, hit, tok) for j in self._misses)
-        steps = -(-len(self._hits) // self.max_batch) + len(self._misses)
-        own = tokens * tok + (0.0 if short else hit)
-        self._check_deadline(deadline, self._wait_s(ahead, steps, self.clock()), own)
+        ahead = self._hits_s(len(self._hits)) + sum(self._job_s(j) for j in self._misses)
+        steps = -(-len(self._hits) // self.max_batch) + len(self._misses) + 1
+        self._check_deadline(deadline, ahead + job_s, steps)
 
     def check_join(self, fut: asyncio.Future[Any], deadline: float | None) -> None:
         """A rank about to join the prefill behind ``fut``: raises :class:`PredictedLate` when that prefill,
@@ -271,22 +293,20 @@ class ComputeScheduler:
         ``deadline``. Call it before :meth:`boost`, so that a refused rank raises no prefill's priority."""
         if self.admission_margin_s is None or deadline is None:
             return
-        hit, tok = self._costs()
-        hits_s, hit_steps = len(self._hits) * hit, -(-len(self._hits) // self.max_batch)
+        ahead, steps = self._hits_s(len(self._hits)), -(-len(self._hits) // self.max_batch)
         job = next((j for j in self._prefills if j.future is fut), None)
-        ahead, steps = hits_s, hit_steps
         if job is None:  # boosted already: behind the misses before it
             for other in self._misses:
                 if other.future is fut:
                     job = other
                     break
-                ahead += self._job_cost(other, hit, tok)
+                ahead += self._job_s(other)
                 steps += 1
         elif job.started is None:  # boost appends it behind every queued miss
-            ahead += sum(self._job_cost(j, hit, tok) for j in self._misses)
+            ahead += sum(self._job_s(j) for j in self._misses)
             steps += len(self._misses)
         if job is not None:
-            self._check_deadline(deadline, self._wait_s(ahead, steps, self.clock()), job.remaining * tok + hit)
+            self._check_deadline(deadline, ahead + self._job_s(job) + self.hit_cost.predict(1), steps + 1)
 
     def _expired(self, deadline: float | None, now: float | None = None) -> bool:
         return deadline is not None and (self.clock() if now is None else now) >= deadline
@@ -355,8 +375,10 @@ class ComputeScheduler:
                            deadline: float | None) -> tuple[tuple[torch.Tensor, PrefixKV | None], Timing]:
         self._admit_rank()
         prefix = self.engine.item_tokens(item)
-        start = base.length if base is not None and base.live else 0
-        self._admit_miss(deadline, len(prefix) - start, base is None and len(prefix) <= self.engine.chunk)
+        if self.admission_margin_s is not None and deadline is not None:
+            kv = base if base is not None and base.live else self.engine.empty_prefix()
+            probe = _Job(asyncio.get_running_loop().create_future(), 0.0, prefix, kv, kv.length, item)
+            self._admit_miss(deadline, self._job_s(probe))
         job = self._job(prefix, base, item, deadline)
         self._misses.append(job)
         self._wake.set()
@@ -445,7 +467,7 @@ class ComputeScheduler:
         if self.on_batch is not None:
             self.on_batch(len(batch))
         t0 = time.perf_counter()
-        self._expect(len(batch) * self._costs()[0])
+        self._expect(self.hit_cost.predict(len(batch)))
         try:
             out = await loop.run_in_executor(self._executor, self.engine.rank_cached,
                                              [h.kv for h in batch], [h.item for h in batch])
@@ -457,7 +479,7 @@ class ComputeScheduler:
         finally:
             self._running_until = None
             self._account("rank_cached", time.perf_counter() - t0)
-        self.hit_cost.add((time.perf_counter() - t0) / len(batch))
+        self.hit_cost.add(len(batch), time.perf_counter() - t0)
         end = self.clock()
         for h, logits in zip(batch, out, strict=True):
             if not h.future.done():
@@ -489,7 +511,7 @@ class ComputeScheduler:
             self.on_batch(len(batch))
         t0 = time.perf_counter()
         tokens = sum(j.tokens for j in batch)
-        self._expect(tokens * self._costs()[1])
+        self._expect(self.full_cost.predict(tokens))
         try:
             out = await loop.run_in_executor(self._executor, self.engine.rank_full, [j.item for j in batch])
         except Exception as exc:
@@ -500,8 +522,7 @@ class ComputeScheduler:
         finally:
             self._running_until = None
             self._account("rank_full", time.perf_counter() - t0)
-        if tokens:
-            self.token_cost.add((time.perf_counter() - t0) / tokens)
+        self.full_cost.add(tokens, time.perf_counter() - t0)
         self._count_tokens(tokens, tokens)
         end = self.clock()
         for j, logits in zip(batch, out, strict=True):
@@ -558,10 +579,10 @@ class ComputeScheduler:
             j.started = start if j.started is None else j.started
         if self.on_batch is not None:
             self.on_batch(len(batch))
-        hit, tok = self._costs()
         chunk = self.engine.chunk
-        self._expect(sum(min(chunk, j.remaining) for j in batch) * tok
-                     + sum(1 for j in batch if j.item is not None and j.remaining <= chunk) * hit)
+        ranked = sum(1 for j in batch if j.item is not None and j.remaining <= chunk)
+        self._expect(self.token_cost.predict(sum(min(chunk, j.remaining) for j in batch))
+                     + (self.hit_cost.predict(ranked) if ranked else 0.0))
         try:
             groups = [(batch, first, await loop.run_in_executor(self._executor, self._compute_chunks, batch))]
         except Exception as exc:
@@ -586,11 +607,10 @@ class ComputeScheduler:
                extend_s: float, rank_s: float) -> None:
         new = [kv.length - j.kv.length for j, kv in zip(jobs, kvs, strict=True)]
         total = sum(new) or 1
-        if sum(new):
-            self.token_cost.add(extend_s / sum(new))
+        self.token_cost.add(sum(new), extend_s)
         ranked = sum(1 for lg in logits if lg is not None)
         if ranked:
-            self.hit_cost.add(rank_s / ranked)
+            self.hit_cost.add(ranked, rank_s)
         prefill_share = sum(n for j, n in zip(jobs, new, strict=True) if j.item is None) / total
         self._account("prefill", extend_s * prefill_share)
         self._account("rank_full", extend_s * (1 - prefill_share) + rank_s)

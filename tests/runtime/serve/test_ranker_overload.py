@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from grstack.runtime.serve.ranker import RankerConfig, RankerService, start_ranker
-from grstack.runtime.serve.scheduler import CostEstimate
+from grstack.runtime.serve.scheduler import StepCost
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
@@ -213,8 +213,13 @@ async def test_a_rank_predicted_late_is_answered_503_at_once_and_joins_nothing(m
     r = await factory(chunk=8, admission_margin_ms=5.0)
     sched = r.service.scheduler
     calls = count_calls(r.service)
-    sched.token_cost = CostEstimate(mean=0.010, samples=4)  # as if measured: 10 ms a prefix token
-    sched.hit_cost = CostEstimate(mean=0.001, samples=4)
+    sched.token_cost = StepCost()  # as if measured: 10 ms a prefix token (chunks, full inference), 1 ms a rank
+    sched.full_cost = StepCost()
+    sched.hit_cost = StepCost()
+    for n in range(1, 13):
+        sched.token_cost.add(n, 0.010 * n)
+        sched.full_cost.add(n, 0.010 * n)
+        sched.hit_cost.add(n, 0.001 * n)
     hold = Hold(r.service)
     status, body, headers = await post(http, r.url + "/v1/rank", rank_body("late", 1), {"X-Grstack-Deadline-Ms": "100"})
     assert status == 503 and headers["X-Grstack-Shed"] == "predicted-late" and headers["Retry-After"] == "1"

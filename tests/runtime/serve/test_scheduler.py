@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from grstack.runtime.serve.engine import RelayEngine
-from grstack.runtime.serve.scheduler import ComputeScheduler, CostEstimate, PredictedLate
+from grstack.runtime.serve.scheduler import ComputeScheduler, PredictedLate, StepCost
 
 pytestmark = pytest.mark.unit
 
@@ -62,17 +62,35 @@ async def test_ranks_overtake_a_long_prefill_between_its_chunks(kit: SimpleNames
     assert torch.allclose(kv.keys[0], eng.prefill(long.long_items, long.long_ts).keys[0], atol=1e-6)
 
 
-def test_cost_estimate_is_mean_plus_deviation_once_warm() -> None:
-    est = CostEstimate(alpha=0.5, warm=3)
-    est.add(0.010)
-    est.add(0.010)
-    assert est.value is None  # two samples: not warm
-    est.add(0.020)
-    assert est.mean == pytest.approx(0.015) and est.dev > 0
-    assert est.value == pytest.approx(est.mean + est.dev)
-    for _ in range(30):
-        est.add(0.004)
-    assert est.value == pytest.approx(0.004, abs=1e-6)  # a steady cost: the deviation decays to nothing
+def measured(per_unit: float, overhead: float = 0.0) -> StepCost:
+    """A step cost model fed exact steps of ``overhead + per_unit·n`` seconds."""
+    cost = StepCost()
+    for n in range(1, 13):
+        cost.add(n, overhead + per_unit * n)
+    return cost
+
+
+def test_step_cost_fits_overhead_and_per_unit_cost_once_warm() -> None:
+    cost = StepCost(warm=3)
+    cost.add(4, 0.006)
+    cost.add(8, 0.010)
+    assert cost.predict(8) == 0.0  # two steps: not warm, admits everything
+    cost.add(2, 0.004)
+    a, b = cost.coefficients()
+    assert a == pytest.approx(0.002) and b == pytest.approx(0.001)  # 2 ms a step + 1 ms a unit
+    assert cost.predict(16) == pytest.approx(0.018)
+    cost = measured(0.001, overhead=0.003)
+    assert cost.dev == pytest.approx(0.0, abs=1e-9)  # exact steps: no error
+    cost.add(6, 0.019)  # one step 10 ms slower than the line: the error estimate grows
+    assert cost.dev > 0.0005
+    same = StepCost(warm=2)  # one size only: a line through the origin
+    for _ in range(4):
+        same.add(5, 0.010)
+    assert same.coefficients() == (0.0, pytest.approx(0.002))
+    flat = StepCost(warm=2)  # bigger steps measured faster: a constant, never a negative slope
+    flat.add(1, 0.010)
+    flat.add(10, 0.006)
+    assert flat.coefficients() == (pytest.approx((0.9 * 0.010 + 0.006) / 1.9), 0.0)  # their weighted mean
 
 
 async def test_a_rank_predicted_to_miss_its_deadline_is_refused_at_admission(kit: SimpleNamespace) -> None:
@@ -82,13 +100,12 @@ async def test_a_rank_predicted_to_miss_its_deadline_is_refused_at_admission(kit
     prefixes = [eng.prefill(r.long_items, r.long_ts) for r in reqs]
     clock = [100.0]
     sched = ComputeScheduler(eng, max_batch=2, clock=lambda: clock[0], admission_margin_s=0.005)
-    # as if measured: 10 ms a cached rank, 1 ms a prefix token, no spread
-    sched.hit_cost = CostEstimate(mean=0.010, samples=4)
-    sched.token_cost = CostEstimate(mean=0.001, samples=4)
+    sched.hit_cost = measured(0.010)  # 10 ms a cached rank, 1 ms a prefix token, no error
+    sched.token_cost = measured(0.001)
     queued = [asyncio.ensure_future(sched.rank_cached(p, r, deadline=200.0)) for p, r in zip(prefixes[:4], reqs[:4], strict=True)]
     await asyncio.sleep(0)
     assert sched.depth()["hits"] == 4
-    # 4 hits ahead (40 ms) + its own 10 ms + the 5 ms margin: due in 54 ms is late, in 56 ms is not
+    # 4 hits ahead (40 ms, two steps of 2) + its own 10 ms + the 5 ms margin: due in 54 ms is late, in 56 is not
     with pytest.raises(PredictedLate, match="ms after its deadline"):
         await sched.rank_cached(prefixes[4], reqs[4], deadline=100.054)
     assert sched.depth()["hits"] == 4  # refused before it was queued: nothing to compute, nothing lost
@@ -109,7 +126,7 @@ async def test_a_rank_predicted_to_miss_its_deadline_is_refused_at_admission(kit
     results = await asyncio.gather(*queued, ok, miss, free)
     await sched.stop()
     assert len(results) == 7
-    assert sched.hit_cost.samples > 4  # the measured steps update the estimates
+    assert sched.hit_cost.samples > 12  # the measured steps update the model
 
 
 async def test_without_measured_costs_every_rank_is_admitted(kit: SimpleNamespace) -> None:
