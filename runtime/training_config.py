@@ -111,7 +111,11 @@ class ModelConfig(_Strict):
 
 
 class LossConfig(_Strict):
-    negatives: int = Field(512, ge=1, description="sampled negatives per token (R)")
+    negatives: int = Field(512, ge=1, description="sampled negatives per token (R); ignored with full_softmax")
+    full_softmax: bool = Field(False, description="every item of the catalogue is a negative (the target's own "
+                               "logit counted once): softmax cross-entropy over all items, the loss of RecBole's "
+                               "CE, SASRec-CE and BSARec results, instead of sampled negatives. Needs "
+                               "loss.sharing=batch (one set, the catalogue, for the whole batch)")
     temperature: float = Field(0.05, gt=0.0)
     sharing: Literal["batch", "group", "token"] = Field(
         "group", description="batch: one negative set for all tokens of a batch; group: one set per "
@@ -292,6 +296,9 @@ class Config(_Strict):
         if self.data.user_features and self.model.time_bias_query == "next":
             raise ValueError("model.time_bias_query=next does not combine with data.user_features (contextual "
                              "tokens have no next event)")
+        if self.loss.full_softmax and self.loss.sharing != "batch":
+            raise ValueError(f"loss.full_softmax=true scores the whole catalogue once per batch: it needs "
+                             f"loss.sharing=batch, not {self.loss.sharing!r}")
         if self.loss.ranking_on == "exposures" and (not self.model.ranking_head or self.loss.ranking_weight <= 0
                                                     or self.model.type == "sasrec"):
             raise ValueError("loss.ranking_on=exposures trains the ranking head: it needs an HSTU or FuXi-α model "

@@ -31,7 +31,13 @@ from grstack.runtime.embedding import LookupUnit, make_unit
 from grstack.runtime.errors import UserError
 from grstack.runtime.model import ItemFeatureMap, UserContextLayout, batch_keys
 from grstack.runtime.train import balance, microbatching
-from grstack.runtime.train.negatives import GroupLayout, share_permutations, step_generator, uniform_items
+from grstack.runtime.train.negatives import (
+    GroupLayout,
+    batch_negatives,
+    share_permutations,
+    step_generator,
+    uniform_items,
+)
 from grstack.runtime.training_config import Config
 
 
@@ -215,12 +221,11 @@ class Preparer:
                                                         global_step, self.rank)
         B, N = batch.batch_size, batch.num_tokens
         M = cfg.loss.ranking_candidates
-        R = cfg.loss.negatives
         seed = cfg.train.seed
         per_token = cfg.loss.sharing != "batch"
         per_set = 1 if cfg.loss.sharing == "token" else cfg.loss.group_size
         g = step_generator(seed, "negatives", global_step, self.rank)
-        negs = uniform_items(self.num_items, (-(-N // per_set), R) if per_token else (R,), g)
+        negs = batch_negatives(cfg.loss, self.num_items, -(-N // per_set), per_token, g)
         # logit sharing: drawn once over all of the rank's sets, so micro-batching does not change it
         perms = ([p.numpy() for p in share_permutations(negs.shape[0], cfg.negatives.share_k,
                                                         step_generator(seed, "share", global_step, self.rank))]

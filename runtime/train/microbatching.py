@@ -390,7 +390,7 @@ def rank_key_inputs(schedule: Any, cfg: Any, num_items: int, epoch: int, step: i
     sharing permutations from the per-step generators)."""
 
     from grstack.runtime.train.batching import rank_batch
-    from grstack.runtime.train.negatives import share_permutations, step_generator, uniform_items
+    from grstack.runtime.train.negatives import batch_negatives, share_permutations, step_generator
 
     rows_g = schedule.step_rows(epoch, step)
     parts = schedule.parts(rows_g)
@@ -398,9 +398,8 @@ def rank_key_inputs(schedule: Any, cfg: Any, num_items: int, epoch: int, step: i
     N, seed = batch.num_tokens, cfg.train.seed
     per_token = cfg.loss.sharing != "batch"
     per_set = 1 if cfg.loss.sharing == "token" else cfg.loss.group_size
-    R = cfg.loss.negatives
-    negs = uniform_items(num_items, (-(-N // per_set), R) if per_token else (R,),
-                         step_generator(seed, "negatives", global_step, rank))
+    negs = batch_negatives(cfg.loss, num_items, -(-N // per_set), per_token,
+                           step_generator(seed, "negatives", global_step, rank))
     perms = ([p.numpy() for p in share_permutations(negs.shape[0], cfg.negatives.share_k,
                                                     step_generator(seed, "share", global_step, rank))]
              if per_token and cfg.negatives.share_k > 1 else [])

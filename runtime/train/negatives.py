@@ -24,6 +24,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from grstack.runtime.training_config import LossConfig
+
 NEG_INF = -1e9
 PURPOSES = {"negatives": 1, "candidates": 2, "share": 3}
 
@@ -36,6 +38,15 @@ def step_generator(seed: int, purpose: str, step: int, rank: int) -> torch.Gener
 def uniform_items(num_items: int, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
     """Item ids in 1..num_items (0 is padding), the range every negative and candidate is drawn from."""
     return torch.randint(1, num_items + 1, shape, generator=generator)
+
+
+def batch_negatives(loss: LossConfig, num_items: int, sets: int, per_token: bool,
+                    generator: torch.Generator) -> torch.Tensor:
+    """A rank batch's negative ids: [sets, R] (a set per token or group of tokens), [R] shared by the batch,
+    or, with ``loss.full_softmax``, the whole catalogue 1..num_items (every step the same: nothing drawn)."""
+    if loss.full_softmax:
+        return torch.arange(1, num_items + 1)
+    return uniform_items(num_items, (sets, loss.negatives) if per_token else (loss.negatives,), generator)
 
 
 def share_permutations(n: int, k: int, generator: torch.Generator) -> list[torch.Tensor]:

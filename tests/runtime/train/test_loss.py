@@ -75,3 +75,28 @@ def test_a_negative_equal_to_the_target_does_not_count():
     with_collision = sampled_softmax_sum(q, items[[1]], items[[1, 2]], torch.tensor([1]), torch.tensor([1, 2]), 1.0)
     without = sampled_softmax_sum(q, items[[1]], items[[2]], torch.tensor([1]), torch.tensor([2]), 1.0)
     torch.testing.assert_close(with_collision, without)
+
+
+def test_full_softmax_is_cross_entropy_over_the_whole_catalogue():
+    from grstack.runtime.train.negatives import batch_negatives
+    from grstack.runtime.training_config import LossConfig
+
+    g, table, q, targets = _case(n=9, items=7)
+    ids = batch_negatives(LossConfig(full_softmax=True, sharing="batch"), 7, 3, False, g)
+    assert ids.tolist() == list(range(1, 8))  # every item, nothing drawn
+    t = 0.05
+    got = sampled_softmax_sum(q, table[targets], table[ids], targets, ids, t)
+    want = F.cross_entropy(q @ table[1:].t() / t, targets - 1, reduction="sum")
+    torch.testing.assert_close(got, want)
+    sampled = batch_negatives(LossConfig(negatives=4, sharing="group"), 7, 3, True, g)
+    assert sampled.shape == (3, 4) and int(sampled.min()) >= 1 and int(sampled.max()) <= 7
+
+
+def test_full_softmax_needs_batch_sharing():
+    from pydantic import ValidationError
+
+    from grstack.runtime.training_config import Config
+
+    with pytest.raises(ValidationError, match="loss.full_softmax=true .* needs loss.sharing=batch, not 'group'"):
+        Config.model_validate({"loss": {"full_softmax": True, "sharing": "group"}})
+    assert Config.model_validate({"loss": {"full_softmax": True, "sharing": "batch"}}).loss.full_softmax

@@ -53,6 +53,15 @@ def test_tiny_run_learns_and_writes_its_artifacts(tmp_path, data_dir):
     assert sum(losses[-5:]) < sum(losses[:5])
 
 
+def test_full_softmax_trains_through_the_engine(tmp_path, data_dir):
+    cfg = load_config(CONFIG, [*tiny_config_args(data_dir), "train.epochs=6", "loss.full_softmax=true",
+                               "loss.sharing=batch"])
+    summary = train(cfg, tmp_path / "run", progress=False)
+    assert summary["metrics"]["test"]["hr@10"] > 0.5  # the ring is learnt with every item a negative
+    losses = [loss for _, loss in _losses(tmp_path / "run")]
+    assert sum(losses[-5:]) < sum(losses[:5])
+
+
 def test_eval_cli_reproduces_the_summary(tmp_path, data_dir, capsys):
     run = tmp_path / "run"
     assert main(["train", "--config", str(CONFIG), "--out", str(run), "--no-progress",
