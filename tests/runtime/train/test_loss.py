@@ -97,6 +97,6 @@ def test_full_softmax_needs_batch_sharing():
 
     from grstack.runtime.training_config import Config
 
-    with pytest.raises(ValidationError, match="loss.full_softmax=true .* needs loss.sharing=batch, not 'group'"):
+    with pytest.raises(ValidationError, match=r"loss\.full_softmax=true .* needs loss\.sharing=batch, not 'group'"):
         Config.model_validate({"loss": {"full_softmax": True, "sharing": "group"}})
     assert Config.model_validate({"loss": {"full_softmax": True, "sharing": "batch"}}).loss.full_softmax
