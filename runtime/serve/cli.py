@@ -125,6 +125,8 @@ def _ranker_args(p: argparse.ArgumentParser) -> None:
                    help="queued rank requests per ranker; beyond it 503 + Retry-After (0 = unbounded)")
     g.add_argument("--max-prefill-queue", type=int, default=1024,
                    help="queued prefills per ranker; beyond it 503 + Retry-After (0 = unbounded)")
+    g.add_argument("--no-cache-misses", dest="cache_misses", action="store_false",
+                   help="drop the prefix K/V a rank miss computed (default: cache it for the user's next visits)")
     g.add_argument("--admission-margin-ms", type=float, default=5.0,
                    help="a rank predicted (queued work ahead, measured compute speed) to finish later than its "
                         "deadline minus this is answered 503 at once (negative = no prediction)")
@@ -188,6 +190,7 @@ def ranker_config(args: argparse.Namespace, max_len: int) -> Any:
                         max_prefill_queue=getattr(args, "max_prefill_queue", 1024) or None,
                         max_step_tokens=args.max_step_tokens,
                         admission_margin_ms=_margin(getattr(args, "admission_margin_ms", 5.0)),
+                        cache_misses=getattr(args, "cache_misses", True),
                         lease_ttl_s=getattr(args, "lease_ttl_s", 5.0), num_threads=args.threads)
 
 
@@ -205,6 +208,7 @@ def ranker_flags(args: argparse.Namespace) -> list[str]:
            "--max-queue", str(getattr(args, "max_queue", 256)),
            "--max-prefill-queue", str(getattr(args, "max_prefill_queue", 1024)),
            "--admission-margin-ms", str(getattr(args, "admission_margin_ms", 5.0)),
+           *([] if getattr(args, "cache_misses", True) else ["--no-cache-misses"]),
            "--log-level", args.log_level]
     if args.max_suffix is not None:
         out += ["--max-suffix", str(args.max_suffix)]

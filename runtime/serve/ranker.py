@@ -94,6 +94,10 @@ class RankerConfig:
     # past ``deadline - admission_margin_ms`` is answered 503 at once (X-Grstack-Shed: predicted-late), not
     # queued to expire; the margin is the answer's way back to the caller. None: no prediction.
     admission_margin_ms: float | None = 5.0
+    # A miss computed in chunks leaves its whole prefix's K/V: cache it, as a prefill would (automatic prefix
+    # caching, as vLLM and SGLang keep every computed prefix), so the user's next visits rank against it.
+    # A miss short enough for one full inference keeps no K/V. False: a miss's prefix is dropped.
+    cache_misses: bool = True
     profile_candidates: int = 64
     profile_short: int = 16
     profile_cap_ms: float = 400.0
@@ -474,6 +478,10 @@ class RankerService:
             # An older prefix of this one is cached: extend it by the new events, rank, keep the new version.
             logits, new_kv, timing = await self.scheduler.rank_extend(item, base, deadline)
             self.cache.put(req.user_id, version, new_kv)
+        elif self.config.cache_misses and len(item.long_items):
+            logits, new_kv, timing = await self.scheduler.rank_full_cached(item, deadline)
+            if new_kv is not None:
+                self.cache.put(req.user_id, version, new_kv)
         else:
             logits, timing = await self.scheduler.rank_full(item, deadline)
         self.metrics.queue_wait.labels("hit" if kv is not None else "miss").observe(timing.queue_ms / 1e3)

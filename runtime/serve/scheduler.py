@@ -317,7 +317,7 @@ class ComputeScheduler:
             fut.set_exception(DeadlineExceeded("deadline passed while queued; dropped before compute"))
 
     def _job(self, prefix: PrefixTokens, base: PrefixKV | None, item: RankItem | None = None,
-             deadline: float | None = None) -> _Job:
+             deadline: float | None = None, keep: bool = False) -> _Job:
         if base is not None and not base.live:  # its arena range was freed: compute from scratch
             base = None
         kv = base if base is not None else self.engine.empty_prefix()
@@ -329,7 +329,7 @@ class ComputeScheduler:
         short = item is not None and base is None and n <= self.engine.chunk  # ranked by full inference
         room = None
         if self.reserve is not None and not short and n:
-            room = self.reserve(n, base, evict=item is None or base is not None)
+            room = self.reserve(n, base, evict=item is None or base is not None or keep)
         if room is not None:
             job.kv, job.reserved = room, True
         if job.kv.pin():
@@ -364,6 +364,13 @@ class ComputeScheduler:
             kv.release()
         return logits, timing
 
+    async def rank_full_cached(self, item: RankItem,
+                               deadline: float | None = None) -> tuple[torch.Tensor, PrefixKV | None, Timing]:
+        """Ranks a cache miss and returns its whole prefix's K/V for the cache (automatic prefix caching), or
+        None when the miss fit one chunk and was ranked by one full inference, which keeps no K/V."""
+        (logits, kv), timing = await self._submit_miss(item, None, deadline, keep=True)
+        return logits, kv, timing
+
     async def rank_extend(self, item: RankItem, base: PrefixKV,
                           deadline: float | None = None) -> tuple[torch.Tensor, PrefixKV, Timing]:
         """Ranks a miss whose cached older prefix ``base`` is a prefix of ``item``'s: only the tokens after
@@ -371,15 +378,15 @@ class ComputeScheduler:
         (logits, kv), timing = await self._submit_miss(item, base, deadline)
         return logits, kv, timing
 
-    async def _submit_miss(self, item: RankItem, base: PrefixKV | None,
-                           deadline: float | None) -> tuple[tuple[torch.Tensor, PrefixKV | None], Timing]:
+    async def _submit_miss(self, item: RankItem, base: PrefixKV | None, deadline: float | None,
+                           keep: bool = False) -> tuple[tuple[torch.Tensor, PrefixKV | None], Timing]:
         self._admit_rank()
         prefix = self.engine.item_tokens(item)
         if self.admission_margin_s is not None and deadline is not None:
             kv = base if base is not None and base.live else self.engine.empty_prefix()
             probe = _Job(asyncio.get_running_loop().create_future(), 0.0, prefix, kv, kv.length, item)
             self._admit_miss(deadline, self._job_s(probe))
-        job = self._job(prefix, base, item, deadline)
+        job = self._job(prefix, base, item, deadline, keep)
         self._misses.append(job)
         self._wake.set()
         return await job.future

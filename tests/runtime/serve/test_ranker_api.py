@@ -163,3 +163,31 @@ async def test_openapi_metrics_health_profile(ranker: SimpleNamespace) -> None:
     assert 'grstack_ranker_requests_total{endpoint="/v1/rank",status="200"} 1.0' in text
     assert 'grstack_ranker_cache_lookups_total{result="miss"} 1.0' in text
     assert "grstack_ranker_cache_bytes" in text and "grstack_ranker_batch_size_bucket" in text
+
+
+async def test_a_miss_computed_in_chunks_is_cached_for_the_next_visit(kit: SimpleNamespace) -> None:
+    for cache_misses in (True, False):
+        service = RankerService(kit.make_model(), ["next", "click"],
+                                RankerConfig(max_suffix=8, chunk=8, cache_misses=cache_misses))
+        runner, url = await start_ranker(service)
+        try:
+            async with aiohttp.ClientSession() as session:
+                r = SimpleNamespace(service=service, url=url, http=session)
+                body = rank_body("dora", 5)  # 30 long-term tokens: 4 chunks
+                _, first = await post(r, "/v1/rank", body)
+                later = {**body, "candidates": [7, 8, 9], "short_term": {"items": [11, 12],
+                                                                          "timestamps": [body["timestamp"] + 1] * 2},
+                         "timestamp": body["timestamp"] + 5}
+                _, second = await post(r, "/v1/rank", later)  # the same long-term history, a later visit
+                short = rank_body("eve", 6, n_long=6)  # fits one chunk: one full inference, no K/V kept
+                await post(r, "/v1/rank", short)
+                _, short_again = await post(r, "/v1/rank", short)
+        finally:
+            await runner.cleanup()
+        assert first["cache"] == "miss" and short_again["cache"] == "miss"
+        assert second["cache"] == ("device" if cache_misses else "miss")
+        eng: RelayEngine = service.engine
+        item = eng.canonical(later["long_term"]["items"], later["long_term"]["timestamps"],
+                             later["short_term"]["items"], later["short_term"]["timestamps"], later["candidates"],
+                             later["timestamp"])
+        assert np.abs(np.array(second["scores"]) - eng.rank_encode([item])[0].numpy()).max() <= 1e-5
