@@ -399,9 +399,11 @@ async def measure_point(m: ModeRun, sweep: str, length: int, qps: float) -> dict
 
 
 def ranker_args(mode: str) -> list[str]:
+    """The baseline ranks every visit by full inference: its rankers keep no prefix at all, not even the ones
+    their misses computed (which the other modes cache for the user's next visits)."""
     return ["--device", "cpu", "--threads", "1", "--max-suffix", str(MAX_SUFFIX), "--max-candidates",
             str(CANDIDATES), "--device-cache-mb", "64", "--dram-cache-mb", "0" if mode == "no_expander" else "1024",
-            "--log-level", "WARNING"]
+            *(["--no-cache-misses"] if mode == "baseline" else []), "--log-level", "WARNING"]
 
 
 def router_config(mode: str, urls: list[str], slo_ms: float) -> Any:

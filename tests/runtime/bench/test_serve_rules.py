@@ -170,3 +170,16 @@ def test_trigger_decisions_are_per_point_deltas_by_reason():
     assert after == {"admitted": 12.0, "load-budget": 3.0}
     assert trigger_deltas({"admitted": 10.0, "load-budget": 3.0}, after) == {"admitted": 2}
     assert trigger_deltas({}, after) == {"admitted": 12, "load-budget": 3}
+
+
+def test_only_the_baseline_rankers_drop_their_misses_prefixes():
+    import argparse
+
+    from grstack.runtime.bench.serve import MODES, ranker_args
+    from grstack.runtime.serve.cli import register, ranker_config
+
+    parser = argparse.ArgumentParser()
+    register(parser)
+    for mode in MODES:
+        args = parser.parse_args(["ranker", "--checkpoint", "m.pt", *ranker_args(mode)])
+        assert ranker_config(args, max_len=1024).cache_misses is (mode != "baseline")  # baseline: full inference
