@@ -176,7 +176,7 @@ def test_only_the_baseline_rankers_drop_their_misses_prefixes():
     import argparse
 
     from grstack.runtime.bench.serve import MODES, ranker_args
-    from grstack.runtime.serve.cli import register, ranker_config
+    from grstack.runtime.serve.cli import ranker_config, register
 
     parser = argparse.ArgumentParser()
     register(parser)
