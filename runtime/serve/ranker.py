@@ -14,9 +14,10 @@ beyond the bound is answered 503 with ``Retry-After`` at once. A request may car
 ``X-Grstack-Deadline-Ms`` (milliseconds left of its budget when sent; the router sets it): a rank that the
 work queued ahead of it would push past that deadline (at the compute speed the ranker measures as it runs)
 is answered 503 at once (``X-Grstack-Shed: predicted-late``), and work whose deadline passes anyway is
-dropped before it is computed and answered 504 with the reason. ``GET /v1/profile`` returns the latency profile measured at start-up (the
-router's trigger fits its latency model to it); ``/healthz`` is liveness, ``/readyz`` readiness (model
-loaded, warmed up, profiled), ``/metrics`` Prometheus, ``/openapi.json`` the API.
+dropped before it is computed and answered 504 with the reason. A miss computed in chunks caches its prefix
+for the user's next visits (``cache_misses``). ``GET /v1/profile`` returns the latency profile measured at
+start-up (the router's trigger fits its latency model to it); ``/healthz`` is liveness, ``/readyz``
+readiness (model loaded, warmed up, profiled), ``/metrics`` Prometheus, ``/openapi.json`` the API.
 """
 
 from __future__ import annotations

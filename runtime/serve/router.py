@@ -4,8 +4,9 @@ Routing of a user: the placement recorded in the store (if its replica is up), e
 with bounded load over the replicas that are up. The router keeps a local view of replicas and
 placements fed by the store's watch, so no store round trip sits on the request path; when the store
 (etcd) is unreachable the view keeps its last state, new placements are kept locally, and routing goes on
-over the hash ring. A rank whose replica fails (connection error, timeout, 5xx, a full queue, a
-rank it predicts would finish late) is retried on the next replica in ring order, where it is a cache miss and runs full inference.
+over the hash ring. A rank whose replica fails (connection error, timeout, 5xx, a full queue, a rank the
+ranker predicts would finish late) is retried on the next replica in ring order, where it is a cache miss
+and runs full inference.
 
 Overload and deadlines: every rank gets a deadline from its budget (``rank_budget_ms``, or less if the
 client sends ``X-Grstack-Deadline-Ms``); the remaining budget travels to the ranker in the same header
