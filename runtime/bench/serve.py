@@ -4,10 +4,12 @@ A trace of user visits (``serve_trace``: KuaiRand-like synthetic users, Zipf act
 sessions, long-term histories that grow between sessions) is replayed open-loop against two ranker
 processes behind an in-process router: each visit sends the pre-infer signal at its time and the rank request
 a cascade gap later. Pre-inference runs on the clock, on the same rankers, warm-up included; nothing is
-pre-loaded. Every mode (baseline, relay, and the ablations no_trigger, no_affinity, no_expander) gets fresh
-ranker processes, so no mode inherits another's caches. A point passes when its P99 (failed or shed ranks
-count as infinite) is within the SLO, fixed before measuring; a mode's limit is the largest swept value for
-which it and every smaller swept value pass, and its sweep stops at the first failing point.
+pre-loaded. Every mode (baseline, relay, and the ablations no_trigger, no_affinity, no_expander) gets ranker
+processes of its own, so no mode inherits another's caches, and the modes' points run interleaved (each sweep
+step measures every mode in turn), so that the host's speed drifting over the run hits them alike. A point
+passes when its P99 (failed or shed ranks count as infinite) is within the SLO, fixed before measuring; a
+mode's limit is the largest swept value for which it and every smaller swept value pass, and its sweep stops
+at the first failing point.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import re
 import sys
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,10 +34,13 @@ from grstack.runtime.bench.serve_trace import Population, Trace, TraceConfig, bu
 # rank 512-token histories at 40 QPS on two 1-thread rankers sharing 2 cores with the load generator. In the next
 # two, at 1024 tokens the baseline failed every QPS down to the 5 QPS floor, so slo_qps_ratio had no denominator:
 # the QPS sweep runs at 512 tokens (both presets). --quick is asked to finish within 15 minutes with 1,000 measured
-# ranks per point, so its points are few and fast: 4 lengths at 40 QPS (31 s a point), QPS from 20 (62 s a point),
-# probed down to 10 QPS only. It still takes 16-19 minutes here (docs/bench-serve.md).
+# ranks per point, so its points are few and fast: 4 lengths at 40 QPS (about 37 s a point). Its QPS sweep starts
+# at the length sweep's 40 QPS (the same point, not measured again; a mode failing it is probed down to 10 QPS)
+# and steps by 1.5 or 2 to 240: runs A-M started at 20 QPS (71 s a point, every mode passed it in K-M) and
+# doubled, so a limit between 80 and 160 was never resolved, and the run took 17-18 minutes.
 QUICK: dict[str, Any] = {"users": 2000, "lengths": [256, 512, 1024, 2048], "length_qps": 40.0,
-                         "qps": [20.0, 40.0, 80.0, 160.0], "qps_length": 512, "repeats": 1, "qps_floor": 10.0}
+                         "qps": [40.0, 80.0, 120.0, 160.0, 240.0], "qps_length": 512, "repeats": 1,
+                         "qps_floor": 10.0}
 FULL: dict[str, Any] = {"users": 10_000, "lengths": [256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192],
                         "length_qps": 20.0, "qps": [10.0, 20.0, 30.0, 40.0, 60.0, 80.0, 120.0, 160.0, 240.0, 320.0],
                         "qps_length": 512, "repeats": 3, "qps_floor": 2.5}
@@ -54,8 +60,11 @@ CANDIDATES = 64
 SCORE_SAMPLES_PER_POINT = 8
 SCORE_SAMPLES_MAX = 64
 SCORE_SAMPLES_MIN = 30
-POINT_OVERHEAD_S = 3.0  # trace, drain and stats per point (smoke runs: 1-3 s; used only for the estimate)
-MODE_START_S = 10.0  # two fresh rankers started and the last two stopped (smoke runs: 7-9 s)
+# trace, the trace's tail (heavy users waiting out their gap), drain and stats per point (runs K-M: 6-9 s at 40
+# QPS; used only for the estimate)
+POINT_OVERHEAD_S = 6.0
+START_S = 30.0  # every mode's rankers started, SPAWN_AT_ONCE at a time, and stopped; the overload run's too
+SPAWN_AT_ONCE = 4  # rankers starting at once (each imports torch and loads the model)
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -117,9 +126,10 @@ class Settings:
     def point_seconds(self, qps: float) -> float:
         return (self.warmup + self.measured) / qps + POINT_OVERHEAD_S
 
-    def mode_seconds(self, probe: bool = False) -> float:
-        """One mode when every swept point runs (a failing sweep stops earlier); ``probe``: plus the points
-        below a failing lowest QPS (they are slow: a point at 2.5 QPS takes (warm-up + measured) / 2.5 s)."""
+    def total_seconds(self, modes: int = len(MODES), probe: bool = False) -> float:
+        """Every mode when every swept point runs (a failing sweep stops earlier), plus the overload run;
+        ``probe``: plus the points below a failing lowest QPS (slow: a point at 2.5 QPS takes
+        (warm-up + measured) / 2.5 s)."""
         shared = self.qps_length in self.lengths and self.length_qps in self.qps
         pts = [self.point_seconds(self.length_qps) for _ in self.lengths] + [
             self.point_seconds(q) for q in self.qps if not (shared and q == self.length_qps)]
@@ -127,10 +137,7 @@ class Settings:
         while probe and lower >= self.qps_floor:
             pts.append(self.point_seconds(lower))
             lower /= 2
-        return MODE_START_S + self.repeats * sum(pts)
-
-    def total_seconds(self, modes: int = len(MODES), probe: bool = False) -> float:
-        return modes * self.mode_seconds(probe) + self.point_seconds(3 * self.qps[0]) + MODE_START_S
+        return START_S + modes * self.repeats * sum(pts) + self.point_seconds(3 * self.qps[0])
 
 
 def _log(msg: str) -> None:
@@ -149,26 +156,44 @@ def sweep_limit(points: list[dict[str, Any]], key: str) -> float | int | None:
     return best
 
 
-async def run_sweep(values: list[float], measure: Callable[[float], Awaitable[dict[str, Any]]],
-                    floor: float | None = None) -> list[dict[str, Any]]:
-    """Measures ascending ``values`` until the first failing point (later ones cannot raise the limit).
-    With ``floor``: when the lowest value fails, halves it down to ``floor`` until a point passes."""
-    points: list[dict[str, Any]] = []
+def rotated(modes: list[str], k: int) -> list[str]:
+    """``modes`` starting at position ``k`` (mod its length): each step of a sweep starts with another mode."""
+    if not modes:
+        return []
+    k %= len(modes)
+    return modes[k:] + modes[:k]
+
+
+async def run_sweeps(modes: list[str], values: list[float],
+                     measure: Callable[[str, float], Awaitable[dict[str, Any]]],
+                     floor: float | None = None) -> dict[str, list[dict[str, Any]]]:
+    """Each mode's sweep (ascending ``values``, stopping at its first failing point; with ``floor``, a mode
+    whose lowest value fails is probed down by halves to ``floor`` until a point passes), interleaved: at each
+    value every mode still sweeping is measured in turn, the order rotated by one from value to value. The
+    host's speed drifts over minutes on a shared machine; run one mode after another, the drift lands on
+    whole modes (docs/bench-serve.md, run M), interleaved it lands on all of them alike."""
+    points: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     ordered = sorted(values)
-    for v in ordered:
-        p = await measure(v)
-        points.append(p)
-        if p["meets_slo"]:
-            continue
-        if floor is not None and v == ordered[0]:
-            lower = v / 2
-            while lower >= floor:
-                q = await measure(lower)
-                points.insert(0, q)
-                if q["meets_slo"]:
-                    break
-                lower /= 2
-        break
+    active, probing = list(modes), []
+    step = 0
+    for i, v in enumerate(ordered):
+        for m in rotated(active, step):
+            p = await measure(m, v)
+            points[m].append(p)
+            if not p["meets_slo"]:
+                active.remove(m)
+                if floor is not None and i == 0:
+                    probing.append(m)
+        step += 1
+    lower = ordered[0] / 2 if ordered else 0.0
+    while probing and floor is not None and lower >= floor:
+        for m in rotated(probing, step):
+            q = await measure(m, lower)
+            points[m].insert(0, q)
+            if q["meets_slo"]:
+                probing.remove(m)
+        lower /= 2
+        step += 1
     return points
 
 
@@ -388,8 +413,9 @@ async def _drain(session: Any, urls: list[str], limit_s: float = 60.0) -> None:
 
 async def measure_point(m: ModeRun, sweep: str, length: int, qps: float) -> dict[str, Any]:
     s = m.settings
+    started = time.monotonic() - m.t0
     runs = [await measure_once(m, sweep, length, qps, rep) for rep in range(s.repeats)]
-    p = {"sweep": sweep, "length": length, "qps": qps, **combine(runs, s.slo_ms)}
+    p = {"sweep": sweep, "length": length, "qps": qps, "started_s": round(started, 1), **combine(runs, s.slo_ms)}
     hr = "-" if p["hit_rate"] is None else f"{p['hit_rate']:.2f}"
     sent = f" (gave up: P99 above the SLO after {p['n']} of {p['planned']})" if p["stopped_early"] else ""
     _log(f"{m.mode:11s} {sweep:6s} length={length:5d} qps={qps:6.1f} n={p['n']:5d}{sent} p50={p['p50_ms']:8.1f} ms "
@@ -414,48 +440,67 @@ def router_config(mode: str, urls: list[str], slo_ms: float) -> Any:
                         rank_budget_ms=slo_ms, prefill_budget_per_replica_ms=500.0)
 
 
-async def with_mode(mode: str, checkpoint: Path, s: Settings, kept: list[dict[str, Any]], t0: float,
-                    body: Callable[[ModeRun], Awaitable[Any]]) -> Any:
-    """Fresh rankers and router for ``mode``; runs ``body`` against them."""
+@asynccontextmanager
+async def mode_runs(modes: tuple[str, ...], checkpoint: Path, s: Settings, kept: list[dict[str, Any]],
+                    t0: float) -> AsyncIterator[dict[str, ModeRun]]:
+    """Fresh rankers and a router for each of ``modes``, started together and kept for the whole sweep: the
+    points run interleaved across modes (:func:`run_sweeps`), and each mode's rankers see only its own points,
+    in its own order, as when the modes ran one after another. Idle rankers cost nothing but memory."""
     import aiohttp
 
     from grstack.runtime.serve import Router, spawn_ranker, start_router
 
-    rankers = list(await asyncio.gather(*(spawn_ranker(checkpoint, ranker_args(mode), nice=RANKER_NICE)
-                                          for _ in range(RANKERS))))
-    runner = None
+    gate = asyncio.Semaphore(SPAWN_AT_ONCE)
+
+    async def spawn(mode: str) -> Any:
+        async with gate:
+            return await spawn_ranker(checkpoint, ranker_args(mode), nice=RANKER_NICE)
+
+    started = await asyncio.gather(*(spawn(mode) for mode in modes for _ in range(RANKERS)), return_exceptions=True)
+    rankers = [r for r in started if not isinstance(r, BaseException)]
+    runners: list[Any] = []
     try:
-        urls = [r.url for r in rankers]
-        runner, url = await start_router(Router(router_config(mode, urls, s.slo_ms)))
+        failed = [r for r in started if isinstance(r, BaseException)]
+        if failed:
+            raise failed[0]
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=4096)) as session:
-            return await body(ModeRun(mode, url, urls, session, s, kept, t0))
+            runs = {}
+            for i, mode in enumerate(modes):
+                urls = [r.url for r in rankers[i * RANKERS:(i + 1) * RANKERS]]
+                runner, url = await start_router(Router(router_config(mode, urls, s.slo_ms)))
+                runners.append(runner)
+                runs[mode] = ModeRun(mode, url, urls, session, s, kept, t0)
+            yield runs
     finally:
-        if runner is not None:
+        for runner in runners:
             await runner.cleanup()
         await asyncio.gather(*(r.stop() for r in rankers), return_exceptions=True)
 
 
-async def sweep_mode(m: ModeRun) -> dict[str, Any]:
-    s = m.settings
-    lengths = await run_sweep([float(x) for x in s.lengths],
-                              lambda v: measure_point(m, "length", int(v), s.length_qps))
-    measured = {(p["length"], p["qps"]): p for p in lengths}
+async def sweep_modes(runs: dict[str, ModeRun]) -> dict[str, dict[str, Any]]:
+    """The length sweep, then the QPS sweep, of every mode, interleaved (:func:`run_sweeps`)."""
+    s = next(iter(runs.values())).settings
+    modes = list(runs)
+    lengths = await run_sweeps(modes, [float(x) for x in s.lengths],
+                               lambda mode, v: measure_point(runs[mode], "length", int(v), s.length_qps))
 
-    async def qps_point(v: float) -> dict[str, Any]:
+    async def qps_point(mode: str, v: float) -> dict[str, Any]:
         # The length sweep's point at the QPS sweep's length and QPS ran the very same trace (same seeds):
         # it is that point, not measured twice.
-        same = measured.get((s.qps_length, v))
+        same = next((p for p in lengths[mode] if (p["length"], p["qps"]) == (s.qps_length, v)), None)
         if same is not None:
-            _log(f"{m.mode:11s} qps    length={s.qps_length:5d} qps={v:6.1f}: the length sweep's point (same trace)")
+            _log(f"{mode:11s} qps    length={s.qps_length:5d} qps={v:6.1f}: the length sweep's point (same trace)")
             return {**same, "sweep": "qps", "shared_with": "length"}
-        return await measure_point(m, "qps", s.qps_length, v)
+        return await measure_point(runs[mode], "qps", s.qps_length, v)
 
-    qps = await run_sweep(s.qps, qps_point, floor=s.qps_floor)
-    pts = lengths + qps
-    out = {"points": pts, "max_len_at_slo": sweep_limit(lengths, "length"), "max_qps_at_slo": sweep_limit(qps, "qps")}
-    for key, swept, vals in (("length", lengths, s.lengths), ("QPS", qps, s.qps)):
-        if len(swept) >= len(vals) and all(p["meets_slo"] for p in swept):
-            _log(f"{m.mode} met the SLO at every swept {key}: its limit is a lower bound")
+    qps = await run_sweeps(modes, s.qps, qps_point, floor=s.qps_floor)
+    out = {}
+    for mode in modes:
+        out[mode] = {"points": lengths[mode] + qps[mode], "max_len_at_slo": sweep_limit(lengths[mode], "length"),
+                     "max_qps_at_slo": sweep_limit(qps[mode], "qps")}
+        for key, swept, vals in (("length", lengths[mode], s.lengths), ("QPS", qps[mode], s.qps)):
+            if len(swept) >= len(vals) and all(p["meets_slo"] for p in swept):
+                _log(f"{mode} met the SLO at every swept {key}: its limit is a lower bound")
     return out
 
 
@@ -565,15 +610,15 @@ async def bench(s: Settings) -> dict[str, Any]:
     _log(f"model: untrained HSTU (d=64, 2 blocks, 2 heads), max_len {max_len} (longest length + growth {growth} "
          f"+ {MAX_SUFFIX}); trace: {probe[0].shape}")
     kept: list[dict[str, Any]] = []
-    modes: dict[str, dict[str, Any]] = {}
-    for i, mode in enumerate(MODES):
-        _log(f"mode {mode}: about {s.total_seconds(len(MODES) - i) / 60:.1f} min left if every point runs "
-             f"(sweeps stop at their first failure; {s.mode_seconds(True) / 60:.1f} min for a mode that fails "
-             f"the lowest QPS); elapsed {time.monotonic() - t0:.0f} s")
-        modes[mode] = await with_mode(mode, checkpoint, s, kept, t0, sweep_mode)
+    _log(f"starting {len(MODES)} x {RANKERS} rankers (every mode's, kept for both sweeps; points run interleaved "
+         f"across modes); about {s.total_seconds() / 60:.1f} min if every swept point runs (sweeps stop at their "
+         f"first failure)")
+    async with mode_runs(MODES, checkpoint, s, kept, t0) as runs:
+        modes = await sweep_modes(runs)
     base_qps = modes["baseline"]["max_qps_at_slo"]
     offered = 3.0 * (base_qps if base_qps is not None else min(s.qps))
-    over = await with_mode("relay", checkpoint, s, kept, t0, lambda m: overload(m, offered))
+    async with mode_runs(("relay",), checkpoint, s, kept, t0) as fresh:
+        over = await overload(fresh["relay"], offered)
     _log(f"checking {len(kept)} cache hits ({sum(1 for k in kept if k['grew'])} after a history grew) "
          f"against full inference")
     diff = score_diff(checkpoint, kept)
@@ -582,6 +627,7 @@ async def bench(s: Settings) -> dict[str, Any]:
                                            "repeats": s.repeats, "cascade_gap_ms": s.gap_ms, "cascade_jitter": 0.2,
                                            "prefill_on_clock": True, "preload": False, "slo_ms": s.slo_ms,
                                            "rankers": RANKERS, "ranker_nice": RANKER_NICE,
+                                           "schedule": "interleaved",
                                            "warmup_visits": s.warmup,
                                            "lengths": s.lengths, "length_qps": s.length_qps, "qps": s.qps,
                                            "qps_length": s.qps_length, "qps_floor": s.qps_floor, "max_len": max_len}}

@@ -1,5 +1,5 @@
-"""``grstack bench serve`` end to end on a tiny trace: every mode on fresh rankers, the overload run, the
-score check and every JSON key the protocol promises."""
+"""``grstack bench serve`` end to end on a tiny trace: every mode on rankers of its own, the modes' points
+interleaved, the overload run, the score check and every JSON key the protocol promises."""
 
 import json
 import subprocess
@@ -9,7 +9,7 @@ import pytest
 
 pytestmark = pytest.mark.integration
 
-TINY = ["--users", "200", "--lengths", "48", "--qps", "40", "--length-qps", "40", "--qps-length", "48",
+TINY = ["--users", "200", "--lengths", "48,64", "--qps", "40", "--length-qps", "40", "--qps-length", "48",
         "--measured", "30", "--warmup", "8", "--repeats", "1", "--qps-floor", "40", "--slo-ms", "5000",
         "--cascade-gap-ms", "20", "--min-user-gap-s", "0.2"]
 
@@ -24,6 +24,12 @@ def test_tiny_run_reports_every_mode_the_overload_run_and_the_score_check(tmp_pa
     assert (proto["users"], proto["measured_requests_min"], proto["repeats"], proto["cascade_gap_ms"],
             proto["slo_ms"], proto["rankers"], proto["warmup_visits"]) == (200, 30, 1, 20.0, 5000.0, 2, 8)
     assert out["slo_ms"] == 5000.0
+    # interleaved: every mode's 48-token point ran before any mode's 64-token point
+    modes = (out["baseline"], out["relay"], *out["ablations"].values())
+    started = {length: [p["started_s"] for m in modes for p in m["points"] if p["sweep"] == "length"
+                        and p["length"] == length] for length in (48, 64)}
+    assert proto["schedule"] == "interleaved" and len(started[48]) == len(started[64]) == 5
+    assert max(started[48]) < min(started[64])
     for mode in (out["baseline"], out["relay"], *out["ablations"].values()):
         assert {"points", "max_len_at_slo", "max_qps_at_slo"} <= set(mode)
         assert all(p["n"] == p["planned"] == 30 and not p["stopped_early"] for p in mode["points"])

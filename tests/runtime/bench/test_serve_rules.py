@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from grstack.runtime.bench.serve import combine, run_sweep, state_deltas, summarize, sweep_limit
+from grstack.runtime.bench.serve import combine, rotated, run_sweeps, state_deltas, summarize, sweep_limit
 from grstack.runtime.serve.loadgen import Request, Result
 
 pytestmark = pytest.mark.unit
@@ -25,15 +25,21 @@ def test_limit_needs_every_smaller_value_to_pass():
     assert sweep_limit([], "qps") is None
 
 
-def sweep(values, passing, floor=None):
+def sweeps(values, passing, floor=None, modes=("m",)):
+    """Runs the interleaved sweeps; ``passing(mode, value)``. Returns the (mode, value) measured, in order."""
     seen = []
 
-    async def measure(v):
-        seen.append(v)
-        return {"qps": v, "meets_slo": passing(v)}
+    async def measure(mode, v):
+        seen.append((mode, v))
+        return {"qps": v, "meets_slo": passing(mode, v)}
 
-    points = asyncio.run(run_sweep(values, measure, floor))
+    points = asyncio.run(run_sweeps(list(modes), values, measure, floor))
     return seen, points
+
+
+def sweep(values, passing, floor=None):
+    seen, points = sweeps(values, lambda _, v: passing(v), floor)
+    return [v for _, v in seen], points["m"]
 
 
 def test_sweep_stops_at_the_first_failure():
@@ -53,6 +59,33 @@ def test_sweep_probes_down_by_halves_when_the_lowest_fails():
     assert seen == [10, 5]  # stops at the first passing probe
     seen, _ = sweep([10, 20], lambda v: False)
     assert seen == [10]  # no floor (the length sweep): no probing
+
+
+def test_rotated_starts_each_step_with_the_next_mode():
+    assert rotated(["a", "b", "c"], 0) == ["a", "b", "c"]
+    assert rotated(["a", "b", "c"], 1) == ["b", "c", "a"]
+    assert rotated(["a", "b", "c"], 5) == ["c", "a", "b"]
+    assert rotated([], 3) == []
+
+
+def test_modes_are_interleaved_each_stopping_at_its_own_first_failure():
+    limits = {"base": 20, "relay": 80, "abl": 40}
+    seen, points = sweeps([10, 20, 40, 80, 160], lambda m, v: v <= limits[m], modes=("base", "relay", "abl"))
+    # every mode still sweeping is measured at each value before any moves on; the order rotates by one
+    assert seen == [("base", 10), ("relay", 10), ("abl", 10),
+                    ("relay", 20), ("abl", 20), ("base", 20),
+                    ("abl", 40), ("base", 40), ("relay", 40),  # base fails 40 and drops out
+                    ("abl", 80), ("relay", 80),  # abl fails 80
+                    ("relay", 160)]
+    assert {m: sweep_limit(p, "qps") for m, p in points.items()} == limits
+    assert [p["qps"] for p in points["base"]] == [10, 20, 40]
+
+
+def test_interleaved_probes_run_only_for_the_modes_failing_the_lowest_value():
+    seen, points = sweeps([10, 20], lambda m, v: m == "ok" or v <= 3, floor=2.5, modes=("ok", "low"))
+    # the probes below the lowest value run after the sweep, for the failing mode only
+    assert seen == [("ok", 10), ("low", 10), ("ok", 20), ("low", 5), ("low", 2.5)]
+    assert sweep_limit(points["low"], "qps") == 2.5 and sweep_limit(points["ok"], "qps") == 20
 
 
 def res(status, ms, measure=True, headers=None, payload=None, error=""):
