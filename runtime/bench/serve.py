@@ -64,7 +64,10 @@ SCORE_SAMPLES_MIN = 30
 # QPS; used only for the estimate)
 POINT_OVERHEAD_S = 6.0
 START_S = 30.0  # every mode's rankers started, SPAWN_AT_ONCE at a time, and stopped; the overload run's too
-SPAWN_AT_ONCE = 4  # rankers starting at once (each imports torch and loads the model)
+# Rankers started at once: one mode's two, as when each mode started its own (runs A-M). A ranker measures its
+# latency profile (what the trigger's risk test reads) while it starts; four starting together on these 2 cores
+# measured 2-3x the full-inference times of two (run N's first attempt, stopped: relay pre-inferred every visit)
+SPAWN_AT_ONCE = RANKERS
 
 
 def register(parser: argparse.ArgumentParser) -> None:
