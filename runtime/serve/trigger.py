@@ -8,8 +8,10 @@ admits a prefill signal only when
    full-inference time at this length (profiled by the rankers at start-up, on an idle ranker). With
    ``load_aware_risk`` it is the miss's time *at the SLO's percentile* on the ranker it would go to: the
    sojourn time of an M/M/1 queue, exponential with mean ``full / (1 - ρ)``, at ``slo_percentile``, i.e.
-   ``full * ln(1 / (1 - p)) / (1 - ρ)``, ρ the share of the last ``window_s`` that ranker's compute thread was
-   busy (its reported compute, every kind), ``1 - ρ`` floored at ``min_idle_fraction``. The SLO bounds the
+   ``full * ln(1 / (1 - p)) / (1 - ρ)``, ρ the share of time that ranker's compute thread was busy (its
+   reported compute, every kind) over the last ``window_s`` or over the last report interval, whichever is
+   larger (a burst after a quiet spell counts from the first report that sees it), ``1 - ρ`` floored at
+   ``min_idle_fraction``. The SLO bounds the
    P99, not the mean: a miss whose mean fits the budget still misses it one time in a hundred several times
    over, and a rule on the mean leaves exactly the requests that decide the P99 unprotected;
 2. the **cache footprint** of admitted prefixes still **awaiting their rank** plus this one stays within
@@ -226,11 +228,15 @@ class RankerLoad:
 
     @property
     def busy_fraction(self) -> float | None:
-        """Share of the last window the ranker's compute thread was busy (all kinds of work), in [0, 1];
-        None before two reports with compute totals."""
-        if len(self._compute_total) < 2:
+        """Share of time the ranker's compute thread was busy (all kinds of work), in [0, 1]: the larger of
+        the last window's share and the last report interval's, so that a burst counts from the first report
+        that sees it rather than after it has filled the window; None before two reports with compute totals."""
+        history = self._compute_total
+        if len(history) < 2:
             return None
-        return min(1.0, max(0.0, self._rate(self._compute_total) / 1e3))
+        (t0, v0), (t1, v1) = history[-2], history[-1]
+        latest = (v1 - v0) / (t1 - t0) if t1 > t0 else 0.0
+        return min(1.0, max(0.0, max(self._rate(history), latest) / 1e3))
 
     def backlog_ms(self, model: LatencyModel) -> float:
         """Predicted milliseconds of the prefill tokens still queued (spread evenly over the queued prefills:

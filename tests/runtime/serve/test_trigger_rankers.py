@@ -163,3 +163,22 @@ def test_cli_flags_reach_the_router_and_trigger() -> None:
     ranker = parser.parse_args(["ranker", "--checkpoint", "m.pt", "--max-step-tokens", "0"])
     with pytest.raises(UserError, match="--max-step-tokens"):
         cli.ranker_config(ranker, 64)
+
+
+def busy_stats(compute_ms: float) -> dict:
+    return {"compute_ms_total": {"prefill": 0.0, "rank_cached": compute_ms, "rank_full": 0.0}}
+
+
+def test_busy_fraction_sees_a_burst_from_the_first_report_after_it() -> None:
+    load = RankerLoad(window_s=10.0)
+    load.observe(busy_stats(0.0), 0.0)
+    assert load.busy_fraction is None  # one report: nothing to compare yet
+    for t in range(1, 10):  # nine idle seconds
+        load.observe(busy_stats(0.0), float(t))
+    assert load.busy_fraction == 0.0
+    load.observe(busy_stats(800.0), 10.0)  # then a second 80% busy: the window's average is 8%
+    assert load.busy_fraction == pytest.approx(0.8)
+    load.observe(busy_stats(800.0), 11.0)  # the burst is over; the window still holds it
+    assert load.busy_fraction == pytest.approx(800.0 / 10.0 / 1e3)
+    load.observe(busy_stats(5000.0), 12.0)  # more than the interval itself (a late report): capped at 1
+    assert load.busy_fraction == 1.0
