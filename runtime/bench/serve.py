@@ -167,33 +167,44 @@ def rotated(modes: list[str], k: int) -> list[str]:
     return modes[k:] + modes[:k]
 
 
-async def run_sweeps(modes: list[str], values: list[float],
-                     measure: Callable[[str, float], Awaitable[dict[str, Any]]],
+def repeat_order(order: list[str], repeats: int) -> list[tuple[str, int]]:
+    """(mode, repeat) in the order one sweep value measures them: each repeat measures every mode in turn, the
+    order rotated by one from repeat to repeat, so a mode's repeats sit in different places among the others'."""
+    return [(m, rep) for rep in range(repeats) for m in rotated(order, rep)]
+
+
+Step = Callable[[list[str], float], Awaitable[dict[str, dict[str, Any]]]]
+
+
+async def run_sweeps(modes: list[str], values: list[float], measure_step: Step,
                      floor: float | None = None) -> dict[str, list[dict[str, Any]]]:
     """Each mode's sweep (ascending ``values``, stopping at its first failing point; with ``floor``, a mode
     whose lowest value fails is probed down by halves to ``floor`` until a point passes), interleaved: at each
-    value every mode still sweeping is measured in turn, the order rotated by one from value to value. The
-    host's speed drifts over minutes on a shared machine; run one mode after another, the drift lands on
-    whole modes (docs/bench-serve.md, run M), interleaved it lands on all of them alike."""
+    value ``measure_step(order, value)`` measures every mode still sweeping, in ``order``, which rotates by one
+    from value to value, and returns each one's point. The host's speed drifts over minutes on a shared
+    machine; run one mode after another, the drift lands on whole modes (docs/bench-serve.md, run M),
+    interleaved it lands on all of them alike."""
     points: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     ordered = sorted(values)
     active, probing = list(modes), []
     step = 0
     for i, v in enumerate(ordered):
-        for m in rotated(active, step):
-            p = await measure(m, v)
-            points[m].append(p)
-            if not p["meets_slo"]:
+        order = rotated(active, step)
+        got = await measure_step(order, v) if order else {}
+        for m in order:
+            points[m].append(got[m])
+            if not got[m]["meets_slo"]:
                 active.remove(m)
                 if floor is not None and i == 0:
                     probing.append(m)
         step += 1
     lower = ordered[0] / 2 if ordered else 0.0
     while probing and floor is not None and lower >= floor:
-        for m in rotated(probing, step):
-            q = await measure(m, lower)
-            points[m].insert(0, q)
-            if q["meets_slo"]:
+        order = rotated(probing, step)
+        got = await measure_step(order, lower)
+        for m in order:
+            points[m].insert(0, got[m])
+            if got[m]["meets_slo"]:
                 probing.remove(m)
         lower /= 2
         step += 1
@@ -414,11 +425,22 @@ async def _drain(session: Any, urls: list[str], limit_s: float = 60.0) -> None:
         await asyncio.sleep(0.1)
 
 
-async def measure_point(m: ModeRun, sweep: str, length: int, qps: float) -> dict[str, Any]:
-    s = m.settings
-    started = time.monotonic() - m.t0
-    runs = [await measure_once(m, sweep, length, qps, rep) for rep in range(s.repeats)]
-    p = {"sweep": sweep, "length": length, "qps": qps, "started_s": round(started, 1), **combine(runs, s.slo_ms)}
+async def measure_step(runs: dict[str, ModeRun], order: list[str], sweep: str, length: int,
+                       qps: float) -> dict[str, dict[str, Any]]:
+    """One sweep value for the modes in ``order``: their repeats in :func:`repeat_order`, then each mode's point."""
+    reps: dict[str, list[dict[str, Any]]] = {m: [] for m in order}
+    started: dict[str, float] = {}
+    for mode, rep in repeat_order(order, next(iter(runs.values())).settings.repeats):
+        m = runs[mode]
+        started.setdefault(mode, time.monotonic() - m.t0)
+        reps[mode].append(await measure_once(m, sweep, length, qps, rep))
+    return {mode: point_from(runs[mode], sweep, length, qps, reps[mode], started[mode]) for mode in order}
+
+
+def point_from(m: ModeRun, sweep: str, length: int, qps: float, runs: list[dict[str, Any]],
+               started: float) -> dict[str, Any]:
+    p = {"sweep": sweep, "length": length, "qps": qps, "started_s": round(started, 1),
+         **combine(runs, m.settings.slo_ms)}
     hr = "-" if p["hit_rate"] is None else f"{p['hit_rate']:.2f}"
     sent = f" (gave up: P99 above the SLO after {p['n']} of {p['planned']})" if p["stopped_early"] else ""
     _log(f"{m.mode:11s} {sweep:6s} length={length:5d} qps={qps:6.1f} n={p['n']:5d}{sent} p50={p['p50_ms']:8.1f} ms "
@@ -485,18 +507,24 @@ async def sweep_modes(runs: dict[str, ModeRun]) -> dict[str, dict[str, Any]]:
     s = next(iter(runs.values())).settings
     modes = list(runs)
     lengths = await run_sweeps(modes, [float(x) for x in s.lengths],
-                               lambda mode, v: measure_point(runs[mode], "length", int(v), s.length_qps))
+                               lambda order, v: measure_step(runs, order, "length", int(v), s.length_qps))
 
-    async def qps_point(mode: str, v: float) -> dict[str, Any]:
+    async def qps_step(order: list[str], v: float) -> dict[str, dict[str, Any]]:
         # The length sweep's point at the QPS sweep's length and QPS ran the very same trace (same seeds):
         # it is that point, not measured twice.
-        same = next((p for p in lengths[mode] if (p["length"], p["qps"]) == (s.qps_length, v)), None)
-        if same is not None:
-            _log(f"{mode:11s} qps    length={s.qps_length:5d} qps={v:6.1f}: the length sweep's point (same trace)")
-            return {**same, "sweep": "qps", "shared_with": "length"}
-        return await measure_point(runs[mode], "qps", s.qps_length, v)
+        out = {}
+        for mode in order:
+            same = next((p for p in lengths[mode] if (p["length"], p["qps"]) == (s.qps_length, v)), None)
+            if same is not None:
+                _log(f"{mode:11s} qps    length={s.qps_length:5d} qps={v:6.1f}: the length sweep's point (same "
+                     f"trace)")
+                out[mode] = {**same, "sweep": "qps", "shared_with": "length"}
+        rest = [mode for mode in order if mode not in out]
+        if rest:
+            out.update(await measure_step(runs, rest, "qps", s.qps_length, v))
+        return out
 
-    qps = await run_sweeps(modes, s.qps, qps_point, floor=s.qps_floor)
+    qps = await run_sweeps(modes, s.qps, qps_step, floor=s.qps_floor)
     out = {}
     for mode in modes:
         out[mode] = {"points": lengths[mode] + qps[mode], "max_len_at_slo": sweep_limit(lengths[mode], "length"),

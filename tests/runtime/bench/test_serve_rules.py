@@ -7,7 +7,15 @@ import math
 
 import pytest
 
-from grstack.runtime.bench.serve import combine, rotated, run_sweeps, state_deltas, summarize, sweep_limit
+from grstack.runtime.bench.serve import (
+    combine,
+    repeat_order,
+    rotated,
+    run_sweeps,
+    state_deltas,
+    summarize,
+    sweep_limit,
+)
 from grstack.runtime.serve.loadgen import Request, Result
 
 pytestmark = pytest.mark.unit
@@ -29,11 +37,14 @@ def sweeps(values, passing, floor=None, modes=("m",)):
     """Runs the interleaved sweeps; ``passing(mode, value)``. Returns the (mode, value) measured, in order."""
     seen = []
 
-    async def measure(mode, v):
-        seen.append((mode, v))
-        return {"qps": v, "meets_slo": passing(mode, v)}
+    async def step(order, v):
+        out = {}
+        for mode in order:
+            seen.append((mode, v))
+            out[mode] = {"qps": v, "meets_slo": passing(mode, v)}
+        return out
 
-    points = asyncio.run(run_sweeps(list(modes), values, measure, floor))
+    points = asyncio.run(run_sweeps(list(modes), values, step, floor))
     return seen, points
 
 
@@ -66,6 +77,13 @@ def test_rotated_starts_each_step_with_the_next_mode():
     assert rotated(["a", "b", "c"], 1) == ["b", "c", "a"]
     assert rotated(["a", "b", "c"], 5) == ["c", "a", "b"]
     assert rotated([], 3) == []
+
+
+def test_each_repeat_measures_every_mode_in_a_rotated_order():
+    assert repeat_order(["a", "b", "c"], 1) == [("a", 0), ("b", 0), ("c", 0)]
+    assert repeat_order(["a", "b", "c"], 3) == [("a", 0), ("b", 0), ("c", 0), ("b", 1), ("c", 1), ("a", 1),
+                                                ("c", 2), ("a", 2), ("b", 2)]
+    assert repeat_order(["a"], 2) == [("a", 0), ("a", 1)]
 
 
 def test_modes_are_interleaved_each_stopping_at_its_own_first_failure():
