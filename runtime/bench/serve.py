@@ -430,10 +430,15 @@ async def measure_step(runs: dict[str, ModeRun], order: list[str], sweep: str, l
     """One sweep value for the modes in ``order``: their repeats in :func:`repeat_order`, then each mode's point."""
     reps: dict[str, list[dict[str, Any]]] = {m: [] for m in order}
     started: dict[str, float] = {}
-    for mode, rep in repeat_order(order, next(iter(runs.values())).settings.repeats):
+    repeats = next(iter(runs.values())).settings.repeats
+    for mode, rep in repeat_order(order, repeats):
         m = runs[mode]
         started.setdefault(mode, time.monotonic() - m.t0)
-        reps[mode].append(await measure_once(m, sweep, length, qps, rep))
+        run = await measure_once(m, sweep, length, qps, rep)
+        reps[mode].append(run)
+        if repeats > 1:  # the point's line comes after every mode's last repeat: show progress meanwhile
+            _log(f"{mode:11s} {sweep:6s} length={length:5d} qps={qps:6.1f} repeat {rep + 1}/{repeats}: "
+                 f"p99={run['p99_ms']:8.1f} ms elapsed={time.monotonic() - m.t0:6.0f} s")
     return {mode: point_from(runs[mode], sweep, length, qps, reps[mode], started[mode]) for mode in order}
 
 
