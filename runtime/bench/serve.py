@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from grstack.runtime.bench import host_cpu
 from grstack.runtime.bench.serve_trace import Population, Trace, TraceConfig, build_trace, population
 
 # --quick: the first quick run (40 QPS, lengths from 512) failed every point of every mode — the baseline cannot
@@ -68,6 +69,7 @@ START_S = 30.0  # every mode's rankers started, SPAWN_AT_ONCE at a time, and sto
 # latency profile (what the trigger's risk test reads) while it starts; four starting together on these 2 cores
 # measured 2-3x the full-inference times of two (run N's first attempt, stopped: relay pre-inferred every visit)
 SPAWN_AT_ONCE = RANKERS
+HOST_BUSY_WARN = 0.25  # cores used by other processes before the run above which it warns
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -356,6 +358,7 @@ def combine(runs: list[dict[str, Any]], slo_ms: float) -> dict[str, Any]:
             "prefill_cpu_share": float(np.mean(shares)) if shares else None,
             "compute_ms_per_visit": float(np.median(per_visit)) if per_visit else None,
             "trigger_decisions": dict(sorted(decisions.items())),
+            "host_cpu": host_cpu.mean_usage([r["host_cpu"] for r in runs if r.get("host_cpu")]),
             "device_bytes": last["device_bytes"], "dram_bytes": last["dram_bytes"], "repeats": runs}
 
 
@@ -368,6 +371,8 @@ class ModeRun:
     settings: Settings
     kept: list[dict[str, Any]]
     t0: float
+    ranker_pids: tuple[int, ...] = ()  # this mode's rankers
+    idle_pids: tuple[int, ...] = ()  # the other modes' rankers, idle while this mode is measured
 
 
 async def measure_once(m: ModeRun, sweep: str, length: int, qps: float, repeat: int) -> dict[str, Any]:
@@ -382,17 +387,21 @@ async def measure_once(m: ModeRun, sweep: str, length: int, qps: float, repeat: 
     give_up = None if sweep == "overload" else GiveUp(s.slo_ms, violations_to_fail(planned))
     before = await _ranker_state(m.session, m.ranker_urls)
     decided = await _trigger_counts(m.session, m.router_url)
+    cpu0 = host_cpu.take((*m.ranker_pids, *m.idle_pids))
     # This process is the load generator and the router: the trace just built, the population and every
     # earlier point's results would make each full collection during the run a 130-140 ms stop of both.
     with frozen_heap():
         results = await run_open_loop(m.router_url, reqs, timeout_s=s.timeout_s, session=m.session,
                                       deadline_ms=s.slo_ms, give_up=give_up)
         await _drain(m.session, m.ranker_urls)
+    cpu = host_cpu.usage(cpu0, host_cpu.take((*m.ranker_pids, *m.idle_pids)),
+                         {"rankers": m.ranker_pids, "idle_rankers": m.idle_pids})
     after = await _ranker_state(m.session, m.ranker_urls)
     decisions = trigger_deltas(decided, await _trigger_counts(m.session, m.router_url))
     visits = sum(r.request.path == "/v1/rank" for r in results)
     out = {"trace_seed": s.seed + repeat, **summarize(results, s.slo_ms, planned),
-           **state_deltas(before, after, visits), "trigger_decisions": decisions, "trace": trace.shape}
+           **state_deltas(before, after, visits), "trigger_decisions": decisions, "host_cpu": cpu,
+           "trace": trace.shape}
     if m.mode in ("relay", "no_trigger"):
         keep_for_score_check(m.kept, m.mode, trace, visit_of, results)
     return out
@@ -448,9 +457,13 @@ def point_from(m: ModeRun, sweep: str, length: int, qps: float, runs: list[dict[
          **combine(runs, m.settings.slo_ms)}
     hr = "-" if p["hit_rate"] is None else f"{p['hit_rate']:.2f}"
     sent = f" (gave up: P99 above the SLO after {p['n']} of {p['planned']})" if p["stopped_early"] else ""
+    c = p["host_cpu"]
+    cpu = "" if not c or c.get("busy") is None else (
+        f" cpu={c['busy']:.2f}/{c['cores']} (harness {c['harness']:.2f}, rankers {c['rankers']:.2f}, "
+        f"other {c['other']:.2f})")
     _log(f"{m.mode:11s} {sweep:6s} length={length:5d} qps={qps:6.1f} n={p['n']:5d}{sent} p50={p['p50_ms']:8.1f} ms "
          f"p99={p['p99_ms']:8.1f} ms errors={p['errors_by_kind'] or 0} hit_rate={hr} "
-         f"elapsed={time.monotonic() - m.t0:6.0f} s")
+         f"{cpu} elapsed={time.monotonic() - m.t0:6.0f} s")
     return p
 
 
@@ -496,10 +509,13 @@ async def mode_runs(modes: tuple[str, ...], checkpoint: Path, s: Settings, kept:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=4096)) as session:
             runs = {}
             for i, mode in enumerate(modes):
-                urls = [r.url for r in rankers[i * RANKERS:(i + 1) * RANKERS]]
+                own = rankers[i * RANKERS:(i + 1) * RANKERS]
+                urls = [r.url for r in own]
                 runner, url = await start_router(Router(router_config(mode, urls, s.slo_ms)))
                 runners.append(runner)
-                runs[mode] = ModeRun(mode, url, urls, session, s, kept, t0)
+                runs[mode] = ModeRun(mode, url, urls, session, s, kept, t0,
+                                     ranker_pids=tuple(r.pid for r in own),
+                                     idle_pids=tuple(r.pid for r in rankers if r not in own))
             yield runs
     finally:
         for runner in runners:
@@ -549,7 +565,7 @@ async def overload(m: ModeRun, offered: float) -> dict[str, Any]:
     out = {"offered_qps": r["offered_qps"], "target_qps": offered, "served_qps": r["served_qps"],
            "shed_fraction": shed / r["n"] if r["n"] else None, "p99_ms_served": r["p99_ms_served"],
            "p99_ms_shed": r["p99_ms_shed"], "errors_other": other, "errors_by_kind": r["errors_by_kind"],
-           "length": s.qps_length, "n": r["n"]}
+           "length": s.qps_length, "n": r["n"], "host_cpu": r["host_cpu"]}
     _log(f"overload   relay at {offered:g} QPS: served {r['served_qps'] or 0:.1f} QPS, shed {out['shed_fraction']}, "
          f"P99 served {r['p99_ms_served']}, other errors {other}")
     return out
@@ -633,10 +649,22 @@ def _tokens(pts: list[dict[str, Any]], key: str) -> float | None:
     return None if not vals or any(v is None for v in vals) else sum(vals)
 
 
+async def host_load(seconds: float = 3.0) -> dict[str, Any]:
+    """The host's CPU use before anything of the benchmark runs: what else shares these cores."""
+    before = host_cpu.take()
+    await asyncio.sleep(seconds)
+    load = host_cpu.usage(before, host_cpu.take(), {})
+    if (load.get("other") or 0.0) > HOST_BUSY_WARN:
+        _log(f"warning: other processes use {load['other']:.2f} of {load['cores']} cores before the benchmark "
+             f"starts; its figures measure a shared host (host_cpu in each point says how shared)")
+    return load
+
+
 async def bench(s: Settings) -> dict[str, Any]:
     from grstack.runtime.serve import write_untrained_model
 
     t0 = time.monotonic()
+    idle = await host_load()
     # which visits a trace holds does not depend on the length: its growth is the same at every point
     probe = [s.trace(s.qps_length, s.length_qps, rep) for rep in range(s.repeats)]
     growth = max(t.max_long for t in probe) - s.qps_length
@@ -691,6 +719,7 @@ async def bench(s: Settings) -> dict[str, Any]:
         _log(f"only {len(kept)} cache hits to check against full inference (the protocol wants "
              f"{SCORE_SAMPLES_MIN})")
     result["trace"] = probe[0].shape
+    result["host_cpu_before"] = idle
     return result
 
 

@@ -51,6 +51,12 @@ def test_tiny_run_reports_every_mode_the_overload_run_and_the_score_check(tmp_pa
         assert cap["compute_ms_per_visit"] > 0
         assert cap["ceiling_qps"] == pytest.approx(2 * 1000.0 / cap["compute_ms_per_visit"])
     assert all(p["compute_ms_per_visit"] > 0 for p in out["relay"]["points"])
+    # where each point's CPU went: the measured mode's rankers computed; the host was busy at least that much
+    for p in out["relay"]["points"] + out["baseline"]["points"] + [out["overload"]]:
+        cpu = p["host_cpu"]
+        assert cpu["cores"] >= 1 and cpu["rankers"] > 0 and cpu["harness"] > 0
+        assert cpu["busy"] >= 0.9 * (cpu["rankers"] + cpu["harness"])
+    assert out["host_cpu_before"]["busy"] is not None
     # every relay visit's signal was decided by the trigger, and the point says how
     assert all(sum(p["trigger_decisions"].values()) >= 38 for p in out["relay"]["points"])
     assert all(set(p["trigger_decisions"]) <= {"disabled"} for p in out["baseline"]["points"])  # relay off
