@@ -53,6 +53,31 @@ from grstack.runtime.serve.engine import PrefixKV, PrefixTokens, RankItem, Relay
 COMPUTE_KINDS = ("prefill", "rank_cached", "rank_full")
 
 
+def step_shares(remaining: list[int], *, max_jobs: int, chunk: int, budget: int | None) -> list[int]:
+    """New tokens each queued job computes in the next step, for the jobs at the head of the queue (in queue
+    order; the list is as long as the jobs the step takes). With a ``budget`` (tokens per step) it is filled
+    first come, first served: the head job computes all it has left if that fits, the next ones what remains
+    of the budget, as vLLM's chunked prefill fills its token budget. A burst of equal jobs then finishes one
+    step's worth at a time instead of all together at the end (processor sharing, which makes every member of
+    a burst as late as its last), and the step, so a cached rank's wait behind it, stays bounded. Without a
+    budget every job advances by one ``chunk``."""
+    shares: list[int] = []
+    used = 0
+    for left in remaining:
+        if len(shares) >= max_jobs:
+            break
+        if budget is None:
+            shares.append(min(chunk, left))
+            continue
+        room = budget - used
+        if room <= 0:
+            break
+        n = min(left, room)
+        shares.append(n)
+        used += n
+    return shares
+
+
 class QueueFull(Exception):
     """The queue for this kind of work is at its bound; retry after ``retry_after_s``. ``reason`` is what the
     ranker's 503 says in ``X-Grstack-Shed``."""
@@ -238,23 +263,22 @@ class ComputeScheduler:
         return full * self.hit_cost.predict(self.max_batch) + (self.hit_cost.predict(rest) if rest else 0.0)
 
     def _job_s(self, job: _Job) -> float:
-        """Predicted seconds of what is left of a miss or prefill: its chunk steps and, for a miss computed in
-        chunks, the cached-prefix rank after them; a short miss is one full inference."""
+        """Predicted seconds of what is left of a miss or prefill: its steps (of up to ``max_step_tokens``, or
+        one chunk each without a bound) and, for a miss computed in steps, the cached-prefix rank after them;
+        a short miss is one full inference."""
         if self._short_miss(job):
             return self.full_cost.predict(job.tokens)
-        full, rest = divmod(job.remaining, self.engine.chunk)
-        s = full * self.token_cost.predict(self.engine.chunk) + (self.token_cost.predict(rest) if rest else 0.0)
+        unit = self.max_step_tokens or self.engine.chunk
+        full, rest = divmod(job.remaining, unit)
+        s = full * self.token_cost.predict(unit) + (self.token_cost.predict(rest) if rest else 0.0)
         return s + (self.hit_cost.predict(1) if job.item is not None else 0.0)
 
     def _prefill_step_tokens(self) -> int:
         """New tokens of the next prefill step (as :meth:`_collect` would batch them)."""
-        used = 0
-        for n, job in enumerate(self._prefills):
-            c = min(self.engine.chunk, job.remaining)
-            if n >= self.max_batch or (n and self.max_step_tokens is not None and used + c > self.max_step_tokens):
-                break
-            used += c
-        return used
+        return sum(self._shares([j.remaining for j in self._prefills]))
+
+    def _shares(self, remaining: list[int]) -> list[int]:
+        return step_shares(remaining, max_jobs=self.max_batch, chunk=self.engine.chunk, budget=self.max_step_tokens)
 
     def _check_deadline(self, deadline: float, work_s: float, rank_steps: int) -> None:
         """Raises :class:`PredictedLate` when ``work_s`` of queued work (``rank_steps`` steps, the request's own
@@ -501,16 +525,20 @@ class ComputeScheduler:
         if not self._short_miss(self._misses[0]):
             await self._step_chunks(loop, self._misses)
             return
-        # Unstarted short misses are ranked together: one batched full inference.
+        # Unstarted short misses are ranked together: one batched full inference, of at most max_step_tokens
+        # tokens (at least one miss), first come first served.
         batch: list[_Job] = []
-        now = self.clock()
+        now, used = self.clock(), 0
         while self._misses and len(batch) < self.max_batch and self._short_miss(self._misses[0]):
+            if batch and self.max_step_tokens is not None and used + self._misses[0].tokens > self.max_step_tokens:
+                break
             job = self._misses.popleft()
             self._end(job, keep=False)  # full inference: nothing read from or written to a reserved range
             if self._expired(job.deadline, now):
                 self._drop(job.future)
             elif not job.future.cancelled():
                 batch.append(job)
+                used += job.tokens
         if not batch:
             return
         start = self.clock()
@@ -536,35 +564,31 @@ class ComputeScheduler:
             if not j.future.done():
                 j.future.set_result(((logits, None), Timing((start - j.enqueued) * 1e3, (end - start) * 1e3)))
 
-    def _collect(self, queue: deque[_Job]) -> list[_Job]:
-        """The jobs of the next chunk step: from the head of ``queue``, up to ``max_batch`` jobs and
-        ``max_step_tokens`` new tokens; cancelled and expired jobs met on the way are dropped."""
-        batch: list[_Job] = []
-        used, i, now = 0, 0, self.clock()
-        while i < len(queue) and len(batch) < self.max_batch:
+    def _collect(self, queue: deque[_Job]) -> list[tuple[_Job, int]]:
+        """The next chunk step: jobs from the head of ``queue`` with the new tokens each computes
+        (:func:`step_shares`); cancelled and expired jobs met on the way are dropped first."""
+        now, i = self.clock(), 0
+        while i < len(queue):
             job = queue[i]
             if job.future.done():
                 del queue[i]
                 self._end(job, keep=False)
-                continue
-            if self._expired(job.deadline, now):  # before its first chunk, or between chunks
+            elif self._expired(job.deadline, now):  # before its first chunk, or between chunks
                 del queue[i]
                 self._end(job, keep=False)
                 self._drop(job.future)
-                continue
-            n = min(self.engine.chunk, job.remaining)
-            if batch and self.max_step_tokens is not None and used + n > self.max_step_tokens:
-                break
-            batch.append(job)
-            used += n
-            i += 1
-        return batch
+            else:
+                i += 1
+        jobs = list(queue)[:self.max_batch]
+        return list(zip(jobs, self._shares([j.remaining for j in jobs]), strict=False))
 
-    def _compute_chunks(self, jobs: list[_Job]) -> tuple[list[PrefixKV], list[torch.Tensor | None], float, float]:
-        """Compute thread: the next chunk of every job in one call, then one cached-prefix ranking of the
+    def _compute_chunks(self, plan: list[tuple[_Job, int]]) -> tuple[list[PrefixKV], list[torch.Tensor | None],
+                                                                      float, float]:
+        """Compute thread: each job's next ``n`` tokens, all in one call, then one cached-prefix ranking of the
         misses whose prefix is complete. Returns the new prefixes, logits, and the two parts' seconds."""
         t0 = time.perf_counter()
-        chunks = [j.next_chunk(self.engine.chunk) for j in jobs]
+        jobs = [j for j, _ in plan]
+        chunks = [j.next_chunk(n) for j, n in plan]
         kvs = self.engine.extend_many([j.kv for j in jobs], [c.items for c in chunks], [c.ts for c in chunks],
                                       [c.actions for c in chunks], [c.context for c in chunks])
         t1 = time.perf_counter()
@@ -577,29 +601,30 @@ class ComputeScheduler:
         return kvs, logits, t1 - t0, time.perf_counter() - t1
 
     async def _step_chunks(self, loop: asyncio.AbstractEventLoop, queue: deque[_Job]) -> None:
-        batch = self._collect(queue)
-        if not batch:
+        plan = self._collect(queue)
+        if not plan:
             return
+        batch = [j for j, _ in plan]
         start = self.clock()
         first = [j.started is None for j in batch]
         for j in batch:
             j.started = start if j.started is None else j.started
         if self.on_batch is not None:
             self.on_batch(len(batch))
-        chunk = self.engine.chunk
-        ranked = sum(1 for j in batch if j.item is not None and j.remaining <= chunk)
-        self._expect(self.token_cost.predict(sum(min(chunk, j.remaining) for j in batch))
+        ranked = sum(1 for j, n in plan if j.item is not None and j.remaining <= n)
+        self._expect(self.token_cost.predict(sum(n for _, n in plan))
                      + (self.hit_cost.predict(ranked) if ranked else 0.0))
         try:
-            groups = [(batch, first, await loop.run_in_executor(self._executor, self._compute_chunks, batch))]
+            groups = [(batch, first, await loop.run_in_executor(self._executor, self._compute_chunks, plan))]
         except Exception as exc:
             if len(batch) == 1:
                 self._fail(batch[0], exc)
                 return
             groups = []  # isolate the failing member: the others are computed one by one
-            for j, f in zip(batch, first, strict=True):
+            for (j, n), f in zip(plan, first, strict=True):
                 try:
-                    groups.append(([j], [f], await loop.run_in_executor(self._executor, self._compute_chunks, [j])))
+                    groups.append(([j], [f], await loop.run_in_executor(self._executor, self._compute_chunks,
+                                                                         [(j, n)])))
                 except Exception as one:
                     self._fail(j, one)
         finally:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from grstack.runtime.serve.engine import RankItem, RelayEngine
-from grstack.runtime.serve.scheduler import ComputeScheduler, DeadlineExceeded
+from grstack.runtime.serve.scheduler import ComputeScheduler, DeadlineExceeded, step_shares
 
 pytestmark = pytest.mark.unit
 
@@ -25,17 +25,50 @@ def request(eng: RelayEngine, seed: int, n_long: int) -> RankItem:
     return eng.canonical(items[:n_long], ts[:n_long], items[n_long:], ts[n_long:], [1, 2, 3], int(ts[-1]))
 
 
-def counting(eng: RelayEngine) -> list[int]:
-    """Records how many sequences each extend_many call computed together."""
+def counting(eng: RelayEngine, tokens: list[int] | None = None) -> list[int]:
+    """Records how many sequences each extend_many call computed together (and, into ``tokens``, how many new
+    tokens in all)."""
     calls: list[int] = []
     orig = eng.extend_many
 
     def wrapped(prefixes, items, ts, *rest):
         calls.append(sum(1 for x in items if len(x)))
+        if tokens is not None:
+            tokens.append(sum(len(x) for x in items))
         return orig(prefixes, items, ts, *rest)
 
     eng.extend_many = wrapped  # type: ignore[method-assign]
     return calls
+
+
+def test_step_shares_fill_the_budget_first_come_first_served() -> None:
+    assert step_shares([24, 24, 24], max_jobs=8, chunk=8, budget=16) == [16]
+    assert step_shares([8, 24, 24], max_jobs=8, chunk=8, budget=16) == [8, 8]
+    assert step_shares([5, 5, 5, 5], max_jobs=3, chunk=8, budget=100) == [5, 5, 5]  # at most max_jobs
+    assert step_shares([40, 3], max_jobs=8, chunk=8, budget=None) == [8, 3]  # no budget: a chunk each
+    assert step_shares([], max_jobs=8, chunk=8, budget=16) == []
+
+
+async def test_a_burst_of_misses_finishes_one_step_at_a_time(kit: SimpleNamespace) -> None:
+    """Four 16-token misses, 16 tokens a step: one answered per step (first come, first served). Processor
+    sharing (every miss one chunk a step) would answer two at step 2 and two at step 4."""
+    eng = RelayEngine(kit.make_model(), max_suffix=8, chunk=8)
+    clock = Clock()
+
+    def tick(_: int) -> None:  # each compute step takes 1 s of the scheduler's clock
+        clock.t += 1.0
+
+    sched = ComputeScheduler(eng, max_batch=8, max_step_tokens=16, on_batch=tick, clock=clock)
+    futs = [asyncio.ensure_future(sched.rank_full(request(eng, s, 16))) for s in range(4)]
+    await asyncio.sleep(0)
+    sched.start()
+    got = await asyncio.gather(*futs)
+    await sched.stop()
+    # answered at the end of steps 1, 2, 3, 4 (queued at 0): queue + compute time
+    assert [round(t.queue_ms + t.compute_ms) for _, t in got] == [1000, 2000, 3000, 4000]
+    for (logits, _), s in zip(got, range(4), strict=True):  # the same scores as one full inference each
+        r = request(eng, s, 16)
+        assert torch.allclose(logits, eng.rank_encode([r])[0], atol=TOL, rtol=0)
 
 
 async def test_batched_misses_and_prefills_equal_one_at_a_time(kit: SimpleNamespace) -> None:
@@ -71,7 +104,8 @@ async def test_batched_misses_and_prefills_equal_one_at_a_time(kit: SimpleNamesp
 
 async def test_step_token_bound_and_priorities_hold_and_prefills_do_not_starve(kit: SimpleNamespace) -> None:
     eng = RelayEngine(kit.make_model(), max_suffix=8, chunk=8)
-    calls = counting(eng)
+    tokens: list[int] = []
+    calls = counting(eng, tokens)
     sched = ComputeScheduler(eng, max_batch=8, prefill_every=2, max_step_tokens=16)
     order: list[str] = []
     p = [sched.submit_prefill(request(eng, s, 24).long_items, request(eng, s, 24).long_ts) for s in (1, 2, 3)]
@@ -86,8 +120,8 @@ async def test_step_token_bound_and_priorities_hold_and_prefills_do_not_starve(k
     left = sched.backlog_tokens()  # the prefills' tokens still to compute when the last miss is answered
     await asyncio.gather(*p)
     await sched.stop()
-    assert max(calls) == 2  # 16 tokens a step: two chunks of 8
-    assert order[:3] == ["m", "m", "m"]  # the misses first, though the prefills were queued earlier
+    assert max(tokens) == 16 and max(calls) == 2  # 16 tokens a step, from one job or two
+    assert order[:2] == ["m", "m"]  # the misses first, though the prefills were queued earlier
     assert 0 < left < 3 * 24  # ... but after two miss steps one prefill step ran: the prefills advanced
     assert sched.tokens_computed == 6 * 24 and sched.backlog_tokens() == 0
 

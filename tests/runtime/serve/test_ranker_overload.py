@@ -162,7 +162,7 @@ async def test_expired_deadline_is_dropped_before_compute(make) -> None:
 
 async def test_rank_joins_the_in_flight_prefill_instead_of_recomputing(make) -> None:
     factory, http = make
-    r = await factory(chunk=8)  # 30 tokens: 4 chunks
+    r = await factory(chunk=8)  # 30 tokens: one step (the 1,024-token step budget takes them whole)
     sched = r.service.scheduler
     calls = count_calls(r.service)
     body = rank_body("joiner", 7)
@@ -179,7 +179,7 @@ async def test_rank_joins_the_in_flight_prefill_instead_of_recomputing(make) -> 
     assert ps == 200 and pb["status"] == "computed"
     assert rs == 200 and rb["cache"] == "device"
     assert rb["joined_ms"] >= 300  # it waited for the held prefill, and says so
-    assert calls["extend"] == 4 and calls["rank_full"] == 0 and calls["rank_cached"] == 1  # one prefill only
+    assert calls["extend"] == 1 and calls["rank_full"] == 0 and calls["rank_cached"] == 1  # one prefill only
     text = await (await http.get(r.url + "/metrics")).text()
     assert 'grstack_ranker_cache_lookups_total{result="joined"} 1.0' in text
 
