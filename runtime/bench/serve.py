@@ -263,6 +263,52 @@ async def _trigger_counts(session: Any, router_url: str) -> dict[str, float]:
     return {reason: float(v) for reason, v in _TRIGGER_LINE.findall(text)}
 
 
+GC_THRESHOLDS = (0.025, 0.05, 0.1)  # pause lengths counted per point (seconds; the histogram's bucket edges)
+
+
+def gc_counts(metrics_text: str, name: str = "grstack_ranker_gc_pause_seconds") -> dict[str, float]:
+    """From a Prometheus exposition: the pauses of histogram ``name`` (all generations) and how many took
+    longer than each of :data:`GC_THRESHOLDS` (the count above that bucket edge)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total, within = 0.0, dict.fromkeys(GC_THRESHOLDS, 0.0)
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name != name:
+            continue
+        for sample in family.samples:
+            if not sample.name.endswith("_bucket"):
+                continue
+            le = float(sample.labels["le"])
+            if math.isinf(le):
+                total += sample.value
+            elif le in within:
+                within[le] += sample.value
+    return {"count": total, **{f"over_{int(t * 1000)}ms": total - within[t] for t in GC_THRESHOLDS}}
+
+
+async def _ranker_gc(session: Any, urls: list[str]) -> dict[str, float]:
+    """The rankers' garbage-collector pauses so far (:func:`gc_counts` of each ``/metrics``, summed)."""
+    out: Counter[str] = Counter()
+    for url in urls:
+        try:
+            async with session.get(url + "/metrics") as resp:
+                text = await resp.text()
+        except Exception:  # a ranker that does not answer: its pauses are not counted
+            continue
+        out.update(gc_counts(text))
+    return {"count": 0.0, **{f"over_{int(t * 1000)}ms": 0.0 for t in GC_THRESHOLDS}, **out}
+
+
+def gc_summary(ranker_before: dict[str, float], ranker_after: dict[str, float],
+               harness: list[float]) -> dict[str, Any]:
+    """Garbage-collector pauses over a point: the rankers' (deltas) and this process's (the load generator
+    and router), with the longest of this process's."""
+    counts = {k: int(ranker_after[k] - ranker_before[k]) for k in ranker_after}
+    mine = {"count": len(harness), **{f"over_{int(t * 1000)}ms": sum(p > t for p in harness) for t in GC_THRESHOLDS},
+            "max_ms": round(max(harness) * 1e3, 1) if harness else 0.0}
+    return {"rankers": counts, "harness": mine}
+
+
 def trigger_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
     """Signals decided over a point (warm-up included), by the trigger's reason: admitted, live, not-at-risk,
     cache-budget, load-budget, ... (what explains a relay point's hit rate)."""
@@ -330,6 +376,19 @@ def summarize(results: list[Any], slo_ms: float, planned: int | None = None) -> 
             **early}
 
 
+def gc_over(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """:func:`gc_summary` over a point's repeats: counts summed, the longest pause the longest of any."""
+    found = [r["gc_pauses"] for r in runs if r.get("gc_pauses")]
+    if not found:
+        return None
+    out: dict[str, Any] = {}
+    for side in ("rankers", "harness"):
+        keys = found[0][side]
+        out[side] = {k: (max(f[side][k] for f in found) if k == "max_ms" else sum(f[side][k] for f in found))
+                     for k in keys}
+    return out
+
+
 def combine(runs: list[dict[str, Any]], slo_ms: float) -> dict[str, Any]:
     """A point over its repeats: P99 is the median of the repeats' (pass/fail by it), with min and max."""
     import numpy as np
@@ -359,6 +418,7 @@ def combine(runs: list[dict[str, Any]], slo_ms: float) -> dict[str, Any]:
             "compute_ms_per_visit": float(np.median(per_visit)) if per_visit else None,
             "trigger_decisions": dict(sorted(decisions.items())),
             "host_cpu": host_cpu.mean_usage([r["host_cpu"] for r in runs if r.get("host_cpu")]),
+            "gc_pauses": gc_over(runs),
             "device_bytes": last["device_bytes"], "dram_bytes": last["dram_bytes"], "repeats": runs}
 
 
@@ -376,7 +436,13 @@ class ModeRun:
 
 
 async def measure_once(m: ModeRun, sweep: str, length: int, qps: float, repeat: int) -> dict[str, Any]:
-    from grstack.runtime.serve import GiveUp, frozen_heap, run_open_loop, violations_to_fail
+    from grstack.runtime.serve import (
+        GiveUp,
+        frozen_heap,
+        recorded_gc_pauses,
+        run_open_loop,
+        violations_to_fail,
+    )
 
     s = m.settings
     trace = s.trace(length, qps, repeat)
@@ -387,20 +453,22 @@ async def measure_once(m: ModeRun, sweep: str, length: int, qps: float, repeat: 
     give_up = None if sweep == "overload" else GiveUp(s.slo_ms, violations_to_fail(planned))
     before = await _ranker_state(m.session, m.ranker_urls)
     decided = await _trigger_counts(m.session, m.router_url)
+    gc0 = await _ranker_gc(m.session, m.ranker_urls)
     cpu0 = host_cpu.take((*m.ranker_pids, *m.idle_pids))
     # This process is the load generator and the router: the trace just built, the population and every
     # earlier point's results would make each full collection during the run a 130-140 ms stop of both.
-    with frozen_heap():
+    with frozen_heap(), recorded_gc_pauses() as pauses:
         results = await run_open_loop(m.router_url, reqs, timeout_s=s.timeout_s, session=m.session,
                                       deadline_ms=s.slo_ms, give_up=give_up)
         await _drain(m.session, m.ranker_urls)
     cpu = host_cpu.usage(cpu0, host_cpu.take((*m.ranker_pids, *m.idle_pids)),
                          {"rankers": m.ranker_pids, "idle_rankers": m.idle_pids})
+    gc_pauses = gc_summary(gc0, await _ranker_gc(m.session, m.ranker_urls), pauses)
     after = await _ranker_state(m.session, m.ranker_urls)
     decisions = trigger_deltas(decided, await _trigger_counts(m.session, m.router_url))
     visits = sum(r.request.path == "/v1/rank" for r in results)
     out = {"trace_seed": s.seed + repeat, **summarize(results, s.slo_ms, planned),
-           **state_deltas(before, after, visits), "trigger_decisions": decisions, "host_cpu": cpu,
+           **state_deltas(before, after, visits), "trigger_decisions": decisions, "host_cpu": cpu, "gc_pauses": gc_pauses,
            "trace": trace.shape}
     if m.mode in ("relay", "no_trigger"):
         keep_for_score_check(m.kept, m.mode, trace, visit_of, results)
@@ -461,6 +529,10 @@ def point_from(m: ModeRun, sweep: str, length: int, qps: float, runs: list[dict[
     cpu = "" if not c or c.get("busy") is None else (
         f" cpu={c['busy']:.2f}/{c['cores']} (harness {c['harness']:.2f}, rankers {c['rankers']:.2f}, "
         f"other {c['other']:.2f})")
+    g = p["gc_pauses"]
+    if g:
+        cpu += (f" gc>50ms rankers {g['rankers']['over_50ms']} harness {g['harness']['over_50ms']} "
+                f"(longest here {g['harness']['max_ms']} ms)")
     _log(f"{m.mode:11s} {sweep:6s} length={length:5d} qps={qps:6.1f} n={p['n']:5d}{sent} p50={p['p50_ms']:8.1f} ms "
          f"p99={p['p99_ms']:8.1f} ms errors={p['errors_by_kind'] or 0} hit_rate={hr} "
          f"{cpu} elapsed={time.monotonic() - m.t0:6.0f} s")
@@ -565,7 +637,7 @@ async def overload(m: ModeRun, offered: float) -> dict[str, Any]:
     out = {"offered_qps": r["offered_qps"], "target_qps": offered, "served_qps": r["served_qps"],
            "shed_fraction": shed / r["n"] if r["n"] else None, "p99_ms_served": r["p99_ms_served"],
            "p99_ms_shed": r["p99_ms_shed"], "errors_other": other, "errors_by_kind": r["errors_by_kind"],
-           "length": s.qps_length, "n": r["n"], "host_cpu": r["host_cpu"]}
+           "length": s.qps_length, "n": r["n"], "host_cpu": r["host_cpu"], "gc_pauses": r["gc_pauses"]}
     _log(f"overload   relay at {offered:g} QPS: served {r['served_qps'] or 0:.1f} QPS, shed {out['shed_fraction']}, "
          f"P99 served {r['p99_ms_served']}, other errors {other}")
     return out

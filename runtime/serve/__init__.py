@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from grstack.runtime.serve.artifact import load_ranking_model, load_serving_model, write_untrained_model
     from grstack.runtime.serve.demo import serve_demo
     from grstack.runtime.serve.engine import RelayEngine
-    from grstack.runtime.serve.gc_pauses import frozen_heap
+    from grstack.runtime.serve.gc_pauses import frozen_heap, recorded_gc_pauses
     from grstack.runtime.serve.kv_arena import KVArena
     from grstack.runtime.serve.loadgen import (
         GiveUp,
@@ -42,6 +42,7 @@ _EXPORTS = {
     "serve_demo": "grstack.runtime.serve.demo",
     "RelayEngine": "grstack.runtime.serve.engine",
     "frozen_heap": "grstack.runtime.serve.gc_pauses",
+    "recorded_gc_pauses": "grstack.runtime.serve.gc_pauses",
     "KVArena": "grstack.runtime.serve.kv_arena",
     "GiveUp": "grstack.runtime.serve.loadgen",
     "Request": "grstack.runtime.serve.loadgen",
@@ -69,6 +70,7 @@ __all__ = [
     "load_ranking_model",
     "load_serving_model",
     "poisson_times",
+    "recorded_gc_pauses",
     "run_open_loop",
     "serve_demo",
     "spawn_ranker",

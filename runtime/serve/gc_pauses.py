@@ -43,6 +43,26 @@ def frozen_heap() -> Iterator[int]:
         gc.unfreeze()
 
 
+@contextlib.contextmanager
+def recorded_gc_pauses() -> Iterator[list[float]]:
+    """The seconds of each collection in this process while the block runs (a benchmark's own stops: its
+    load generator must not be the one that paused)."""
+    pauses: list[float] = []
+    started: list[float] = []
+
+    def record(phase: str, _info: dict[str, Any]) -> None:
+        if phase == "start":
+            started[:] = [time.perf_counter()]
+        elif started:
+            pauses.append(time.perf_counter() - started.pop())
+
+    gc.callbacks.append(record)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(record)
+
+
 class GcPauseMetric:
     """``<prefix>_gc_pause_seconds{generation}``: how long each collection stopped the process, and
     ``<prefix>_gc_frozen_objects``: how many objects :func:`freeze_startup_heap` took out of collections.

@@ -57,6 +57,10 @@ def test_tiny_run_reports_every_mode_the_overload_run_and_the_score_check(tmp_pa
         assert cpu["cores"] >= 1 and cpu["rankers"] > 0 and cpu["harness"] > 0
         assert cpu["busy"] >= 0.9 * (cpu["rankers"] + cpu["harness"])
     assert out["host_cpu_before"]["busy"] is not None
+    for p in out["relay"]["points"] + [out["overload"]]:  # garbage-collector pauses: rankers' and the harness's
+        g = p["gc_pauses"]
+        assert set(g) == {"rankers", "harness"} and g["harness"]["count"] >= 0
+        assert g["rankers"]["count"] >= g["rankers"]["over_25ms"] >= g["rankers"]["over_50ms"] >= 0
     # every relay visit's signal was decided by the trigger, and the point says how
     assert all(sum(p["trigger_decisions"].values()) >= 38 for p in out["relay"]["points"])
     assert all(set(p["trigger_decisions"]) <= {"disabled"} for p in out["baseline"]["points"])  # relay off

@@ -234,3 +234,52 @@ def test_only_the_baseline_rankers_drop_their_misses_prefixes():
     for mode in MODES:
         args = parser.parse_args(["ranker", "--checkpoint", "m.pt", *ranker_args(mode)])
         assert ranker_config(args, max_len=1024).cache_misses is (mode != "baseline")  # baseline: full inference
+
+
+def test_gc_counts_read_a_rankers_pause_histogram():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from grstack.runtime.bench.serve import gc_counts
+    from grstack.runtime.serve.gc_pauses import GcPauseMetric
+
+    registry = CollectorRegistry()
+    metric = GcPauseMetric(registry, "grstack_ranker")
+    try:
+        metric.histogram.labels("0").observe(0.001)
+        metric.histogram.labels("2").observe(0.03)
+        metric.histogram.labels("2").observe(0.2)
+        text = generate_latest(registry)
+    finally:
+        metric.close()
+    got = gc_counts(text.decode())
+    assert got["count"] >= 3  # the process's own collections may add to the three observed here
+    assert got["over_25ms"] >= 2 and got["over_50ms"] >= 1 and got["over_100ms"] >= 1
+    assert got["over_25ms"] - got["over_50ms"] >= 1  # 30 ms is over 25 and not over 50
+
+
+def test_gc_summary_and_repeats():
+    from grstack.runtime.bench.serve import gc_over, gc_summary
+
+    zero = {"count": 0.0, "over_25ms": 0.0, "over_50ms": 0.0, "over_100ms": 0.0}
+    after = {"count": 9.0, "over_25ms": 2.0, "over_50ms": 1.0, "over_100ms": 0.0}
+    one = gc_summary(zero, after, [0.001, 0.06, 0.2])
+    assert one["rankers"] == {"count": 9, "over_25ms": 2, "over_50ms": 1, "over_100ms": 0}
+    assert one["harness"] == {"count": 3, "over_25ms": 2, "over_50ms": 2, "over_100ms": 1, "max_ms": 200.0}
+    two = gc_over([{"gc_pauses": one}, {"gc_pauses": gc_summary(zero, zero, [])}])
+    assert two["rankers"]["count"] == 9 and two["harness"]["over_100ms"] == 1 and two["harness"]["max_ms"] == 200.0
+    assert gc_over([{}]) is None
+
+
+def test_recorded_gc_pauses_sees_this_process_collect_and_then_stops():
+    import gc
+
+    from grstack.runtime.serve import recorded_gc_pauses
+
+    before = len(gc.callbacks)
+    with recorded_gc_pauses() as pauses:
+        gc.collect()
+    assert len(pauses) >= 1 and all(p >= 0 for p in pauses)
+    assert len(gc.callbacks) == before
+    seen = len(pauses)
+    gc.collect()
+    assert len(pauses) == seen  # nothing recorded after the block
