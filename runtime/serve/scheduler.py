@@ -5,16 +5,17 @@ accepting requests meanwhile). Each step is one of, in priority order:
 
 1. a batch of **cached ranks** — every queued request whose prefix K/V is at hand, up to ``max_batch``;
 2. a step of the **rank misses** (and prefills a rank joined): queued unstarted misses with short
-   histories are ranked together by full inference; otherwise the next chunk of up to ``max_batch`` queued
-   misses is computed in one model call jagged over the users, and those whose prefix is then complete are
-   ranked in one cached-prefix call;
-3. the next chunk of up to ``max_batch`` **prefills**, in one model call likewise.
+   histories are ranked together by full inference; otherwise up to ``max_step_tokens`` new tokens of up
+   to ``max_batch`` queued misses, given out first come first served (:func:`step_shares`), are computed
+   in one model call jagged over the users, and those whose prefix is then complete are ranked in one
+   cached-prefix call;
+3. a step of the **prefills**, in one model call likewise.
 
 A prefill or miss may start from a **base**: a cached older version of the user's prefix that is a prefix of
 the new one (incremental prefill); only the tokens after it are computed. Ranks are latency-critical and
 prefills are not, but a prefill must not starve: after ``prefill_every`` consecutive rank steps with
-prefills waiting, one prefill step runs. Chunking (and ``max_step_tokens``, a bound on the tokens of one
-batched step) keeps any rank from waiting behind more than one step of long prefills.
+prefills waiting, one prefill step runs. ``max_step_tokens`` (a bound on the new tokens of one step; without
+it each job advances by one ``chunk``) keeps any rank from waiting behind more than one step of long prefills.
 
 With a KV arena (``reserve``), a prefill or miss reserves its whole prefix's range when queued (the base copied
 into it once) and its chunks are written in place; a queued rank pins the range of its prefix, so eviction
