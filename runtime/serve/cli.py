@@ -116,9 +116,11 @@ def _ranker_args(p: argparse.ArgumentParser) -> None:
                         "keeps the last max_len - max_suffix")
     g.add_argument("--max-candidates", type=int, default=1024)
     g.add_argument("--max-batch", type=int, default=32, help="rank requests per compute step")
-    g.add_argument("--chunk", type=int, default=256, help="prefill chunk (tokens per compute step)")
+    g.add_argument("--chunk", type=int, default=256, help="misses with histories up to this many tokens are ranked by one full inference; "
+                        "longer ones and prefills go through steps of --max-step-tokens")
     g.add_argument("--max-step-tokens", type=int, default=1024,
-                   help="new prefix tokens of one batched prefill/miss step (bounds a rank's wait behind it)")
+                   help="new prefix tokens of one batched prefill/miss step, given out first come first served "
+                        "(bounds a rank's wait behind it)")
     g.add_argument("--prefill-wait-ms", type=float, default=200,
                    help="unused (a rank now joins its in-flight prefill); kept for old command lines")
     g.add_argument("--max-queue", type=int, default=256,
