@@ -41,18 +41,21 @@ def test_mean_usage_over_repeats():
 
 
 def test_a_busy_child_counts_under_its_group_not_the_harness():
-    spin = ("import time,sys\nt=time.process_time()\nwhile time.process_time()-t<0.4: pass\n"
+    spin = ("import time,sys\nsys.stdin.readline()\nt=time.process_time()\nwhile time.process_time()-t<0.4: pass\n"
             "print('done', flush=True)\ntime.sleep(30)\n")
-    child = subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, "-c", spin], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        before = take([child.pid])
-        assert child.stdout is not None and child.stdout.readline().strip() == "done"
+        before = take([child.pid])  # the child waits for a line before it spins: all its spinning comes after
+        assert child.stdin is not None and child.stdout is not None
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "done"
         after = take([child.pid, 999_999_999])  # a pid that does not exist is left out, not an error
         u = usage(before, after, {"child": (child.pid,)})
     finally:
         child.kill()
         child.wait()
     spent_child = u["child"] * u["wall_s"]
-    assert spent_child >= 0.3  # the child's own CPU-seconds (it spun 0.4 s, some before the first sample)
+    assert spent_child >= 0.35  # the child spun 0.4 CPU-seconds after the first sample (10 ms counter ticks)
     assert u["harness"] * u["wall_s"] < 0.2  # this process only waited on a pipe
     assert u["busy"] * u["wall_s"] >= spent_child * 0.9
