@@ -8,10 +8,11 @@ masked causally and applied to the values (shared with the semantic channel) as 
 
     pos_i   = min(i, Hn)
     allowed = (j <= i) and (j < Hn or j == i)
-    A_ij    = (pos_w[clamp(pos_i - pos_j, 0, N - 1)] + time_w[bucket(ts_i - ts_j)]) * allowed
+    A_ij    = (pos_w[clamp(pos_i - pos_j, 0, N - 1)] + time_w[bucket(qts_i - ts_j)]) * allowed
     out_i   = sum_j A_ij v_j                                   # the same A for every head
 
-Pass only ``pos_weight`` for the positional channel, only ``time_weight`` (with ``timestamps``) for the
+``qts`` is ``ts`` unless ``query_timestamps`` are given (FuXi-α's code: the next event's time; training and
+evaluation only, as for HSTU: docs/time-bias.md). Pass only ``pos_weight`` for the positional channel, only ``time_weight`` (with ``timestamps``) for the
 temporal one. ``A`` depends on positions and timestamps only, so a cached prefix's values (the semantic
 channel's, already in the relay cache) are all the with-prefix variant needs.
 
@@ -49,17 +50,20 @@ def _check(pos_weight: torch.Tensor | None, time_weight: torch.Tensor | None) ->
 
 
 def _indices(lengths: torch.Tensor, length: int, ts: torch.Tensor | None, num_targets: torch.Tensor | None,
-             num_pos: int | None, num_tb: int | None
+             num_pos: int | None, num_tb: int | None, qts: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """For sequences of ``lengths`` padded to ``length``: the mask [G, L, L], the position-bias index and the
-    time-bucket index (None when that bias is off)."""
+    time-bucket index (None when that bias is off). ``qts``: the query times (``ts`` when None)."""
     ar = torch.arange(length, device=lengths.device)
     hist = (lengths - num_targets).clamp(min=0) if num_targets is not None else lengths
     pos = torch.minimum(ar[None, :], hist[:, None])  # [G, L]
     diag = ar[None, :, None] == ar[None, None, :]
     allowed = (ar[None, :, None] >= ar[None, None, :]) & ((ar[None, None, :] < hist[:, None, None]) | diag)
     pos_idx = (pos[:, :, None] - pos[:, None, :]).clamp(0, num_pos - 1) if num_pos is not None else None
-    tb_idx = time_buckets(ts[:, :, None] - ts[:, None, :], num_tb) if num_tb is not None and ts is not None else None
+    if num_tb is not None and ts is not None:
+        tb_idx = time_buckets((ts if qts is None else qts)[:, :, None] - ts[:, None, :], num_tb)
+    else:
+        tb_idx = None
     return allowed, pos_idx, tb_idx
 
 
@@ -92,6 +96,7 @@ def bias_channel_attention_reference(
     timestamps: torch.Tensor | None = None,
     num_targets: torch.Tensor | None = None,
     plan: JaggedPlan | None = None,
+    query_timestamps: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Jagged [sum_L, H, dv] in and out, per length group of ``plan`` (never padded to L_max); the masks and
     bias indices are built once per plan and reused by every layer."""
@@ -101,14 +106,19 @@ def bias_channel_attention_reference(
         return v.new_zeros(v.shape)
     num_pos, num_tb = _sizes(pos_weight, time_weight, timestamps)
 
+    qts = query_timestamps if num_tb is not None else None
+
     def build() -> list:
-        ts_groups = gather_groups(timestamps, plan) if num_tb is not None else [None] * len(plan.groups)
+        none = [None] * len(plan.groups)
+        ts_groups = gather_groups(timestamps, plan) if num_tb is not None else none
+        qts_groups = gather_groups(qts, plan) if qts is not None else none
         return [_indices(g.lengths, g.max_len, ts, num_targets[g.seq] if num_targets is not None else None,
-                         num_pos, num_tb) for g, ts in zip(plan.groups, ts_groups, strict=True)]
+                         num_pos, num_tb, q) for g, ts, q in zip(plan.groups, ts_groups, qts_groups, strict=True)]
 
     key = ("fuxi_bias_channel", num_pos, num_tb, tensor_key(timestamps if num_tb is not None else None),
-           tensor_key(num_targets))
-    per_group = cached(plan, key, build, keep_alive=[t for t in (timestamps, num_targets) if t is not None])
+           tensor_key(num_targets), tensor_key(qts))
+    per_group = cached(plan, key, build,
+                       keep_alive=[t for t in (timestamps, num_targets, qts) if t is not None])
     outs = []
     for vb, (allowed, pos_idx, tb_idx) in zip(gather_groups(v, plan), per_group, strict=True):
         g, length, h, dv = vb.shape
@@ -126,6 +136,7 @@ def bias_channel_attention_padded(
     time_weight: torch.Tensor | None = None,
     timestamps: torch.Tensor | None = None,
     num_targets: torch.Tensor | None = None,
+    query_timestamps: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The dense padded formulation ([B, L_max, L_max] weights): the oracle of the grouped one."""
     _check(pos_weight, time_weight)
@@ -136,7 +147,8 @@ def bias_channel_attention_padded(
     b, length, h, dv = vp.shape
     num_pos, num_tb = _sizes(pos_weight, time_weight, timestamps)
     tp = jagged_to_padded(timestamps, offsets) if num_tb is not None else None
-    allowed, pos_idx, tb_idx = _indices(lengths, length, tp, num_targets, num_pos, num_tb)
+    qp = jagged_to_padded(query_timestamps, offsets) if num_tb is not None and query_timestamps is not None else None
+    allowed, pos_idx, tb_idx = _indices(lengths, length, tp, num_targets, num_pos, num_tb, qp)
     w = _weights(allowed, pos_idx, tb_idx, pos_weight, time_weight, vp.dtype)
     out = torch.bmm(w, vp.reshape(b, length, h * dv)).reshape(b, length, h, dv)
     return padded_to_jagged(out, offsets)
@@ -153,16 +165,21 @@ def bias_channel_attention(
     num_targets: torch.Tensor | None = None,
     plan: JaggedPlan | None = None,
     backend: str | None = None,
+    query_timestamps: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """FuXi-α's bias-only attention channel (module docstring), jagged: v [sum_L, H, dv] -> [sum_L, H, dv].
 
     Differentiable in v, pos_weight and time_weight. ``backend`` as :func:`grstack.kernels.select_backend`:
     ``padded`` runs the dense oracle, every other backend the grouped torch formulation on its device.
     ``max_seq_len`` is :func:`grstack.kernels.hstu_attention`'s (the channels have no ``1/N``; distances are
-    clamped to the position table's size, as there).
+    clamped to the position table's size, as there). ``query_timestamps`` [sum_L]: the time each token queries
+    at, as :func:`grstack.kernels.hstu_attention`'s (the bucket of ``query_timestamps[i] - timestamps[j]``;
+    FuXi-α's code uses the next event's time); None: the token's own timestamp.
     """
+    if query_timestamps is not None and (timestamps is None or query_timestamps.shape != timestamps.shape):
+        raise ValueError("query_timestamps needs timestamps of the same shape")
     kwargs = dict(max_seq_len=max_seq_len, pos_weight=pos_weight, time_weight=time_weight, timestamps=timestamps,
-                  num_targets=num_targets)
+                  num_targets=num_targets, query_timestamps=query_timestamps)
     name = select_backend(v.device, backend)
     if name == "padded":
         return bias_channel_attention_padded(v, offsets, **kwargs)
@@ -174,7 +191,8 @@ def bias_channel_attention(
         return triton_hstu.bias_channel_triton(v, offsets, max_seq_len=max_seq_len, pos_weight=pos_weight,
                                                time_weight=time_weight if use_time else None,
                                                timestamps=timestamps if use_time else None,
-                                               num_targets=num_targets)
+                                               num_targets=num_targets,
+                                               query_timestamps=query_timestamps if use_time else None)
     return bias_channel_attention_reference(v, offsets, plan=plan, **kwargs)
 
 

@@ -651,20 +651,21 @@ class _BiasChannel(torch.autograd.Function):
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, v, offsets, timestamps, pos_w, time_w, num_targets, max_seq_len):
+    def forward(ctx, v, offsets, timestamps, pos_w, time_w, num_targets, max_seq_len, query_timestamps):
         v = _last_dim_contiguous(v)
-        out = _forward(v, v, v, offsets, timestamps, None, pos_w, time_w, num_targets, max_seq_len, semantic=False)
-        ctx.save_for_backward(v, offsets, timestamps, pos_w, time_w, num_targets)
+        out = _forward(v, v, v, offsets, timestamps, query_timestamps, pos_w, time_w, num_targets, max_seq_len,
+                       semantic=False)
+        ctx.save_for_backward(v, offsets, timestamps, pos_w, time_w, num_targets, query_timestamps)
         ctx.max_seq_len = max_seq_len
         return out
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, dout):
-        v, offsets, timestamps, pos_w, time_w, num_targets = ctx.saved_tensors
+        v, offsets, timestamps, pos_w, time_w, num_targets, query_timestamps = ctx.saved_tensors
         dout = _last_dim_contiguous(dout).to(v.dtype)
         interpreted, flags, num_pos, num_tb, (pw, tw, ts, tsq, nt) = _common(
-            v, v, v, timestamps, None, pos_w, time_w, num_targets)
+            v, v, v, timestamps, query_timestamps, pos_w, time_w, num_targets)
         pos_grad = pos_w is not None and ctx.needs_input_grad[3]
         time_grad = flags["HAS_TIME"] and ctx.needs_input_grad[4]
         dv = torch.zeros_like(v)
@@ -710,17 +711,20 @@ class _BiasChannel(torch.autograd.Function):
         if time_grad:
             dtime_w = (parts["time"].sum(0)[:num_tb + 1] if "time" in parts
                        else torch.zeros(num_tb + 1, dtype=torch.float32, device=v.device)).to(time_w.dtype)
-        return dv, None, None, dpos_w, dtime_w, None, None
+        return dv, None, None, dpos_w, dtime_w, None, None, None
 
 
 def bias_channel_triton(v: torch.Tensor, offsets: torch.Tensor, *, max_seq_len: int,
                         pos_weight: torch.Tensor | None = None, time_weight: torch.Tensor | None = None,
                         timestamps: torch.Tensor | None = None,
-                        num_targets: torch.Tensor | None = None) -> torch.Tensor:
-    """FuXi-α's bias-only channel (:mod:`grstack.kernels.fuxi`), fused; differentiable in v and the tables."""
+                        num_targets: torch.Tensor | None = None,
+                        query_timestamps: torch.Tensor | None = None) -> torch.Tensor:
+    """FuXi-α's bias-only channel (:mod:`grstack.kernels.fuxi`), fused; differentiable in v and the tables.
+    ``query_timestamps``: as :func:`hstu_attention_triton`'s."""
     if torch.is_autocast_enabled("cuda") and v.is_cuda:
         v = v.to(torch.get_autocast_dtype("cuda"))
-    return _BiasChannel.apply(v, offsets, timestamps, pos_weight, time_weight, num_targets, max_seq_len)
+    return _BiasChannel.apply(v, offsets, timestamps, pos_weight, time_weight, num_targets, max_seq_len,
+                              query_timestamps)
 
 
 def bias_channel_with_prefix_triton(v: torch.Tensor, offsets: torch.Tensor, v_prefix: torch.Tensor,

@@ -90,7 +90,8 @@ class ModelConfig(_Strict):
     position_bias: bool = True
     time_bias: bool = True
     time_bias_query: Literal["self", "next"] = Field(
-        "self", description="HSTU time bias: self: bucket(|ts_i - ts_j|), query token i's own time; next: "
+        "self", description="time bias (HSTU's, and FuXi-α's temporal channel): self: bucket(|ts_i - ts_j|), "
+        "query token i's own time; next: "
         "bucket(ts_next(i) - ts_j), the time of the event after token i (the moment being predicted, Meta's "
         "convention; the last history token uses the first candidate's time, or its own without candidates). "
         "next cannot be served from cached prefixes")
@@ -101,13 +102,6 @@ class ModelConfig(_Strict):
         False, description="embed each history token's own actions (the dataset's action bits: click, like, ...) "
         "into it; candidates get a 'to be predicted' vector instead, so the ranking head never sees its label "
         "(docs/features.md)")
-
-    @model_validator(mode="after")
-    def _check(self) -> ModelConfig:
-        if self.type == "fuxi" and self.time_bias_query != "self":
-            raise ValueError("model.time_bias_query=next is an HSTU option; FuXi-α's temporal channel buckets "
-                             "the gap between the two events (use self)")
-        return self
 
 
 class LossConfig(_Strict):

@@ -26,7 +26,6 @@ def build_model(cfg: ModelConfig, num_items: int, max_len: int, num_tasks: int =
         kwargs.pop("ffn_mult")
         return HSTU(num_items, max_len=max_len, num_tasks=num_tasks, **kwargs)
     if cfg.type == "fuxi":
-        kwargs.pop("time_bias_query")  # HSTU's; ModelConfig rejects next for fuxi
         return FuXiAlpha(num_items, max_len=max_len, num_tasks=num_tasks, **kwargs)
     for key in ("dqk", "dv", "time_buckets", "position_bias", "time_bias", "time_bias_query", "ranking_head"):
         kwargs.pop(key)

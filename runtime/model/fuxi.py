@@ -29,7 +29,7 @@ from torch import nn
 
 from grstack import kernels
 from grstack.runtime.data import JaggedBatch
-from grstack.runtime.model.hstu import HSTU
+from grstack.runtime.model.hstu import HSTU, next_event_timestamps
 from grstack.runtime.model.side_features import ItemFeatureMap
 
 _EPS = 1e-6
@@ -75,7 +75,10 @@ class FuXiLayer(nn.Module):
         return self.lin2(F.silu(self.lin1(z)) * self.lin3(z)) + x1
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor | None,
-                num_targets: torch.Tensor | None, plan: kernels.JaggedPlan | None) -> torch.Tensor:
+                num_targets: torch.Tensor | None, plan: kernels.JaggedPlan | None,
+                query_timestamps: torch.Tensor | None = None) -> torch.Tensor:
+        """``query_timestamps``: the temporal channel's query times (``time_bias_query=next``); the semantic
+        channel has no bias, so only the temporal one reads them."""
         u, v, q, k = self.project(x)
         kw = dict(max_seq_len=self.max_seq_len, num_targets=num_targets, plan=plan)
         channels = []
@@ -83,7 +86,8 @@ class FuXiLayer(nn.Module):
             channels.append(kernels.bias_channel_attention(v, offsets, pos_weight=self.pos_weight, **kw))
         if self.time_weight is not None:
             channels.append(kernels.bias_channel_attention(v, offsets, time_weight=self.time_weight,
-                                                           timestamps=timestamps, **kw))
+                                                           timestamps=timestamps,
+                                                           query_timestamps=query_timestamps, **kw))
         channels.append(kernels.hstu_attention(q, k, v, offsets, **kw))
         return self.finish(x, channels, u)
 
@@ -112,7 +116,8 @@ class FuXiAlpha(HSTU):
     """Retrieval + ranking FuXi-α over jagged sequences of item ids (HSTU's interface and heads).
 
     ``ffn_mult``: the SwiGLU stage's hidden width as a multiple of ``d_model`` (FuXi-α's ``ffn_multiply``,
-    1 in its MovieLens configs).
+    1 in its MovieLens configs). ``time_bias_query``: HSTU's option, for the temporal channel (``next`` is
+    FuXi-α's code's convention: the gap from each key event to the event being predicted).
     """
 
     def __init__(self, num_items: int, *, max_len: int, d_model: int = 64, num_blocks: int = 4,
@@ -120,13 +125,15 @@ class FuXiAlpha(HSTU):
                  input_dropout: float = 0.5, time_buckets: int = 128, position_bias: bool = True,
                  time_bias: bool = True, num_tasks: int = 1, ranking_head: bool = True,
                  item_table: bool = True, ffn_mult: int = 1, item_features: ItemFeatureMap | None = None,
-                 user_features: dict[str, int] | None = None, action_inputs: bool = False) -> None:
+                 user_features: dict[str, int] | None = None, action_inputs: bool = False,
+                 time_bias_query: str = "self") -> None:
         # HSTU's embeddings and heads with no HSTU blocks (num_blocks=0); the FuXi-α blocks replace them.
         super().__init__(num_items, max_len=max_len, d_model=d_model, num_blocks=0, num_heads=num_heads,
                          dqk=dqk, dv=dv, dropout=dropout, input_dropout=input_dropout, time_buckets=time_buckets,
                          position_bias=position_bias, time_bias=time_bias, num_tasks=num_tasks,
                          ranking_head=ranking_head, item_table=item_table, item_features=item_features,
-                         user_features=user_features, action_inputs=action_inputs)
+                         user_features=user_features, action_inputs=action_inputs,
+                         time_bias_query=time_bias_query)
         self.layers = nn.ModuleList(
             FuXiLayer(d_model, num_heads, dqk, dv, dropout, self.max_seq_len, time_buckets, position_bias,
                       time_bias, ffn_mult)
@@ -140,6 +147,8 @@ class FuXiAlpha(HSTU):
         x, offsets, ts, keep = self.embed_batch(batch, item_rows, context_rows)
         plan = kernels.make_plan(offsets)
         ts = ts if self._uses_time() else None
+        qts = next_event_timestamps(ts, offsets, batch.num_targets) if ts is not None and \
+            self.time_bias_query == "next" else None
         for layer in self.layers:
-            x = layer(x, offsets, ts, batch.num_targets, plan)
+            x = layer(x, offsets, ts, batch.num_targets, plan, qts)
         return x if keep is None else x[keep]

@@ -20,7 +20,7 @@ MAX_SEQ_LEN = 16
 BUCKETS = 8
 
 
-def _case(lengths, heads, dv, use_pos, use_time, with_targets, seed):
+def _case(lengths, heads, dv, use_pos, use_time, with_targets, seed, use_qts=False):
     g = torch.Generator().manual_seed(seed)
     n = sum(lengths)
     offsets = kernels.lengths_to_offsets(torch.tensor(lengths, dtype=torch.int64)).to(DEVICE)
@@ -34,6 +34,8 @@ def _case(lengths, heads, dv, use_pos, use_time, with_targets, seed):
         time_weight=torch.randn(BUCKETS + 1, generator=g).to(DEVICE) if use_time else None,
         timestamps=ts,
         num_targets=num_targets,
+        # query times (FuXi-α's code: the next event's); later than the token's own by 0..10^6 s
+        query_timestamps=(ts + torch.randint(0, 10**6, (n,), generator=g).to(DEVICE)) if use_qts else None,
     )
 
 
@@ -43,7 +45,7 @@ def _run(case, backend, grads=False):
     out = kernels.bias_channel_attention(leaves["v"], case["offsets"], max_seq_len=MAX_SEQ_LEN,
                                          pos_weight=leaves["pos_weight"], time_weight=leaves["time_weight"],
                                          timestamps=case["timestamps"], num_targets=case["num_targets"],
-                                         backend=backend)
+                                         query_timestamps=case["query_timestamps"], backend=backend)
     if not grads or case["v"].shape[0] == 0:  # an empty batch's output is a constant
         return out, {}
     out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.device))
@@ -51,9 +53,11 @@ def _run(case, backend, grads=False):
 
 
 def _loop_oracle(case):
-    """The formula pair by pair: weight = pos_w[pos_i - pos_j] + time_w[bucket(ts_i - ts_j)] where allowed."""
+    """The formula pair by pair: weight = pos_w[pos_i - pos_j] + time_w[bucket(qts_i - ts_j)] where allowed
+    (qts = ts without query times)."""
     v, offs = case["v"].cpu(), case["offsets"].tolist()
     pw, tw, ts = case["pos_weight"], case["time_weight"], case["timestamps"].cpu()
+    qts = case["query_timestamps"].cpu() if case["query_timestamps"] is not None else ts
     out = torch.zeros_like(v)
     for b in range(len(offs) - 1):
         s0, s1 = offs[b], offs[b + 1]
@@ -66,7 +70,7 @@ def _loop_oracle(case):
                 if pw is not None:
                     w += float(pw[min(min(i, hist) - min(j, hist), MAX_SEQ_LEN - 1)])
                 if tw is not None:
-                    dt = torch.tensor([int(ts[s0 + i]) - int(ts[s0 + j])])
+                    dt = torch.tensor([int(qts[s0 + i]) - int(ts[s0 + j])])
                     w += float(tw[kernels.time_buckets(dt, BUCKETS)[0]])
                 out[s0 + i] += w * v[s0 + j]
     return out
@@ -81,6 +85,7 @@ cases = st.builds(
     use_time=st.booleans(),
     with_targets=st.booleans(),
     seed=st.integers(0, 2**16),
+    use_qts=st.booleans(),
 ).filter(lambda c: c["pos_weight"] is not None or c["time_weight"] is not None)
 
 
@@ -124,6 +129,23 @@ def test_with_prefix_equals_the_full_sequence_rows(backend, use_pos, use_time):
         timestamps=case["timestamps"][rows_t], prefix_timestamps=pts, num_targets=case["num_targets"],
         backend=backend)
     torch.testing.assert_close(got, full[rows_t], rtol=1e-5, atol=1e-5)
+
+
+def test_query_times_change_only_the_temporal_channel():
+    case = _case([7, 3, 9], heads=2, dv=3, use_pos=True, use_time=True, with_targets=True, seed=5, use_qts=True)
+    own = dict(case, query_timestamps=None)
+    for backend in ("reference", "padded", "triton"):
+        assert (_run(case, backend)[0] - _run(own, backend)[0]).abs().max() > 1e-3
+        pos_only = dict(case, time_weight=None)
+        torch.testing.assert_close(_run(pos_only, backend)[0], _run(dict(pos_only, query_timestamps=None),
+                                                                    backend)[0], rtol=0, atol=0)
+
+
+def test_query_times_need_timestamps_of_their_shape():
+    v = torch.zeros(3, 1, 2)
+    with pytest.raises(ValueError, match="query_timestamps"):
+        kernels.bias_channel_attention(v, torch.tensor([0, 3]), max_seq_len=4, time_weight=torch.zeros(3),
+                                       timestamps=torch.arange(3), query_timestamps=torch.arange(2))
 
 
 def test_a_channel_without_a_bias_is_an_error():

@@ -3,6 +3,7 @@ serving (cached prefix), the exported artefact, and a `grstack train` / `grstack
 
 import json
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from grstack.runtime.cli import main
 from grstack.runtime.data.candidates import append_candidates
 from grstack.runtime.data.jagged import JaggedBatch
 from grstack.runtime.model import FuXiAlpha, build_model
+from grstack.runtime.model.hstu import next_event_timestamps
 from grstack.runtime.training_config import ModelConfig
 
 pytestmark = pytest.mark.unit
@@ -142,11 +144,34 @@ def test_train_then_eval_rebuilds_the_exported_fuxi(tmp_path, capsys):
         assert got["metrics"]["test"][k] == pytest.approx(summary["metrics"]["test"][k], abs=1e-9)
 
 
-def test_next_time_bias_is_an_hstu_option():
-    from pydantic import ValidationError
+def test_next_time_bias_reaches_the_temporal_channel_only():
+    """FuXi-α's code buckets the gap from each key event to the event being predicted (``time_bias_query=next``):
+    the temporal channel gets HSTU's next-event query times, the positional channel none, and the outputs move."""
+    assert ModelConfig(type="fuxi", time_bias_query="next").time_bias_query == "next"
+    g = torch.Generator().manual_seed(3)
+    lengths = [6, 1, 9]
+    offsets = kernels.lengths_to_offsets(torch.tensor(lengths))
+    batch = JaggedBatch(item_ids=torch.randint(1, 51, (16,), generator=g), offsets=offsets,
+                        timestamps=torch.randint(0, 10**8, (16,), generator=g).sort().values)
+    seen: list = []
+    real = kernels.bias_channel_attention
 
-    from grstack.runtime.training_config import ModelConfig
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("time_weight") is not None, kwargs.get("query_timestamps")))
+        return real(*args, **kwargs)
 
-    with pytest.raises(ValidationError, match="time_bias_query"):
-        ModelConfig(type="fuxi", time_bias_query="next")
-    assert ModelConfig(type="hstu", time_bias_query="next").time_bias_query == "next"
+    def model(query: str) -> FuXiAlpha:
+        torch.manual_seed(0)
+        return FuXiAlpha(50, max_len=20, d_model=16, num_blocks=2, num_heads=2, dqk=8, dv=8, dropout=0.0,
+                         input_dropout=0.0, time_bias_query=query).eval()
+
+    want = next_event_timestamps(batch.timestamps, offsets)
+    with torch.no_grad(), mock.patch.object(kernels, "bias_channel_attention", spy):
+        nxt = model("next").encode(batch)
+        assert [t for t, _ in seen] == [False, True, False, True]  # positional, temporal per block
+        assert all(q is None for t, q in seen if not t) and all(q.tolist() == want.tolist() for t, q in seen if t)
+        seen.clear()
+        own = model("self").encode(batch)
+        assert all(q is None for _, q in seen)
+    assert (nxt - own).abs().max() > 1e-4
+    assert not model("next").cached_prefix_exact and model("self").cached_prefix_exact
