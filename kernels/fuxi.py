@@ -12,9 +12,10 @@ masked causally and applied to the values (shared with the semantic channel) as 
     out_i   = sum_j A_ij v_j                                   # the same A for every head
 
 ``qts`` is ``ts`` unless ``query_timestamps`` are given (FuXi-α's code: the next event's time; training and
-evaluation only, as for HSTU: docs/time-bias.md). Pass only ``pos_weight`` for the positional channel, only ``time_weight`` (with ``timestamps``) for the
-temporal one. ``A`` depends on positions and timestamps only, so a cached prefix's values (the semantic
-channel's, already in the relay cache) are all the with-prefix variant needs.
+evaluation only, as for HSTU: docs/time-bias.md). Pass only ``pos_weight`` for the positional channel, only
+``time_weight`` (with ``timestamps``) for the temporal one. ``A`` depends on positions and timestamps only, so
+a cached prefix's values (the semantic channel's, already in the relay cache) are all the with-prefix variant
+needs.
 
 :func:`grstack.kernels.hstu_attention` cannot compute this function (its weights are ``SiLU(q·k + bias)/N``,
 a non-linear function of the bias); its Triton kernels can, with ``SEMANTIC=False`` (no q·k, SiLU or 1/N;
