@@ -391,7 +391,8 @@ class HSTU(ItemTokens):
 
     def item_vectors(self, ids: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
         """L2-normalised item vectors the retrieval head scores against (all items when ids is None);
-        ``rows`` are already looked-up embedding rows to normalise instead."""
+        ``rows`` are already looked-up embedding rows to normalise instead, row by row (the trainer normalises
+        each unique row once and gathers the copies after)."""
         if rows is not None:
             return F.normalize(rows, dim=-1)
         w = self.item_table_weight() if ids is None else kernels.embedding_gather(self.item_emb.weight, ids)

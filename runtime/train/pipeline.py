@@ -140,13 +140,16 @@ class Engine:
                                     **({"context_rows": context_rows} if context_rows is not None else {}))
             hist_out = out.index_select(0, hist_at) if hist_at is not None else out
             q = self.model.query_vectors(hist_out)
-            pos = self.model.item_vectors(rows=_take(rows, _dev(mb.inv_target, dev)))
+            # normalised once per looked-up row, then gathered: with a negative set per token the gathered
+            # [N, R, d] is ~100x the unique rows, and normalising it (and its backward) dominated the step
+            normed = self.model.item_vectors(rows=rows)
+            pos = _take(normed, _dev(mb.inv_target, dev))
             if mb.inv_neg is not None:
-                neg = self.model.item_vectors(rows=_take(rows, _dev(mb.inv_neg, dev)))
+                neg = _take(normed, _dev(mb.inv_neg, dev))
                 neg_ids = _dev(mb.neg_ids, dev)
             else:
                 assert neg_rows is not None and batch.inv_batch_neg is not None and batch.batch_neg_ids is not None
-                neg = self.model.item_vectors(rows=_take(neg_rows, _dev(batch.inv_batch_neg, dev)))
+                neg = _take(self.model.item_vectors(rows=neg_rows), _dev(batch.inv_batch_neg, dev))
                 neg_ids = _dev(batch.batch_neg_ids, dev)
             logits = None
             if self.ranking and mb.labels is not None and cand_at is not None:
