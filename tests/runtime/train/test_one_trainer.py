@@ -67,8 +67,8 @@ def _plain_step(model, opt, batch, cfg) -> None:
 
 
 @pytest.mark.parametrize(("sharing", "features", "ranking_on"),
-                         [("group", False, "uniform"), ("batch", False, "uniform"), ("group", True, "uniform"),
-                          ("group", True, "exposures")])
+                         [("group", False, "uniform"), ("token", False, "uniform"), ("batch", False, "uniform"),
+                          ("group", True, "uniform"), ("group", True, "exposures")])
 def test_a_one_rank_step_is_the_plain_pytorch_step(data_dir, feature_dir, sharing, features, ranking_on):
     """With side features, user context and action inputs the engine looks each token's feature rows and
     each sequence's context rows up with the item rows and pools them outside the model; the plain model
