@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import yaml
 from torch import nn
 
 from grstack.runtime.data import (
@@ -98,6 +99,14 @@ def _get(tree: dict[str, Any], dotted: str) -> Any:
     for key in dotted.split("."):
         tree = tree.get(key, {}) if isinstance(tree, dict) else {}
     return tree
+
+
+def changed_fields(saved: Any, current: Any, prefix: str = "") -> list[str]:
+    """Dotted paths whose values differ between two config trees, as ``path: old -> new``."""
+    if isinstance(saved, dict) and isinstance(current, dict):
+        return [line for k in [*saved, *(k for k in current if k not in saved)]
+                for line in changed_fields(saved.get(k), current.get(k), f"{prefix}{k}.")]
+    return [] if saved == current else [f"{prefix[:-1]}: {saved!r} -> {current!r}"]
 
 
 def config_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -275,6 +284,23 @@ class Trainer:
             if created:
                 shutil.rmtree(self.run_dir, ignore_errors=True)
             raise UserError(f"cannot write the run directory {self.run_dir}: {exc}") from None
+
+    def _record_resumed_config(self) -> None:
+        """A resume may change the fields a checkpoint does not pin (epochs, patience, evaluation, logging):
+        the run directory's config.yaml then says what the run continues under, and the change is printed."""
+        path = self.run_dir / "config.yaml"
+        text = dump_config(self.cfg)
+        try:
+            old = yaml.safe_load(path.read_text()) if path.is_file() else None
+        except (OSError, yaml.YAMLError):
+            old = None
+        changes = changed_fields(old, self.cfg.model_dump(mode="json")) if isinstance(old, dict) else []
+        try:
+            path.write_text(text)
+        except OSError as exc:
+            raise UserError(f"cannot write the run directory {self.run_dir}: {exc}") from None
+        if changes and self.progress:
+            print(f"resuming {self.resume_path} with changed settings: {'; '.join(changes)}", file=sys.stderr)
 
     # -- set-up ---------------------------------------------------------------------------------------------
     def _build(self) -> None:
@@ -489,6 +515,8 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         if self.resume_path is None:
             self.ctx.agree(self._prepare_run_dir)
+        else:
+            self.ctx.agree(self._record_resumed_config)
         self._build()
         try:
             return self._loop()

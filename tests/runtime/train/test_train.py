@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from grstack_testing import assert_same_metrics, set_args, tiny_config_args, write_cyclic
 
 from grstack.runtime.cli import main
@@ -167,6 +168,20 @@ def test_resume_with_another_config_is_refused(tmp_path, capsys, data_dir):
     code, err = _cli(capsys, "train", "--config", str(CONFIG), "--out", str(tmp_path / "run"),
                      *set_args([*args, "model.d_model=24"]))
     assert code == 2 and "model.d_model" in err and "another config" in err
+
+
+def test_a_resume_that_extends_the_run_records_what_it_continues_under(tmp_path, capsys, data_dir):
+    """Fields a checkpoint does not pin (here epochs and patience) may change on resume; the run directory's
+    config.yaml must then describe the run as continued, and the change is said once."""
+    args = tiny_config_args(data_dir)
+    train(load_config(CONFIG, args), tmp_path / "run", progress=False, stop_after=2)
+    code, err = _cli(capsys, "train", "--config", str(CONFIG), "--out", str(tmp_path / "run"),
+                     *set_args([*args, "train.epochs=4", "train.patience=9"]))
+    assert code == 0, err
+    assert "train.epochs: 3 -> 4" in err and "train.patience: None -> 9" in err
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert saved["train"]["epochs"] == 4 and saved["train"]["patience"] == 9
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["epochs"] == 4
 
 
 def test_corrupt_checkpoint_is_a_clear_error(tmp_path, capsys, data_dir):
