@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from grstack.runtime.bench import host_cpu
+from grstack.runtime.bench import cpu_pinning, host_cpu
 from grstack.runtime.bench.serve_trace import Population, Trace, TraceConfig, build_trace, population
 
 # --quick: the first quick run (40 QPS, lengths from 512) failed every point of every mode — the baseline cannot
@@ -47,7 +47,7 @@ FULL: dict[str, Any] = {"users": 10_000, "lengths": [256, 512, 768, 1024, 1536, 
                         "qps_length": 512, "repeats": 3, "qps_floor": 2.5}
 MODES = ("baseline", "relay", "no_trigger", "no_affinity", "no_expander")
 ABLATIONS = ("no_trigger", "no_affinity", "no_expander")
-RANKERS = 2
+RANKERS = 2  # per mode, the protocol's (--rankers)
 # The rankers run at this niceness. This process is the load generator and the router; on a real test bed both
 # have cores of their own. Sharing 2 cores at equal priority, the overload run's served ranks left the router
 # within 100 ms and reached the load generator up to 40-55 ms later, its event loop waiting for a core behind
@@ -67,8 +67,8 @@ POINT_OVERHEAD_S = 6.0
 START_S = 30.0  # every mode's rankers started, SPAWN_AT_ONCE at a time, and stopped; the overload run's too
 # Rankers started at once: one mode's two, as when each mode started its own (runs A-M). A ranker measures its
 # latency profile (what the trigger's risk test reads) while it starts; four starting together on these 2 cores
-# measured 2-3x the full-inference times of two (run N's first attempt, stopped: relay pre-inferred every visit)
-SPAWN_AT_ONCE = RANKERS
+# measured 2-3x the full-inference times of two (run N's first attempt, stopped: relay pre-inferred every visit).
+# So they start one mode's rankers (Settings.rankers) at a time.
 HOST_BUSY_WARN = 0.25  # cores used by other processes before the run above which it warns
 
 
@@ -94,6 +94,12 @@ def register(parser: argparse.ArgumentParser) -> None:
                              "--quick 10)")
     parser.add_argument("--min-user-gap-s", type=float, default=1.0,
                         help="one user's consecutive visits are at least this far apart (default 1 s)")
+    parser.add_argument("--rankers", type=int, default=RANKERS,
+                        help=f"one-thread rankers per mode (default {RANKERS})")
+    parser.add_argument("--ranker-cpus", default=None,
+                        help="CPUs the rankers run on, e.g. 1 or 2-11 (Linux; default: any)")
+    parser.add_argument("--harness-cpus", default=None,
+                        help="CPUs this process (load generator and routers) runs on, e.g. 0 (Linux; default: any)")
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(func=run)
 
@@ -115,6 +121,9 @@ class Settings:
     qps_floor: float = QPS_FLOOR
     min_user_gap_s: float = 1.0
     timeout_s: float = 10.0  # the load generator's; the router answers 504 at the SLO long before
+    rankers: int = RANKERS
+    ranker_cpus: frozenset[int] | None = None
+    harness_cpus: frozenset[int] | None = None
     pops: dict[int, Population] = field(default_factory=dict)
 
     def trace_config(self, length: int, qps: float, repeat: int) -> TraceConfig:
@@ -565,13 +574,14 @@ async def mode_runs(modes: tuple[str, ...], checkpoint: Path, s: Settings, kept:
 
     from grstack.runtime.serve import Router, spawn_ranker, start_router
 
-    gate = asyncio.Semaphore(SPAWN_AT_ONCE)
+    gate = asyncio.Semaphore(s.rankers)
 
     async def spawn(mode: str) -> Any:
         async with gate:
-            return await spawn_ranker(checkpoint, ranker_args(mode), nice=RANKER_NICE)
+            return await spawn_ranker(checkpoint, ranker_args(mode), nice=RANKER_NICE, cpus=s.ranker_cpus)
 
-    started = await asyncio.gather(*(spawn(mode) for mode in modes for _ in range(RANKERS)), return_exceptions=True)
+    started = await asyncio.gather(*(spawn(mode) for mode in modes for _ in range(s.rankers)),
+                                   return_exceptions=True)
     rankers = [r for r in started if not isinstance(r, BaseException)]
     runners: list[Any] = []
     try:
@@ -581,7 +591,7 @@ async def mode_runs(modes: tuple[str, ...], checkpoint: Path, s: Settings, kept:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=4096)) as session:
             runs = {}
             for i, mode in enumerate(modes):
-                own = rankers[i * RANKERS:(i + 1) * RANKERS]
+                own = rankers[i * s.rankers:(i + 1) * s.rankers]
                 urls = [r.url for r in own]
                 runner, url = await start_router(Router(router_config(mode, urls, s.slo_ms)))
                 runners.append(runner)
@@ -736,6 +746,12 @@ async def bench(s: Settings) -> dict[str, Any]:
     from grstack.runtime.serve import write_untrained_model
 
     t0 = time.monotonic()
+    if s.harness_cpus is not None:
+        threads = cpu_pinning.pin_this_process(s.harness_cpus)
+        _log(f"harness (load generator and routers, {threads} threads) pinned to CPUs "
+             f"{cpu_pinning.format_cpus(s.harness_cpus)}")
+    if s.ranker_cpus is not None:
+        _log(f"rankers pinned to CPUs {cpu_pinning.format_cpus(s.ranker_cpus)}")
     idle = await host_load()
     # which visits a trace holds does not depend on the length: its growth is the same at every point
     probe = [s.trace(s.qps_length, s.length_qps, rep) for rep in range(s.repeats)]
@@ -746,7 +762,7 @@ async def bench(s: Settings) -> dict[str, Any]:
     _log(f"model: untrained HSTU (d=64, 2 blocks, 2 heads), max_len {max_len} (longest length + growth {growth} "
          f"+ {MAX_SUFFIX}); trace: {probe[0].shape}")
     kept: list[dict[str, Any]] = []
-    _log(f"starting {len(MODES)} x {RANKERS} rankers (every mode's, kept for both sweeps; points run interleaved "
+    _log(f"starting {len(MODES)} x {s.rankers} rankers (every mode's, kept for both sweeps; points run interleaved "
          f"across modes); about {s.total_seconds() / 60:.1f} min if every swept point runs (sweeps stop at their "
          f"first failure)")
     async with mode_runs(MODES, checkpoint, s, kept, t0) as runs:
@@ -762,7 +778,9 @@ async def bench(s: Settings) -> dict[str, Any]:
                               "protocol": {"users": s.users, "measured_requests_min": s.measured,
                                            "repeats": s.repeats, "cascade_gap_ms": s.gap_ms, "cascade_jitter": 0.2,
                                            "prefill_on_clock": True, "preload": False, "slo_ms": s.slo_ms,
-                                           "rankers": RANKERS, "ranker_nice": RANKER_NICE,
+                                           "rankers": s.rankers, "ranker_nice": RANKER_NICE,
+                                           "ranker_cpus": _cpus(s.ranker_cpus),
+                                           "harness_cpus": _cpus(s.harness_cpus),
                                            "schedule": "interleaved",
                                            "warmup_visits": s.warmup,
                                            "lengths": s.lengths, "length_qps": s.length_qps, "qps": s.qps,
@@ -778,7 +796,7 @@ async def bench(s: Settings) -> dict[str, Any]:
     rp = modes["relay"]["points"]
     result["prefill_tokens"] = {"computed": _tokens(rp, "prefill_tokens_computed"),
                                 "without_incremental": _tokens(rp, "prefill_tokens_without_incremental")}
-    caps = {m: capacity(modes[m]["points"], RANKERS) for m in ("baseline", "relay")}
+    caps = {m: capacity(modes[m]["points"], s.rankers) for m in ("baseline", "relay")}
     relay_ceiling = caps["relay"]["ceiling_qps"]
     # the largest slo_qps_ratio relay could show against this baseline on these cores, at 100% utilisation
     caps["slo_qps_ratio_bound"] = ratio(relay_ceiling, base["max_qps_at_slo"]) if relay_ceiling else None
@@ -793,6 +811,10 @@ async def bench(s: Settings) -> dict[str, Any]:
     result["trace"] = probe[0].shape
     result["host_cpu_before"] = idle
     return result
+
+
+def _cpus(cpus: frozenset[int] | None) -> str | None:
+    return cpu_pinning.format_cpus(cpus) if cpus is not None else None
 
 
 def _json_safe(x: Any) -> Any:
@@ -837,12 +859,16 @@ def settings_from(args: argparse.Namespace) -> Settings:
                  qps_length=args.qps_length or preset["qps_length"], repeats=args.repeats or preset["repeats"],
                  slo_ms=args.slo_ms, gap_ms=args.cascade_gap_ms, measured=args.measured, warmup=args.warmup,
                  seed=args.seed, out=Path(args.out),
-                 qps_floor=args.qps_floor or preset["qps_floor"], min_user_gap_s=args.min_user_gap_s)
+                 qps_floor=args.qps_floor or preset["qps_floor"], min_user_gap_s=args.min_user_gap_s,
+                 rankers=args.rankers,
+                 ranker_cpus=cpu_pinning.parse_cpus("--ranker-cpus", args.ranker_cpus) if args.ranker_cpus else None,
+                 harness_cpus=(cpu_pinning.parse_cpus("--harness-cpus", args.harness_cpus)
+                               if args.harness_cpus else None))
     checks = (("--users", s.users >= 1), ("--slo-ms", s.slo_ms > 0), ("--cascade-gap-ms", s.gap_ms >= 0),
               ("--length-qps", s.length_qps > 0), ("--qps-length", s.qps_length >= 1),
               ("--repeats", s.repeats >= 1), ("--measured", s.measured >= 1), ("--warmup", s.warmup >= 0),
               ("--lengths", min(s.lengths) >= 1), ("--qps-floor", s.qps_floor > 0),
-              ("--min-user-gap-s", s.min_user_gap_s >= 0))
+              ("--min-user-gap-s", s.min_user_gap_s >= 0), ("--rankers", s.rankers >= 1))
     for flag, ok in checks:
         if not ok:
             raise UserError(f"{flag}: must be positive (--warmup and --cascade-gap-ms may be 0)")

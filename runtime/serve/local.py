@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import sys
+from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
@@ -50,21 +51,27 @@ class RankerProcess:
 
 
 # Started between the (v)fork and the ranker: sets PR_SET_PDEATHSIG (kept across execve), exits if the
-# parent has already gone, then execs the ranker. Running in a fresh interpreter (-I -S: no site, no grstack,
-# no gRPC), it replaces a ``preexec_fn``; see ``spawn_ranker`` for why that matters.
+# parent has already gone, restricts itself to the CPUs given (an affinity mask is kept across execve and
+# inherited by every thread the ranker starts), then execs the ranker. Running in a fresh interpreter (-I -S:
+# no site, no grstack, no gRPC), it replaces a ``preexec_fn``; see ``spawn_ranker`` for why that matters.
 _DIE_WITH_PARENT = (
     "import ctypes,os,signal,sys\n"
     "try:\n ctypes.CDLL(None,use_errno=True).prctl(1,signal.SIGTERM)\n"
     "except Exception:\n pass\n"
     "if os.getppid()!=int(sys.argv[1]):\n sys.exit(70)\n"
-    "os.execv(sys.argv[2],sys.argv[2:])\n")
+    "if sys.argv[2]:\n os.sched_setaffinity(0,{int(c) for c in sys.argv[2].split(',')})\n"
+    "os.execv(sys.argv[3],sys.argv[3:])\n")
 
 
-def die_with_parent(cmd: list[str]) -> list[str]:
-    """Linux: ``cmd`` behind a launcher so that it gets SIGTERM when this process dies (no orphaned rankers)."""
+def die_with_parent(cmd: list[str], cpus: Collection[int] | None = None) -> list[str]:
+    """Linux: ``cmd`` behind a launcher so that it gets SIGTERM when this process dies (no orphaned rankers),
+    pinned to ``cpus`` if given."""
     if sys.platform != "linux":
+        if cpus:
+            raise UserError("pinning a ranker to CPUs needs Linux (sched_setaffinity)")
         return cmd
-    return [sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd]
+    mask = ",".join(str(c) for c in sorted(cpus)) if cpus else ""
+    return [sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), mask, *cmd]
 
 
 def ranker_command(checkpoint: str | Path, args: list[str] | None = None) -> list[str]:
@@ -74,9 +81,11 @@ def ranker_command(checkpoint: str | Path, args: list[str] | None = None) -> lis
 
 async def spawn_ranker(checkpoint: str | Path, args: list[str] | None = None, *, timeout_s: float = 180.0,
                        stderr: IO[Any] | int | None = None, env: dict[str, str] | None = None,
-                       nice: int = 0) -> RankerProcess:
+                       nice: int = 0, cpus: Collection[int] | None = None) -> RankerProcess:
     """Starts ``grstack serve ranker`` and waits until it reports ready. ``nice``: its scheduling niceness
-    (through ``nice(1)``, so every thread it starts has it), for a harness that shares cores with it."""
+    (through ``nice(1)``, so every thread it starts has it), for a harness that shares cores with it.
+    ``cpus``: the CPUs it may run on (Linux; every thread of it), so that a load generator on the same host
+    has cores of its own, as on a test bed with a separate client machine."""
     full_env = {**os.environ, **(env or {})}
     cmd = ranker_command(checkpoint, args)
     if nice:
@@ -89,7 +98,7 @@ async def spawn_ranker(checkpoint: str | Path, args: list[str] | None = None, *,
     # client's lease keep-alive and watch) may be mid-call; the child then aborts or crashes before exec
     # ("skipping fork() handlers", "epoll_wait error: Bad file descriptor", status -6). Without one it uses
     # vfork(), or posix_spawn(), which run no at-fork handlers and no Python code: the child only execs.
-    proc = await asyncio.create_subprocess_exec(*die_with_parent(cmd),
+    proc = await asyncio.create_subprocess_exec(*die_with_parent(cmd, cpus),
                                                 stdout=asyncio.subprocess.PIPE, stderr=stderr, env=full_env)
     assert proc.stdout is not None
     try:

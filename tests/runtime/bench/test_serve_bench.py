@@ -2,6 +2,7 @@
 interleaved, the overload run, the score check and every JSON key the protocol promises."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -15,8 +16,10 @@ TINY = ["--users", "200", "--lengths", "48,64", "--qps", "40", "--length-qps", "
 
 
 def test_tiny_run_reports_every_mode_the_overload_run_and_the_score_check(tmp_path):
+    cpus = sorted(os.sched_getaffinity(0))  # rankers on the last CPU, the harness on the first, as on a test bed
     proc = subprocess.run([sys.executable, "-P", "-m", "grstack.runtime.cli", "bench", "serve", *TINY, "--out",
-                           str(tmp_path), "--json"], capture_output=True, text=True, timeout=300)
+                           str(tmp_path), "--json", "--ranker-cpus", str(cpus[-1]), "--harness-cpus", str(cpus[0])],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     proto = out["protocol"]
@@ -24,6 +27,7 @@ def test_tiny_run_reports_every_mode_the_overload_run_and_the_score_check(tmp_pa
     assert (proto["users"], proto["measured_requests_min"], proto["repeats"], proto["cascade_gap_ms"],
             proto["slo_ms"], proto["rankers"], proto["warmup_visits"]) == (200, 30, 1, 20.0, 5000.0, 2, 8)
     assert out["slo_ms"] == 5000.0
+    assert (proto["ranker_cpus"], proto["harness_cpus"]) == (str(cpus[-1]), str(cpus[0]))
     # interleaved: every mode's 48-token point ran before any mode's 64-token point
     modes = (out["baseline"], out["relay"], *out["ablations"].values())
     started = {length: [p["started_s"] for m in modes for p in m["points"] if p["sweep"] == "length"

@@ -106,3 +106,22 @@ def test_a_launched_child_dies_with_its_parent(tmp_path: Path) -> None:
         time.sleep(0.1)
     os.kill(pid, 9)
     pytest.fail("the child outlived its parent")
+
+
+async def test_a_ranker_pinned_to_cpus_runs_every_thread_there(tiny_checkpoint: Path) -> None:
+    """``spawn_ranker(cpus=...)``: the launcher sets the mask before exec, so the ranker's compute thread, its
+    event loop and torch's threads all run only there (the serving benchmark keeps its harness off them)."""
+    if sys.platform != "linux":
+        pytest.skip("CPU affinity is Linux-only")
+    mine = os.sched_getaffinity(0)
+    target = max(mine)
+    ranker = await spawn_ranker(tiny_checkpoint, ["--device", "cpu", "--threads", "1", "--max-suffix", "8"],
+                                nice=5, cpus={target})
+    try:
+        tids = os.listdir(f"/proc/{ranker.pid}/task")
+        assert len(tids) >= 2
+        assert {tuple(sorted(os.sched_getaffinity(int(t)))) for t in tids} == {(target,)}
+        assert os.getpriority(os.PRIO_PROCESS, ranker.pid) >= 5  # nice(1) ran after the launcher, and still applies
+    finally:
+        await ranker.stop()
+    assert os.sched_getaffinity(0) == mine  # the mask was set in the launcher, not here
