@@ -64,7 +64,7 @@ SCORE_SAMPLES_MIN = 30
 # trace, the trace's tail (heavy users waiting out their gap), drain and stats per point (runs K-M: 6-9 s at 40
 # QPS; used only for the estimate)
 POINT_OVERHEAD_S = 6.0
-START_S = 30.0  # every mode's rankers started, SPAWN_AT_ONCE at a time, and stopped; the overload run's too
+START_S = 30.0  # every mode's rankers started, one mode's at a time, and stopped; the overload run's too
 # Rankers started at once: one mode's two, as when each mode started its own (runs A-M). A ranker measures its
 # latency profile (what the trigger's risk test reads) while it starts; four starting together on these 2 cores
 # measured 2-3x the full-inference times of two (run N's first attempt, stopped: relay pre-inferred every visit).
