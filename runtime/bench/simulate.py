@@ -35,6 +35,7 @@ import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 PUBLISHED = {"scaling_efficiency": 0.9407, "workers": 1536,
@@ -44,27 +45,38 @@ COMM_THREAD, PREFETCH_THREAD = "grstack-comm", "grstack-prefetch"
 
 
 def register(parser: argparse.ArgumentParser) -> None:
+    from grstack.runtime import cli_args as ca
+
     parser.add_argument("--quick", action="store_true", help="log a tiny-data job (a test of the path)")
     parser.add_argument("--json", action="store_true", help="accepted for symmetry: the output is always JSON")
-    parser.add_argument("--config", default=DEFAULT_CONFIG, help="the target: its model (and, without "
+    parser.add_argument("--config", default=DEFAULT_CONFIG, type=ca.config_file, help="the target: its model (and, without "
                         "--quick, its data and batches for the logged run)")
-    parser.add_argument("--workers", default="128,256,512,1024,1536")
-    parser.add_argument("--nproc", type=int, default=4, help="ranks of the logged run")
-    parser.add_argument("--log-group", type=int, default=2, help="sparse group size of the logged run")
-    parser.add_argument("--steps", type=int, default=None, help="logged steps (default 5; 4 without --quick)")
-    parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--devices-per-node", type=int, default=8)
-    parser.add_argument("--sparse-group", type=int, default=8, help="target HSP group size (default: a node)")
-    parser.add_argument("--peak-tflops", type=float, default=989.4, help="accelerator peak (H200 bf16 dense)")
-    parser.add_argument("--mfu", type=float, default=0.4, help="achieved fraction of peak for the model FLOPs")
-    parser.add_argument("--intra-gbps", type=float, default=300.0, help="intra-node GB/s per device, achieved")
-    parser.add_argument("--inter-gbps", type=float, default=40.0, help="inter-node GB/s per device, achieved")
-    parser.add_argument("--intra-latency-us", type=float, default=5.0, help="per message, intra-node")
-    parser.add_argument("--inter-latency-us", type=float, default=15.0, help="per message, inter-node")
-    parser.add_argument("--host-gbps", type=float, default=10.0, help="host metadata (gloo/TCP) GB/s per rank")
-    parser.add_argument("--host-latency-us", type=float, default=30.0, help="per gloo/TCP message")
-    parser.add_argument("--save-log", default=None, help="write the logged run (events, batch stats) here")
-    parser.add_argument("--from-log", default=None, help="simulate a log written by --save-log (no run)")
+    parser.add_argument("--workers", default="128,256,512,1024,1536", type=ca.positive_int_list,
+                        help="comma-separated worker counts to model")
+    parser.add_argument("--nproc", type=ca.positive_int, default=4, help="ranks of the logged run")
+    parser.add_argument("--log-group", type=ca.positive_int, default=2, help="sparse group size of the logged run")
+    parser.add_argument("--steps", type=ca.positive_int, default=None,
+                        help="logged steps (default 5; 4 without --quick)")
+    parser.add_argument("--microbatches", type=ca.positive_int, default=4, help="micro-batches per batch")
+    parser.add_argument("--devices-per-node", type=ca.positive_int, default=8, help="accelerators per node")
+    parser.add_argument("--sparse-group", type=ca.positive_int, default=8,
+                        help="target HSP group size (default: a node)")
+    parser.add_argument("--peak-tflops", type=ca.positive_float, default=989.4,
+                        help="accelerator peak (H200 bf16 dense)")
+    parser.add_argument("--mfu", type=ca.fraction, default=0.4, help="achieved fraction of peak for the model FLOPs")
+    parser.add_argument("--intra-gbps", type=ca.positive_float, default=300.0,
+                        help="intra-node GB/s per device, achieved")
+    parser.add_argument("--inter-gbps", type=ca.positive_float, default=40.0,
+                        help="inter-node GB/s per device, achieved")
+    parser.add_argument("--intra-latency-us", type=ca.non_negative_float, default=5.0, help="per message, intra-node")
+    parser.add_argument("--inter-latency-us", type=ca.non_negative_float, default=15.0, help="per message, inter-node")
+    parser.add_argument("--host-gbps", type=ca.positive_float, default=10.0,
+                        help="host metadata (gloo/TCP) GB/s per rank")
+    parser.add_argument("--host-latency-us", type=ca.non_negative_float, default=30.0, help="per gloo/TCP message")
+    parser.add_argument("--save-log", default=None, type=ca.output_file,
+                        help="write the logged run (events, batch stats) here")
+    parser.add_argument("--from-log", default=None, type=ca.input_file,
+                        help="simulate a log written by --save-log (no run)")
     parser.set_defaults(func=run)
 
 
@@ -579,6 +591,12 @@ def record(cfg: Any, target_cfg: Any, nproc: int, steps: int) -> list[dict[str, 
              "step_ms": [x["step_ms"] for x in r["log"]["records"]]} for i, r in enumerate(res)]
 
 
+def _with_keys(ranks: list[dict[str, Any]], convert: Callable[[Any], Any]) -> list[dict[str, Any]]:
+    """``ranks`` with each batch's key set converted: arrays in memory, tensors in a saved log (a log is read
+    with torch's restricted unpickler, which builds tensors but no numpy objects)."""
+    return [{**r, "stats": [{**s, "keys": convert(s["keys"])} for s in r["stats"]]} for r in ranks]
+
+
 def run(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
@@ -587,7 +605,7 @@ def run(args: argparse.Namespace) -> int:
     from grstack.runtime.config_files import config_path
     from grstack.runtime.data import load_source
     from grstack.runtime.errors import UserError
-    from grstack.runtime.model import task_names
+    from grstack.runtime.model import atomic_torch_save, load_checkpoint, task_names
     from grstack.runtime.training_config import load_config
 
     workers = sorted(int(x) for x in args.workers.split(","))
@@ -597,14 +615,16 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--steps: at least 3 (the first and last steps are not steady)")
     cfg = run_config(target_cfg, args.quick, args.nproc, args.log_group, args.microbatches)
     if args.from_log:
-        saved = torch.load(args.from_log, weights_only=False)
-        ranks, cfg = saved["ranks"], load_config_dump(saved["config"])
+        saved = load_checkpoint(Path(args.from_log), "run log")
+        ranks = _with_keys(saved["ranks"], lambda k: k.numpy())
+        cfg = load_config_dump(saved["config"])
     else:
         _log(f"logging a {args.nproc}-rank run (sparse groups of {args.log_group}, {steps} steps, "
              f"{cfg.data.source} data, d={cfg.model.d_model})")
         ranks = record(cfg, target_cfg, args.nproc, steps)
         if args.save_log:
-            torch.save({"ranks": ranks, "config": cfg.model_dump(mode="json")}, args.save_log)
+            atomic_torch_save({"ranks": _with_keys(ranks, torch.from_numpy), "config": cfg.model_dump(mode="json")},
+                              Path(args.save_log))
     nproc = len(ranks)
     group = cfg.distributed.sparse_group_size or nproc
     ops = {(e["op"], e["group"]) for r in ranks for e in r["events"]}

@@ -5,18 +5,21 @@ serving load it, and none of them needs the others. An artefact is the weights p
 model (the config, the item count, the task names of the ranking head, and the item side-feature map when the
 model embeds side features: model/side_features.py).
 
-Two forms, both read by :func:`load_exported`: one file holding every weight (version 1), or one file
-holding the dense weights and naming the item table's row parts (version 2), written by a sharded run
-without any rank holding the whole table: ``model.items/<tag>/part-<k>-of-<G>.pt`` next to ``model.pt``
-holds rows ``k, k + G, ...`` (shard ``k`` of ``G``). Parts are written first, then ``model.pt``
-(atomically), then older part folders are removed, so ``model.pt`` always names parts that exist.
+Two forms, both read by :func:`load_exported`: one file holding every weight, or one file holding the
+dense weights and naming the item table's row parts, written by a sharded run without any rank holding the
+whole table: ``model.items/<tag>/part-<k>-of-<G>.pt`` next to ``model.pt`` holds rows ``k, k + G, ...``
+(shard ``k`` of ``G``). Parts are written first, then ``model.pt`` (atomically), then older part folders are
+removed, so ``model.pt`` always names parts that exist.
+
+Every file is read with the restricted unpickler (model/torch_files.py): a model file cannot run code.
+Version 3 carries integrity digests: ``model.pt`` the sha256 of its own content, and the file sha256 of each
+part it names, so a corrupted or substituted file is refused by name. Versions 1 (one file) and 2 (parts)
+have no digests and still load, through the same restricted unpickler.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +30,19 @@ from grstack.runtime.data import SequenceDataset
 from grstack.runtime.errors import UserError
 from grstack.runtime.model.build import build_model
 from grstack.runtime.model.side_features import ItemFeatureMap
+from grstack.runtime.model.torch_files import (
+    atomic_torch_save,
+    content_sha256,
+    file_sha256,
+    plain,
+    safe_torch_load,
+)
 from grstack.runtime.training_config import Config
 
 FORMAT = "grstack-model"
-FORMAT_VERSION = 1  # one file
-PARTS_VERSION = 2  # dense weights in the file, item rows in parts
+VERSION = 3  # either form, with digests
+LEGACY_VERSIONS = (1, 2)  # one file / parts, before digests
+DIGEST_KEY = "sha256"
 PART_FORMAT = "grstack-model-item-rows"
 ITEM_KEY = "item_emb.weight"
 BEST_MODEL = "model.pt"  # the run directory's exported best model
@@ -51,27 +62,14 @@ def task_names(ds: SequenceDataset) -> list[str]:
     return ["next", *ds.action_names] if ds.actions is not None else ["next"]
 
 
-def atomic_torch_save(obj: Any, path: Path) -> None:
-    """``torch.save`` to a temporary file and rename: a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def load_checkpoint(path: Path) -> dict[str, Any]:
-    """A torch file as a dict; a missing, truncated or foreign file is a UserError naming it."""
-    if not path.is_file():
-        raise UserError(f"checkpoint {path} does not exist")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as exc:  # a truncated or foreign file
-        raise UserError(f"checkpoint {path} cannot be read ({type(exc).__name__}: {exc})") from None
+def load_checkpoint(path: Path, what: str = "checkpoint", sha256: str | None = None,
+                    listed_by: Path | None = None) -> dict[str, Any]:
+    """A torch file that holds a dict, read without running code; a missing, truncated, foreign or
+    (with ``sha256``) altered file is a UserError naming it."""
+    blob = safe_torch_load(path, what, sha256, listed_by)
+    if not isinstance(blob, dict):
+        raise UserError(f"{what} {path} holds a {type(blob).__name__}, not the dict grstack writes")
+    return blob
 
 
 def export_model(model: nn.Module, cfg: Config, ds: SequenceDataset, path: Path) -> None:
@@ -83,9 +81,8 @@ def export_state(state_dict: dict[str, torch.Tensor], cfg: Config, ds: SequenceD
                  item_parts: dict[str, Any] | None = None) -> None:
     """The artefact from a state dict: every weight (one file), or the dense ones with ``item_parts``
     naming the item table's parts (:func:`export_parts`)."""
-    blob = {"format": FORMAT, "version": FORMAT_VERSION if item_parts is None else PARTS_VERSION,
-            "config": cfg.model_dump(mode="json"), "num_items": ds.num_items, "tasks": task_names(ds),
-            "state_dict": state_dict}
+    blob: dict[str, Any] = {"format": FORMAT, "version": VERSION, "config": cfg.model_dump(mode="json"),
+                            "num_items": ds.num_items, "tasks": task_names(ds), "state_dict": state_dict}
     fmap = item_feature_map(ds)
     if fmap is not None:
         blob["item_features"] = fmap.to_blob()
@@ -95,6 +92,8 @@ def export_state(state_dict: dict[str, torch.Tensor], cfg: Config, ds: SequenceD
                                  "vocab": {f.name: [str(t) for t in f.vocab] for f in ds.user_features.fields}}
     if item_parts is not None:
         blob["item_parts"] = item_parts
+    blob = plain(blob)
+    blob[DIGEST_KEY] = content_sha256(blob)
     atomic_torch_save(blob, path)
 
 
@@ -107,41 +106,66 @@ def item_part_file(path: Path, tag: str, shard: int, group_size: int) -> Path:
     return item_parts_dir(path) / tag / f"part-{shard:05d}-of-{group_size:05d}.pt"
 
 
-def write_item_part(path: Path, tag: str, shard: int, group_size: int, rows: torch.Tensor) -> None:
+def write_item_part(path: Path, tag: str, shard: int, group_size: int, rows: torch.Tensor) -> str:
     """Shard ``shard`` of ``group_size`` of the item table (its rows ``shard, shard + G, ...``) for the
-    artefact ``path`` that :func:`export_parts` will write under ``tag``."""
-    atomic_torch_save({"format": PART_FORMAT, "shard": shard, "group_size": group_size,
-                       "rows": rows.detach().cpu()}, item_part_file(path, tag, shard, group_size))
+    artefact ``path`` that :func:`export_parts` will write under ``tag``; returns the file's sha256."""
+    return atomic_torch_save({"format": PART_FORMAT, "shard": shard, "group_size": group_size,
+                              "rows": rows.detach().cpu()}, item_part_file(path, tag, shard, group_size))
 
 
 def export_parts(dense_state: dict[str, torch.Tensor], cfg: Config, ds: SequenceDataset, path: Path, tag: str,
-                 group_size: int, num_rows: int) -> None:
-    """Writes ``path`` naming the parts already written under ``tag`` (every shard of ``group_size``), then
-    removes the folders of older parts."""
-    files = [item_part_file(path, tag, k, group_size).relative_to(path.parent).as_posix()
-             for k in range(group_size)]
-    export_state(dense_state, cfg, ds, path,
-                 item_parts={"group_size": group_size, "num_rows": num_rows, "files": files})
+                 group_size: int, num_rows: int, part_sha256: list[str] | None = None) -> None:
+    """Writes ``path`` naming the parts already written under ``tag`` (every shard of ``group_size``; their
+    digests as :func:`write_item_part` returned them, else read here), then removes the folders of older
+    parts."""
+    parts = [item_part_file(path, tag, k, group_size) for k in range(group_size)]
+    digests = part_sha256 if part_sha256 is not None else [file_sha256(f) for f in parts]
+    if len(digests) != group_size:
+        raise ValueError(f"{len(digests)} part digests for {group_size} parts")
+    files = [f.relative_to(path.parent).as_posix() for f in parts]
+    export_state(dense_state, cfg, ds, path, item_parts={"group_size": group_size, "num_rows": num_rows,
+                                                          "files": files, "sha256": list(digests)})
     for old in item_parts_dir(path).iterdir():
         if old.name != tag and not old.name.startswith("."):
             shutil.rmtree(old, ignore_errors=True)
 
 
-def exported_state(path: Path, blob: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
-    """Every weight of the artefact ``path`` (its parts reassembled: this holds the whole item table)."""
-    blob = load_checkpoint(path) if blob is None else blob
-    state = dict(blob["state_dict"])
-    parts = blob.get("item_parts")
-    if parts is None:
-        return state
-    G, files = int(parts["group_size"]), parts["files"]
+def load_model_blob(path: Path) -> dict[str, Any]:
+    """The artefact file's contents, read without running code; its format and version checked, and a
+    version-3 file's content digest verified."""
+    blob = load_checkpoint(path, "model")
+    if blob.get("format") != FORMAT:
+        raise UserError(f"{path} is not an exported grstack model")
+    version = blob.get("version")
+    if version in LEGACY_VERSIONS:
+        return blob
+    if not isinstance(version, int) or version > VERSION:
+        raise UserError(f"{path} was written by a newer grstack (model format {version}; this one reads up to "
+                        f"{VERSION}): load it with that version, or re-export it with `grstack train`")
+    if version != VERSION:
+        raise UserError(f"{path} has the unknown model format {version}: re-export it with `grstack train`")
+    digest = blob.pop(DIGEST_KEY, None)
+    if digest is None:
+        raise UserError(f"model {path} carries no sha256 (a format-{VERSION} file always does: it was altered)")
+    if content_sha256(blob) != digest:
+        raise UserError(f"model {path}: sha256 mismatch (file corrupted or replaced)")
+    return blob
+
+
+def _item_table(path: Path, parts: dict[str, Any]) -> torch.Tensor:
+    """The item table from the parts ``path`` names, each checked against its recorded digest (a version-3
+    artefact records one per part)."""
+    G, files = int(parts["group_size"]), list(parts["files"])
+    digests = parts.get("sha256")
+    if len(files) != G or (digests is not None and len(digests) != G):
+        raise UserError(f"{path} names {len(files)} item-row parts for a table in {G}")
     table: torch.Tensor | None = None
     for k, name in enumerate(files):
         f = path.parent / name
         if not f.is_file():
             raise UserError(f"{path} names the item-row part {f}, which does not exist (copy the model's "
                             f"{item_parts_dir(path).name}/ folder with it)")
-        part = load_checkpoint(f)
+        part = load_checkpoint(f, "item-row part", None if digests is None else digests[k], path)
         if part.get("format") != PART_FORMAT or (part.get("shard"), part.get("group_size")) != (k, G):
             raise UserError(f"{f} is not part {k} of {G} of {path}'s item table")
         rows = part["rows"]
@@ -149,7 +173,16 @@ def exported_state(path: Path, blob: dict[str, Any] | None = None) -> dict[str, 
             table = rows.new_empty((int(parts["num_rows"]), rows.shape[1]))
         table[k::G] = rows
     assert table is not None
-    state[ITEM_KEY] = table
+    return table
+
+
+def exported_state(path: Path, blob: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+    """Every weight of the artefact ``path`` (its parts reassembled: this holds the whole item table)."""
+    blob = load_model_blob(path) if blob is None else blob
+    state = dict(blob["state_dict"])
+    parts = blob.get("item_parts")
+    if parts is not None:
+        state[ITEM_KEY] = _item_table(path, parts)
     return state
 
 
@@ -162,18 +195,24 @@ def load_exported(path: Path) -> tuple[nn.Module, Config, list[str]]:
 def load_exported_with_vocab(path: Path) -> tuple[nn.Module, Config, list[str], dict[str, list[str]] | None]:
     """:func:`load_exported` plus the user features' vocabularies (field -> raw tokens of value ids 1, 2, ...;
     None when the model reads no user context): what a server maps request user features with."""
-    blob = load_checkpoint(path)
-    if blob.get("format") != FORMAT:
-        raise UserError(f"{path} is not an exported grstack model")
-    cfg = Config.model_validate(blob["config"])
-    tasks = blob["tasks"]
-    fmap = ItemFeatureMap.from_blob(blob["item_features"]) if blob.get("item_features") else None
-    users = dict(blob["user_features"]["sizes"]) if blob.get("user_features") else None
-    model = build_model(cfg.model, blob["num_items"], cfg.data.max_len, num_tasks=len(tasks), item_features=fmap,
-                        user_features=users)
-    model.load_state_dict(exported_state(path, blob))
+    blob = load_model_blob(path)
+    try:
+        cfg = Config.model_validate(blob["config"])
+        tasks = list(blob["tasks"])
+        fmap = ItemFeatureMap.from_blob(blob["item_features"]) if blob.get("item_features") else None
+        users = dict(blob["user_features"]["sizes"]) if blob.get("user_features") else None
+        model = build_model(cfg.model, blob["num_items"], cfg.data.max_len, num_tasks=len(tasks),
+                            item_features=fmap, user_features=users)
+        state = exported_state(path, blob)
+        model.load_state_dict(state)
+        vocab = ({k: list(v) for k, v in blob["user_features"]["vocab"].items()} if blob.get("user_features")
+                 else None)
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
+        # pydantic's ValidationError is a ValueError; load_state_dict's mismatches are RuntimeErrors
+        lines = str(exc).strip().splitlines()
+        raise UserError(f"{path} is a malformed grstack model ({type(exc).__name__}: "
+                        f"{lines[0] if lines else ''})") from None
     model.eval()
-    vocab = {k: list(v) for k, v in blob["user_features"]["vocab"].items()} if blob.get("user_features") else None
     return model, cfg, tasks, vocab
 
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
 
 from grstack.runtime.errors import UserError
 from grstack.runtime.model import (
+    HSTU,
     build_model,
     export_model,
     load_exported_with_vocab,
@@ -22,17 +22,17 @@ from grstack.runtime.model import (
 )
 
 
-def load_ranking_model(path: str | Path) -> tuple[nn.Module, list[str]]:
+def load_ranking_model(path: str | Path) -> tuple[HSTU, list[str]]:
     model, tasks, _ = load_serving_model(path)
     return model, tasks
 
 
-def load_serving_model(path: str | Path) -> tuple[nn.Module, list[str], dict[str, list[str]] | None]:
+def load_serving_model(path: str | Path) -> tuple[HSTU, list[str], dict[str, list[str]] | None]:
     """The ranking model, its served tasks and its user features' vocabularies (None without user context):
     what a ranker needs (``RankerService(model, tasks, user_vocab=...)``)."""
     p = resolve_model_file(path)
     model, cfg, tasks, vocab = load_exported_with_vocab(p)
-    if cfg.model.type not in ("hstu", "fuxi") or getattr(model, "rank_head", None) is None:
+    if cfg.model.type not in ("hstu", "fuxi") or not isinstance(model, HSTU) or model.rank_head is None:
         raise UserError(f"{p}: relay serving needs an HSTU or FuXi-α model trained with the ranking head "
                         f"(model.type=hstu or fuxi, model.ranking_head=true); this one is {cfg.model.type}")
     if cfg.model.time_bias_query == "next" and cfg.model.time_bias:

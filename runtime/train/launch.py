@@ -266,6 +266,7 @@ def preflight(cfg: Any, nproc: int, world: int | None = None) -> None:
     from grstack.runtime.device import check_precision, local_device, resolve_device
     from grstack.runtime.embedding import ShardingPlan
     from grstack.runtime.train.context import resolve_group_size
+    from grstack.runtime.training_config import check_catalogue
 
     if nproc < 1:
         raise UserError(f"--nproc must be >= 1, got {nproc}")
@@ -280,6 +281,7 @@ def preflight(cfg: Any, nproc: int, world: int | None = None) -> None:
     items = known_item_count(cfg.data)
     if items is not None:
         ShardingPlan.make(items + 1, cfg.model.d_model, nproc, group, cfg.distributed.max_shard_rows)
+        check_catalogue(cfg, items, f"data.source {cfg.data.source}")
     if cfg.data.read == "shard":  # every rank needs a piece of the data (from the files' metadata alone)
         from grstack.runtime.data import deal, list_pieces
 
@@ -335,6 +337,7 @@ def call_ranks(target: str, nproc: int, payload: Any, *, limit_s: float = 600.0,
         if any(codes):
             code, message = failure_message(codes, tmp)
             raise (UserError if code == EXIT_USER else PeerFailure)(message)
+        # results of arbitrary functions, written by this call's own ranks into its private temporary folder
         return [torch.load(tmp / f"result-{r}.pt", weights_only=False) for r in range(nproc)]
 
 
@@ -363,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         def call() -> Any:
             module, _, name = args.call.partition(":")
             fn = getattr(importlib.import_module(module), name)
+            # the caller's own payload (call_ranks): whoever names the file also names the function to run
             return fn(env, torch.load(args.payload, weights_only=False))
 
         result = guarded(env.rank, call)

@@ -146,8 +146,10 @@ def export_sharded(model: nn.Module, shard: torch.Tensor, table: ShardedEmbeddin
             export_state({"item_emb.weight": shard, **dense}, cfg, ds, path)
         return
     tag = ctx.agree(lambda: f"step-{step:09d}-{secrets.token_hex(4)}")
+    digest: tuple[int, str] | None = None
     if plan.group_of(ctx.rank) == 0:  # one sparse group's shards cover the table
-        write_item_part(path, tag, table.shard_index, G, shard)
-    ctx.world.barrier()  # every part is on disk
+        digest = (table.shard_index, write_item_part(path, tag, table.shard_index, G, shard))
+    written = ctx.world.all_gather_object(digest)  # every part is on disk
     if ctx.rank == 0:
-        export_parts(dense, cfg, ds, path, tag, G, plan.num_rows)
+        digests = dict(d for d in written if d is not None)
+        export_parts(dense, cfg, ds, path, tag, G, plan.num_rows, [digests[k] for k in range(G)])

@@ -43,8 +43,9 @@ def test_parts_round_trip_through_load_exported(tmp_path, G):
     cfg, ds, model = _setup()
     path = tmp_path / "model.pt"
     _export_in_parts(model, cfg, ds, path, "step-000000003-aa", G)
-    blob = torch.load(path, weights_only=False)
-    assert "item_emb.weight" not in blob["state_dict"] and blob["version"] == 2
+    blob = torch.load(path, weights_only=True)
+    assert "item_emb.weight" not in blob["state_dict"] and blob["version"] == 3
+    assert len(blob["item_parts"]["sha256"]) == G and len(blob["sha256"]) == 64
     assert len(list((item_parts_dir(path) / "step-000000003-aa").iterdir())) == G
     loaded, got_cfg, tasks = load_exported(path)
     want = model.state_dict()
@@ -60,8 +61,8 @@ def test_parts_round_trip_through_load_exported(tmp_path, G):
 def test_the_one_file_form_still_loads(tmp_path):
     cfg, ds, model = _setup()
     export_model(model, cfg, ds, tmp_path / "model.pt")
-    blob = torch.load(tmp_path / "model.pt", weights_only=False)
-    assert blob["version"] == 1 and "item_parts" not in blob
+    blob = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert blob["version"] == 3 and "item_parts" not in blob
     got = load_exported(tmp_path / "model.pt")[0].state_dict()
     assert all(torch.equal(got[k], v) for k, v in model.state_dict().items())
 

@@ -3,6 +3,7 @@ no rank holding more than its shard: world 1 in process, world 2 (one sparse gro
 the trainer built on it: half the table per rank on 2 ranks, an export that evaluates alike, exact resume
 (also from a checkpoint written before the best state was sharded)."""
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -108,7 +109,7 @@ def _same_export(a: Path, b: Path) -> bool:
 
 def _to_old_checkpoint(path: Path, world: int) -> None:
     """Rewrites a checkpoint as one written before the best state was sharded: the whole best table in the
-    dense part's ``best_state``, no ``best_shard`` in the rank parts."""
+    dense part's ``best_state``, no ``best_shard`` in the rank parts (and, as then, no file digests)."""
     dense = ckpt.load_dense(path)
     parts = [ckpt.load_part(path, r) for r in range(world)]
     shards = [p.pop("best_shard") for p in parts]
@@ -119,6 +120,9 @@ def _to_old_checkpoint(path: Path, world: int) -> None:
     torch.save(dense, path / ckpt.DENSE)
     for r, p in enumerate(parts):
         torch.save(p, path / ckpt.rank_file(r))
+    manifest = json.loads((path / ckpt.MANIFEST).read_text())
+    del manifest["files"]
+    (path / ckpt.MANIFEST).write_text(json.dumps({**manifest, "version": 1}))
 
 
 @pytest.mark.integration
@@ -155,7 +159,7 @@ def test_a_world_of_one_writes_the_one_file_form(tmp_path, data_dir):
     summary = train(load_config(CONFIG, [*_args(data_dir), "train.epochs=1"]), tmp_path / "one", progress=False)
     assert summary["distributed"]["table_rows_fraction_max"] == 1.0
     assert not item_parts_dir(tmp_path / "one" / "model.pt").exists()
-    assert "item_emb.weight" in torch.load(tmp_path / "one" / "model.pt", weights_only=False)["state_dict"]
+    assert "item_emb.weight" in torch.load(tmp_path / "one" / "model.pt", weights_only=True)["state_dict"]
     exported = _exported_metrics(tmp_path / "one")
     assert _retrieval(exported) == _retrieval(summary["metrics"])
     assert_same_metrics(exported, summary["metrics"])
