@@ -12,6 +12,7 @@ import socket
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from grstack.runtime import cli_args
 from grstack.runtime.errors import UserError
 
 
@@ -20,12 +21,13 @@ def register(parser: argparse.ArgumentParser) -> None:
     scope.add_argument("--namespace", "-n", action="append", default=[], metavar="NS",
                        help="watch this namespace (repeatable; globs allowed)")
     scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch the whole cluster (default)")
-    parser.add_argument("--liveness-port", type=int, default=8080,
+    parser.add_argument("--liveness-port", type=cli_args.port, default=8080,
                         help="serve /healthz on this port for the liveness probe (0 = off)")
-    parser.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port (0 = off)")
-    parser.add_argument("--resync-seconds", type=float, default=10.0,
+    parser.add_argument("--metrics-port", type=cli_args.port, default=9090,
+                        help="Prometheus /metrics port (0 = off)")
+    parser.add_argument("--resync-seconds", type=cli_args.positive_float, default=10.0,
                         help="reconcile every resource at least this often")
-    parser.add_argument("--server", default=None,
+    parser.add_argument("--server", default=None, type=cli_args.http_url,
                         help="API server URL to use without credentials (e.g. `kubectl proxy`); default: "
                              "in-cluster service account, else kubeconfig")
     parser.add_argument("--peering", default=None, metavar="NAME",
@@ -34,9 +36,9 @@ def register(parser: argparse.ArgumentParser) -> None:
                              "with the highest --priority works, the others stand by (default: standalone)")
     parser.add_argument("--priority", type=int, default=None,
                         help="peering priority (default: random, so replicas never tie)")
-    parser.add_argument("--readiness-port", type=int, default=0,
+    parser.add_argument("--readiness-port", type=cli_args.port, default=0,
                         help="serve /readyz on this port: ready once the CRDs are served (0 = off)")
-    parser.add_argument("--verbose", "-v", action="store_true")
+    parser.add_argument("--verbose", "-v", action="store_true", help="debug logging, probe requests included")
     parser.set_defaults(func=run)
 
 

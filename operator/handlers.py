@@ -20,9 +20,9 @@ import os
 import random
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import kopf
@@ -132,10 +132,19 @@ async def ensure(client: KubeClient, obj: dict[str, Any], *, update: bool) -> di
     return live
 
 
+def _namespaced(namespace: str | None) -> str:
+    """kopf types a handler's ``namespace`` as optional (cluster-scoped kinds have none); every kind watched
+    here is namespaced."""
+    if namespace is None:
+        raise kopf.PermanentError("a namespaced object arrived without a namespace")
+    return namespace
+
+
 def post_events(body: dict[str, Any], events: list[tuple[str, str, str]]) -> None:
     for type_, reason, message in events:
         try:
-            kopf.event(body, type=type_, reason=reason, message=message[:1000])
+            # kopf reads only apiVersion, kind and metadata, which a plain dict carries as well as a Body
+            kopf.event(cast(kopf.Body, body), type=type_, reason=reason, message=message[:1000])
         except LookupError:  # outside kopf's context (direct calls in tests)
             log.info("%s %s: %s", type_, reason, message)
 
@@ -241,7 +250,10 @@ async def fetch_stats(urls: list[str], timeout: float = 1.0) -> list[dict[str, A
         except (aiohttp.ClientError, TimeoutError, ValueError):
             return None
 
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as http:
+    # ssl=False: an https:// ranker (spec.tls) is polled without verifying its certificate: the operator holds
+    # no Secrets (no CA), sends nothing and reads only cache counters.
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout),
+                                     connector=aiohttp.TCPConnector(ssl=False)) as http:
         answers = await asyncio.gather(*(one(http, u) for u in urls))
     return [{**a, "_target": u} for u, a in zip(urls, answers, strict=True) if isinstance(a, dict)]
 
@@ -382,6 +394,7 @@ def build_registry(config: OperatorConfig | None = None) -> tuple[kopf.OperatorR
 
     @kopf.on.login(registry=registry)
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        info: kopf.ConnectionInfo | None
         if rt.config.server:
             info = kopf.ConnectionInfo(server=rt.config.server, default_namespace="default")
         else:
@@ -406,49 +419,51 @@ def build_registry(config: OperatorConfig | None = None) -> tuple[kopf.OperatorR
     @kopf.on.create(G, V, names.TRAINING_PLURAL, registry=registry)
     @kopf.on.update(G, V, names.TRAINING_PLURAL, field="spec", registry=registry)
     @kopf.on.resume(G, V, names.TRAINING_PLURAL, registry=registry)
-    def training_changed(body: kopf.Body, namespace: str, name: str, **_: Any) -> None:
-        rt.wake(("GRTrainingJob", namespace, name))
+    def training_changed(body: kopf.Body, namespace: str | None, name: str, **_: Any) -> None:
+        rt.wake(("GRTrainingJob", _namespaced(namespace), name))
         try:
             training.parse_spec(plain(body))
         except training.InvalidSpec as exc:
             raise kopf.PermanentError(f"invalid spec: {exc}") from None
 
     @kopf.daemon(G, V, names.TRAINING_PLURAL, registry=registry, cancellation_timeout=1.0)
-    async def training_daemon(namespace: str, name: str, stopped: Any, **_: Any) -> None:
-        await _loop(rt, "GRTrainingJob", namespace, name, stopped, reconcile_training_once)
+    async def training_daemon(namespace: str | None, name: str, stopped: Any, **_: Any) -> None:
+        await _loop(rt, "GRTrainingJob", _namespaced(namespace), name, stopped, reconcile_training_once)
 
     @kopf.on.delete(G, V, names.TRAINING_PLURAL, optional=True, registry=registry)
-    def training_deleted(namespace: str, name: str, **_: Any) -> None:
-        rt.metrics.job_state((namespace, name), None)
+    def training_deleted(namespace: str | None, name: str, **_: Any) -> None:
+        rt.metrics.job_state((_namespaced(namespace), name), None)
 
     @kopf.on.event("pods", labels={names.LABEL_JOB: kopf.PRESENT}, registry=registry)
-    def worker_event(labels: dict[str, str], namespace: str, **_: Any) -> None:
-        rt.wake(("GRTrainingJob", namespace, labels[names.LABEL_JOB]))
+    def worker_event(labels: Mapping[str, str], namespace: str | None, **_: Any) -> None:
+        rt.wake(("GRTrainingJob", _namespaced(namespace), labels[names.LABEL_JOB]))
 
     # Ranking services.
     @kopf.on.create(G, V, names.SERVING_PLURAL, registry=registry)
     @kopf.on.update(G, V, names.SERVING_PLURAL, field="spec", registry=registry)
     @kopf.on.resume(G, V, names.SERVING_PLURAL, registry=registry)
-    def service_changed(body: kopf.Body, namespace: str, name: str, **_: Any) -> None:
-        rt.wake(("GRRankingService", namespace, name))
+    def service_changed(body: kopf.Body, namespace: str | None, name: str, **_: Any) -> None:
+        rt.wake(("GRRankingService", _namespaced(namespace), name))
         plan = serving.reconcile_serving(plain(body), {}, [], now())  # validation only
-        ready = next((c for c in plan.status.get("conditions", []) if c.get("type") == "Ready"), {})
+        ready: dict[str, Any] = next(
+            (c for c in plan.status.get("conditions", []) if c.get("type") == "Ready"), {})
         if ready.get("reason") == "InvalidSpec":
             raise kopf.PermanentError(f"invalid spec: {ready.get('message')}")
 
     @kopf.daemon(G, V, names.SERVING_PLURAL, registry=registry, cancellation_timeout=1.0)
-    async def service_daemon(namespace: str, name: str, stopped: Any, **_: Any) -> None:
-        await _loop(rt, "GRRankingService", namespace, name, stopped, reconcile_serving_once)
+    async def service_daemon(namespace: str | None, name: str, stopped: Any, **_: Any) -> None:
+        await _loop(rt, "GRRankingService", _namespaced(namespace), name, stopped, reconcile_serving_once)
 
     @kopf.on.delete(G, V, names.SERVING_PLURAL, optional=True, registry=registry)
-    def service_deleted(namespace: str, name: str, **_: Any) -> None:
-        rt.metrics.service_ready((namespace, name), None)
-        rt.hit_rates.pop((namespace, name), None)
+    def service_deleted(namespace: str | None, name: str, **_: Any) -> None:
+        key = (_namespaced(namespace), name)
+        rt.metrics.service_ready(key, None)
+        rt.hit_rates.pop(key, None)
 
     for resource in ("statefulsets", "deployments"):
         @kopf.on.event(resource, labels={names.LABEL_SERVICE: kopf.PRESENT}, registry=registry,
                        id=f"serving-{resource}")
-        def serving_child_event(labels: dict[str, str], namespace: str, **_: Any) -> None:
-            rt.wake(("GRRankingService", namespace, labels[names.LABEL_SERVICE]))
+        def serving_child_event(labels: Mapping[str, str], namespace: str | None, **_: Any) -> None:
+            rt.wake(("GRRankingService", _namespaced(namespace), labels[names.LABEL_SERVICE]))
 
     return registry, rt

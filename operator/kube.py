@@ -63,7 +63,8 @@ class KubeClient:
         self._headers = {"Accept": "application/json"}
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
-        self._ssl = ssl_context
+        # None: aiohttp's default verification (True), which its request() spells as True
+        self._ssl: ssl.SSLContext | bool = True if ssl_context is None else ssl_context
         self._auth = auth
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._session: aiohttp.ClientSession | None = None

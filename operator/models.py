@@ -386,11 +386,47 @@ class Etcd(_Model):
                     "ranker's lease (default: the router's, 3600)")
 
 
+OpenPath = Annotated[str, Field(pattern=r"^/?[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$")]
+PROBE_PATHS = ("healthz", "readyz")
+
+
+class ServingAuth(_Model):
+    """Bearer tokens for routers and rankers, from Secrets mounted as files (re-read when the Secret changes)."""
+
+    token_secret: str = Field(min_length=1, description="Secret holding the tokens clients present to the routers "
+                                                        "(one a line, at least 16 characters each)")
+    token_key: str = Field("tokens", min_length=1, description="key of the tokens in tokenSecret")
+    ranker_token_secret: str | None = Field(
+        None, min_length=1, description="Secret holding the tokens rankers accept; routers send its first one "
+                                        "(default: tokenSecret)")
+    ranker_token_key: str = Field("tokens", min_length=1, description="key of the tokens in rankerTokenSecret")
+    open_paths: list[OpenPath] = Field(
+        default_factory=lambda: list(PROBE_PATHS),
+        description="paths served without a token or client certificate; healthz and readyz (the kubelet's "
+                    "probes) must be among them; add metrics for Prometheus without a token, v1/stats for "
+                    "status.cacheHitRate")
+
+
+class ServingTLS(_Model):
+    """HTTPS for routers and rankers from a kubernetes.io/tls Secret (cert-manager's layout: tls.crt, tls.key,
+    ca.crt). The certificate must name the rankers' Service (``<name>-ranker``: routers verify rankers
+    against it) and the names clients use for the routers (``<name>``, ``<name>.<namespace>.svc``)."""
+
+    secret_name: str = Field(min_length=1, description="kubernetes.io/tls Secret with tls.crt, tls.key and ca.crt")
+    client_auth: bool = Field(False, description="rankers require a client certificate signed by ca.crt on every "
+                                                 "path but the open ones; routers present the Secret's (mTLS: "
+                                                 "the certificate needs the client auth usage too)")
+
+
 class GRRankingServiceSpec(_Model):
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [{
         "rule": "!has(self.autoscaling) || (has(self.ranker) && has(self.ranker.resources) && "
                 "has(self.ranker.resources.requests) && 'cpu' in self.ranker.resources.requests)",
-        "message": "autoscaling needs ranker.resources.requests.cpu"}]})
+        "message": "autoscaling needs ranker.resources.requests.cpu"}, {
+        "rule": "!has(self.router) || !has(self.router.serviceType) || self.router.serviceType == 'ClusterIP' || "
+                "has(self.auth)",
+        "message": "router.serviceType LoadBalancer or NodePort exposes the routers outside the cluster: set auth "
+                   "(bearer tokens)"}]})
 
     image: str = Field(min_length=1)
     image_pull_policy: PullPolicy = "IfNotPresent"
@@ -407,6 +443,9 @@ class GRRankingServiceSpec(_Model):
     scheduling: Scheduling = Field(default_factory=Scheduling)
     disruption_budget: DisruptionBudget = Field(default_factory=DisruptionBudget)
     hit_rate_window_seconds: int = Field(300, ge=10, description="window of status.cacheHitRate")
+    auth: ServingAuth | None = Field(None, description="bearer tokens on routers and rankers (required with "
+                                                       "router.serviceType LoadBalancer or NodePort)")
+    tls: ServingTLS | None = Field(None, description="HTTPS on routers and rankers, optionally mTLS between them")
 
     @model_validator(mode="after")
     def _etcd(self) -> GRRankingServiceSpec:
@@ -419,7 +458,20 @@ class GRRankingServiceSpec(_Model):
             # The HPA's CPU utilization is relative to the request: without one it never scales.
             raise ValueError("autoscaling needs ranker.resources.requests.cpu (the HPA's CPU utilization is a "
                              "share of the request)")
+        if self.router.service_type != "ClusterIP" and self.auth is None:
+            raise ValueError(f"router.serviceType {self.router.service_type} exposes the routers outside the cluster: "
+                             f"set auth (bearer tokens)")
+        if self.auth is not None or (self.tls is not None and self.tls.client_auth):
+            opened = {p.strip("/") for p in self.open_paths}
+            missing = [p for p in PROBE_PATHS if p not in opened]
+            if missing:
+                raise ValueError(f"auth.openPaths must include {' and '.join(missing)}: the kubelet's probes carry "
+                                 f"no token or client certificate")
         return self
+
+    @property
+    def open_paths(self) -> list[str]:
+        return list(self.auth.open_paths) if self.auth is not None else list(PROBE_PATHS)
 
 
 class GRRankingServiceStatus(_Model):

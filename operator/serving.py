@@ -107,13 +107,62 @@ def etcd_client(spec: GRRankingServiceSpec) -> tuple[list[str], list[dict[str, A
     return flags, volumes, mounts
 
 
+SERVING_SECRETS_PATH = "/var/run/secrets/grstack-serving"
+
+
+def scheme(spec: GRRankingServiceSpec) -> str:
+    return "https" if spec.tls is not None else "http"
+
+
+def serving_security(service: str, spec: GRRankingServiceSpec, component: str) -> tuple[
+        list[str], list[dict[str, Any]], list[dict[str, Any]]]:
+    """The token, TLS and open-path flags of a ranker or router (``component``), and the Secret volumes and
+    mounts behind them. Rankers accept the ranker tokens; routers accept the client tokens and send the first
+    ranker token; with ``tls.clientAuth`` rankers require the routers' certificate (the same Secret's)."""
+    auth, tls = spec.auth, spec.tls
+    flags: list[str] = []
+    volumes: list[dict[str, Any]] = []
+    mounts: list[dict[str, Any]] = []
+
+    def secret(name: str, secret_name: str, items: dict[str, str]) -> str:
+        path = f"{SERVING_SECRETS_PATH}/{name}"
+        volumes.append({"name": name, "secret": {"secretName": secret_name, "defaultMode": 0o440,
+                                                 "items": [{"key": k, "path": v} for k, v in items.items()]}})
+        mounts.append({"name": name, "mountPath": path, "readOnly": True})
+        return path
+
+    if auth is not None:
+        ranker_secret = auth.ranker_token_secret or auth.token_secret
+        ranker_key = auth.ranker_token_key if auth.ranker_token_secret else auth.token_key
+        if component == "router":
+            client_tokens = secret("serving-tokens", auth.token_secret, {auth.token_key: "tokens"}) + "/tokens"
+            same = (ranker_secret, ranker_key) == (auth.token_secret, auth.token_key)
+            ranker_tokens = client_tokens if same else \
+                secret("ranker-tokens", ranker_secret, {ranker_key: "tokens"}) + "/tokens"
+            flags += ["--auth-token-file", client_tokens, "--ranker-token-file", ranker_tokens]
+        else:
+            flags += ["--auth-token-file", secret("ranker-tokens", ranker_secret, {ranker_key: "tokens"}) + "/tokens"]
+    if auth is not None or (tls is not None and tls.client_auth):
+        flags += ["--open-paths", ",".join(spec.open_paths)]
+    if tls is not None:
+        path = secret("serving-tls", tls.secret_name, {"tls.crt": "tls.crt", "tls.key": "tls.key", "ca.crt": "ca.crt"})
+        flags += ["--tls-cert", f"{path}/tls.crt", "--tls-key", f"{path}/tls.key"]
+        if component == "router":
+            flags += ["--ranker-ca", f"{path}/ca.crt", "--ranker-server-name", names.ranker_name(service)]
+            if tls.client_auth:
+                flags += ["--ranker-cert", f"{path}/tls.crt", "--ranker-key", f"{path}/tls.key"]
+        elif tls.client_auth:
+            flags += ["--tls-client-ca", f"{path}/ca.crt"]
+    return flags, volumes, mounts
+
+
 def ranker_urls(service: str, spec: GRRankingServiceSpec) -> list[str]:
     sts = names.ranker_name(service)
-    return [f"http://{sts}-{i}.{sts}:{spec.ranker.port}" for i in range(spec.replicas)]
+    return [f"{scheme(spec)}://{sts}-{i}.{sts}:{spec.ranker.port}" for i in range(spec.replicas)]
 
 
 def url(service: str, namespace: str, spec: GRRankingServiceSpec) -> str:
-    return f"http://{service}.{namespace}.svc:{spec.router.port}"
+    return f"{scheme(spec)}://{service}.{namespace}.svc:{spec.router.port}"
 
 
 @dataclass
@@ -181,8 +230,9 @@ def ranker_args(service: str, namespace: str, spec: GRRankingServiceSpec) -> lis
     if endpoint:
         args += ["--etcd", endpoint, "--etcd-root", etcd_root(namespace, service),
                  "--replica-id", "$(GRSTACK_POD_NAME)",
-                 "--advertise-url", f"http://$(GRSTACK_POD_NAME).{sts}:{spec.ranker.port}", *etcd_client(spec)[0]]
-    return args
+                 "--advertise-url", f"{scheme(spec)}://$(GRSTACK_POD_NAME).{sts}:{spec.ranker.port}",
+                 *etcd_client(spec)[0]]
+    return args + serving_security(service, spec, "ranker")[0]
 
 
 def router_args(service: str, namespace: str, spec: GRRankingServiceSpec) -> list[str]:
@@ -203,13 +253,15 @@ def router_args(service: str, namespace: str, spec: GRRankingServiceSpec) -> lis
         args += etcd_client(spec)[0]
     if spec.etcd.placement_ttl_seconds is not None:
         args += ["--placement-ttl-s", str(spec.etcd.placement_ttl_seconds)]
-    return args
+    return args + serving_security(service, spec, "router")[0]
 
 
-def _probes(port: int) -> dict[str, Any]:
+def _probes(port: int, https: bool = False) -> dict[str, Any]:
+    """The kubelet's probes (over HTTPS with TLS: the kubelet does not verify the certificate)."""
+    tls: dict[str, Any] = {"scheme": "HTTPS"} if https else {}
     return {
-        "readinessProbe": {"httpGet": {"path": "/readyz", "port": port}, "periodSeconds": 5},
-        "livenessProbe": {"httpGet": {"path": "/healthz", "port": port}, "initialDelaySeconds": 30,
+        "readinessProbe": {"httpGet": {"path": "/readyz", "port": port, **tls}, "periodSeconds": 5},
+        "livenessProbe": {"httpGet": {"path": "/healthz", "port": port, **tls}, "initialDelaySeconds": 30,
                           "periodSeconds": 10, "failureThreshold": 6},
     }
 
@@ -243,7 +295,7 @@ def _container(spec: GRRankingServiceSpec, name: str, args: list[str], port: int
         "ports": [{"name": "http", "containerPort": port}],
         "volumeMounts": mounts,
         "securityContext": objects.container_security_context(),
-        **_probes(port),
+        **_probes(port, spec.tls is not None),
     }
     if resources:
         container["resources"] = resources
@@ -261,7 +313,10 @@ def children(svc: dict[str, Any], spec: GRRankingServiceSpec) -> list[dict[str, 
     # Rankers.
     source = model_source(spec)
     _, e_volumes, e_mounts = etcd_client(spec) if etcd_endpoint(name, spec) else ([], [], [])
-    r_volumes, r_mounts = volumes + source.volumes + e_volumes, mounts + source.mounts + e_mounts
+    _, rs_volumes, rs_mounts = serving_security(name, spec, "ranker")
+    _, ts_volumes, ts_mounts = serving_security(name, spec, "router")
+    r_volumes = volumes + source.volumes + e_volumes + rs_volumes
+    r_mounts = mounts + source.mounts + e_mounts + rs_mounts
     r_container = _container(spec, "ranker", ranker_args(name, namespace, spec), spec.ranker.port,
                              [*common_env, *objects.env_list(spec.ranker.env)], r_mounts,
                              objects.resources(spec.ranker.resources, spec.ranker.accelerator))
@@ -287,7 +342,7 @@ def children(svc: dict[str, Any], spec: GRRankingServiceSpec) -> list[dict[str, 
 
     # Routers.
     t_container = _container(spec, "router", router_args(name, namespace, spec), spec.router.port,
-                             [*common_env, *objects.env_list(spec.router.env)], mounts + e_mounts,
+                             [*common_env, *objects.env_list(spec.router.env)], mounts + e_mounts + ts_mounts,
                              objects.resources(spec.router.resources, "cpu"))
     t_labels = labels(name, "router")
     out.append({
@@ -297,7 +352,7 @@ def children(svc: dict[str, Any], spec: GRRankingServiceSpec) -> list[dict[str, 
             "replicas": spec.router.replicas,
             "selector": {"matchLabels": selector(name, "router")},
             "template": {"metadata": {"labels": t_labels},
-                         "spec": _pod_spec(spec, t_container, volumes + e_volumes)},
+                         "spec": _pod_spec(spec, t_container, volumes + e_volumes + ts_volumes)},
         },
     })
     out.append({
@@ -377,17 +432,21 @@ def _etcd(svc: dict[str, Any], spec: GRRankingServiceSpec) -> list[dict[str, Any
 
 def stats_targets(svc: dict[str, Any], pods: list[dict[str, Any]]) -> list[str]:
     """``/v1/stats`` URLs of the running ranker pods (the operator polls them for the hit rate)."""
+    spec = svc.get("spec") or {}
     try:
-        port = int(((svc.get("spec") or {}).get("ranker") or {}).get("port") or 8000)
+        port = int((spec.get("ranker") or {}).get("port") or 8000)
     except (TypeError, ValueError):
         return []
+    # With TLS the poll goes over HTTPS (unverified: the operator holds no Secrets, and reads counters only);
+    # with auth only an open v1/stats answers it.
+    proto = "https" if spec.get("tls") else "http"
     out = []
     for pod in pods:
         ip = (pod.get("status") or {}).get("podIP")
         if pod.get("metadata", {}).get("labels", {}).get(names.LABEL_COMPONENT) == "ranker" and ip \
                 and objects.phase(pod) == "Running" and not objects.terminating(pod):
             host = f"[{ip}]" if ":" in ip else ip
-            out.append(f"http://{host}:{port}/v1/stats")
+            out.append(f"{proto}://{host}:{port}/v1/stats")
     return out
 
 
@@ -506,7 +565,8 @@ def reconcile_serving(svc: dict[str, Any], observed: dict[tuple[str, str], dict[
         spec = GRRankingServiceSpec.model_validate(svc.get("spec") or {})
     except (ValidationError, ValueError) as exc:
         message = objects.validation_message(exc)
-        if objects.condition(conds, "Ready") is None or objects.condition(conds, "Ready").get("reason") != "InvalidSpec":
+        ready = objects.condition(conds, "Ready")
+        if ready is None or ready.get("reason") != "InvalidSpec":
             plan.events.append(("Warning", "InvalidSpec", message))
         status["conditions"] = objects.set_condition(conds, "Ready", False, "InvalidSpec", message, now, generation)
         return plan

@@ -341,7 +341,8 @@ def _changed(desired: dict[str, Any], live: dict[str, Any]) -> list[str]:
     """Names of the pod fields that differ between a desired pod and a live one, for the restart message."""
     out = []
     d_spec, l_spec = desired["spec"], live.get("spec") or {}
-    d_main, l_main = d_spec["containers"][0], next(iter(l_spec.get("containers") or []), {})
+    d_main = d_spec["containers"][0]
+    l_main: dict[str, Any] = next(iter(l_spec.get("containers") or []), {})
     for key in sorted(d_main):
         if not objects.covers(d_main[key], l_main.get(key)):
             out.append(f"container {key}")

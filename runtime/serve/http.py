@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -17,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from pydantic import BaseModel, ValidationError
 
 from grstack.runtime.serve.schemas import ErrorResponse
+from grstack.runtime.serve.security import GuardedSite, ServerSecurity
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -33,6 +35,21 @@ class RequestError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
+
+
+_DEADLINE_RE = re.compile(r"[0-9]{1,15}(\.[0-9]{0,9})?")
+
+
+def parse_deadline_ms(raw: str | None) -> float | None:
+    """The ``X-Grstack-Deadline-Ms`` value: a plain non-negative decimal number of milliseconds. Anything
+    else (nan, inf, a sign, an exponent, text) is a 400 naming the header: none of them means "no deadline"."""
+    if raw is None:
+        return None
+    value = raw.strip()
+    if not _DEADLINE_RE.fullmatch(value):
+        shown = raw if len(raw) <= 40 else raw[:40] + "..."
+        raise RequestError(400, f"{DEADLINE_HEADER}: expected a non-negative number of milliseconds, got {shown!r}")
+    return float(value)
 
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
@@ -147,16 +164,22 @@ def openapi_handler(doc: dict[str, Any]) -> Handler:
     return handle
 
 
-async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, str]:
-    """Starts ``app`` on host:port (0 = a free port) and returns the runner and the base URL.
+async def start_site(app: web.Application, host: str, port: int,
+                     security: ServerSecurity | None = None) -> tuple[web.AppRunner, str]:
+    """Starts ``app`` on host:port (0 = a free port) and returns the runner and the base URL (https:// with TLS).
 
     Handlers are cancelled when their client goes away (e.g. a router timed out), so queued work for an
-    abandoned request is dropped instead of computed.
+    abandoned request is dropped instead of computed. Connections get ``security``'s header and idle timeouts
+    and connection cap (the defaults when None); its token and body checks are the app's :func:`guard`
+    middleware, which the app factories install.
     """
+    security = security or ServerSecurity()
     runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True)
-    await site.start()
-    sock = site._server.sockets[0]  # type: ignore[union-attr]
-    actual = sock.getsockname()[1]
-    return runner, f"http://{host}:{actual}"
+    site = GuardedSite(runner, host, port, security)
+    try:
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner, f"{security.scheme}://{host}:{site.port}"

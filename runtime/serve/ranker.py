@@ -24,18 +24,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from torch import nn
 
 from grstack.runtime.device import synchronize
 from grstack.runtime.serve.cache import TieredKVCache
@@ -52,6 +52,7 @@ from grstack.runtime.serve.http import (
     openapi_document,
     openapi_handler,
     parse_body,
+    parse_deadline_ms,
     route_template,
 )
 from grstack.runtime.serve.kv_arena import KVArena
@@ -69,6 +70,10 @@ from grstack.runtime.serve.schemas import (
     RankRequest,
     RankResponse,
 )
+from grstack.runtime.serve.security import ServerSecurity, guard
+
+if TYPE_CHECKING:
+    from grstack.runtime.model import HSTU
 
 log = logging.getLogger(__name__)
 KV_ARENA_ENV = "GRSTACK_KV_ARENA"
@@ -157,7 +162,11 @@ class _Metrics:
             moves.set_function(lambda: arena.compactions)
         depth = Gauge("grstack_ranker_queue_depth", "requests waiting for compute", ["queue"], registry=r)
         for q in ("hits", "misses", "prefills"):
-            depth.labels(q).set_function(lambda q=q: service.scheduler.depth()[q])
+            depth.labels(q).set_function(functools.partial(_queue_depth, service, q))
+
+
+def _queue_depth(service: RankerService, queue: str) -> int:
+    return service.scheduler.depth()[queue]
 
 
 def _bits(names: Sequence[str]) -> str:
@@ -176,7 +185,7 @@ class RankerService:
     maps request user features for a model with user context; ``action_names`` names a model's action-input
     bits (default: the tasks after "next")."""
 
-    def __init__(self, model: nn.Module, tasks: list[str], config: RankerConfig | None = None,
+    def __init__(self, model: HSTU, tasks: list[str], config: RankerConfig | None = None,
                  store: PlacementStore | None = None, user_vocab: dict[str, list[str]] | None = None,
                  action_names: Sequence[str] | None = None) -> None:
         self.config = cfg = config or RankerConfig()
@@ -192,10 +201,10 @@ class RankerService:
         if bits and len(names) != bits:
             raise ValueError(f"the model reads {bits} action bits; {len(names)} action names were given ({names})")
         self.action_names = names if bits else []
-        context = getattr(model, "context", None)
+        context = model.context
         self.user_fields: list[str] = list(context.sizes) if context is not None else []
         self._vocab: dict[str, dict[str, int]] = {}
-        if self.user_fields:
+        if context is not None and self.user_fields:
             if user_vocab is None:
                 raise ValueError("the model reads user context: its user features' vocabularies are needed "
                                  "(load_serving_model returns the artefact's)")
@@ -415,11 +424,12 @@ class RankerService:
                 task = asyncio.get_running_loop().create_task(
                     self._compute_prefix(user, version, items, ts, actions, context, ckey))
                 self._inflight[key] = task
-                task.add_done_callback(lambda _t, key=key: self._inflight.pop(key, None))
+                task.add_done_callback(lambda _t: self._inflight.pop(key, None))
                 await asyncio.sleep(0)  # let it submit: a full prefill queue is answered now (503)
                 if task.done() and task.exception() is not None:
                     raise task.exception()  # type: ignore[misc]
-            kv, compute_ms, reused = await asyncio.shield(task)
+            computed, compute_ms, reused = await asyncio.shield(task)
+            kv = computed
         self.metrics.prefills.labels(status).inc()
         return PrefillResponse(user_id=user, replica=self.replica_id, prefix_hash=version, prefix_len=len(items),
                                status=status, kv_bytes=kv.nbytes, compute_ms=compute_ms, reused_len=reused)
@@ -478,7 +488,8 @@ class RankerService:
         elif base is not None:
             # An older prefix of this one is cached: extend it by the new events, rank, keep the new version.
             logits, new_kv, timing = await self.scheduler.rank_extend(item, base, deadline)
-            self.cache.put(req.user_id, version, new_kv)
+            if new_kv is not None:
+                self.cache.put(req.user_id, version, new_kv)
         elif self.config.cache_misses and len(item.long_items):
             logits, new_kv, timing = await self.scheduler.rank_full_cached(item, deadline)
             if new_kv is not None:
@@ -529,7 +540,8 @@ ROUTES: list[dict[str, Any]] = [
 ]
 
 
-def make_ranker_app(service: RankerService) -> web.Application:
+def make_ranker_app(service: RankerService, security: ServerSecurity | None = None) -> web.Application:
+    """``security``: the tokens, client certificates, open paths and body timeout its guard enforces."""
     @web.middleware
     async def count(request: web.Request, handler: Any) -> web.StreamResponse:
         resp = await handler(request)
@@ -550,7 +562,7 @@ def make_ranker_app(service: RankerService) -> web.Application:
             return error_response(504, f"deadline exceeded: {exc}", headers={"X-Grstack-Shed": "deadline"})
 
     app = web.Application(client_max_size=service.config.max_body_bytes,
-                          middlewares=[count, json_errors, overload])
+                          middlewares=[count, json_errors, guard(security or ServerSecurity()), overload])
     app[MAX_BODY] = service.config.max_body_bytes
 
     async def prefill(request: web.Request) -> web.Response:
@@ -562,13 +574,8 @@ def make_ranker_app(service: RankerService) -> web.Application:
         arrived = service.scheduler.clock()
         if not service.ready:
             raise RequestError(503, "ranker is starting")
-        deadline = None
-        raw = request.headers.get(DEADLINE_HEADER)
-        if raw is not None:
-            try:
-                deadline = arrived + float(raw) / 1e3
-            except ValueError:
-                raise RequestError(400, f"{DEADLINE_HEADER}: not a number of milliseconds: {raw!r}") from None
+        budget_ms = parse_deadline_ms(request.headers.get(DEADLINE_HEADER))
+        deadline = None if budget_ms is None else arrived + budget_ms / 1e3
         req = await parse_body(request, RankRequest)
         if deadline is not None and service.scheduler.clock() >= deadline:
             service.metrics.shed.labels("deadline").inc()
@@ -602,17 +609,17 @@ def make_ranker_app(service: RankerService) -> web.Application:
     return app
 
 
-async def start_ranker(service: RankerService, host: str = "127.0.0.1",
-                       port: int = 0) -> tuple[web.AppRunner, str]:
+async def start_ranker(service: RankerService, host: str = "127.0.0.1", port: int = 0,
+                       security: ServerSecurity | None = None) -> tuple[web.AppRunner, str]:
     """Binds, then warms up and profiles (``/readyz`` turns 200 when done). Returns the runner and URL."""
     from grstack.runtime.serve.http import start_site
 
-    app = make_ranker_app(service)
+    app = make_ranker_app(service, security)
 
     async def _stop(_: web.Application) -> None:
         await service.stop()
 
     app.on_cleanup.append(_stop)
-    runner, url = await start_site(app, host, port)
+    runner, url = await start_site(app, host, port, security)
     await service.start(url)
     return runner, url

@@ -60,6 +60,7 @@ from grstack.runtime.serve.http import (
     openapi_document,
     openapi_handler,
     parse_body,
+    parse_deadline_ms,
     route_template,
     status_class,
 )
@@ -83,6 +84,7 @@ from grstack.runtime.serve.schemas import (
     RankResponse,
     RouterPrefillResponse,
 )
+from grstack.runtime.serve.security import ClientSecurity, ServerSecurity, guard
 from grstack.runtime.serve.trigger import LatencyModel, SequenceAwareTrigger, TriggerConfig
 
 log = logging.getLogger(__name__)
@@ -203,8 +205,12 @@ class _Metrics:
 
 
 class Router:
-    def __init__(self, config: RouterConfig, store: PlacementStore | None = None) -> None:
+    """``client``: TLS and the token of the router's requests to rankers (plain HTTP, no token when None)."""
+
+    def __init__(self, config: RouterConfig, store: PlacementStore | None = None,
+                 client: ClientSecurity | None = None) -> None:
         self.config = config
+        self.client = client or ClientSecurity()
         self.store = store if store is not None else MemoryPlacementStore()
         self.replicas: dict[str, Replica] = {}
         self.placements: dict[str, Placement] = {}
@@ -236,8 +242,9 @@ class Router:
 
     # -- lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=512),
-                                              timeout=aiohttp.ClientTimeout(total=None))
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=512, ssl=self.client.connector_ssl()),
+            timeout=aiohttp.ClientTimeout(total=None), middlewares=self.client.middlewares())
         for url in self.config.rankers:
             await self.store.register(Replica(url, url), ttl_s=0)
         loop = asyncio.get_running_loop()
@@ -318,7 +325,8 @@ class Router:
         urls = set()
         for family, *_, sockaddr in infos:
             ip = sockaddr[0]
-            urls.add(f"http://[{ip}]:{port}" if family == socket.AF_INET6 else f"http://{ip}:{port}")
+            scheme = self.client.scheme
+            urls.add(f"{scheme}://[{ip}]:{port}" if family == socket.AF_INET6 else f"{scheme}://{ip}:{port}")
         for url in sorted(urls - set(self._dns_urls)):
             await self.store.register(Replica(url, url), ttl_s=0)
         for url in sorted(set(self._dns_urls) - urls):
@@ -622,8 +630,8 @@ class Router:
             if isinstance(depth, dict) and ("hits" in depth or "misses" in depth):
                 queued = int(depth.get("hits", 0)) + int(depth.get("misses", 0))
             else:
-                queued = stats.get("queued")
-            self.queued[rid] = int(queued or 0)
+                queued = int(stats.get("queued") or 0)
+            self.queued[rid] = queued
         if self.trigger is not None:
             self.trigger.report(rid, stats)
 
@@ -764,6 +772,11 @@ class Router:
                 last_error = f"{rid}: HTTP {status}"
                 self.record_failure(rid)
                 continue
+            if status in (401, 403):  # the router's own token or certificate was refused: not the client's fault
+                log.warning("ranker %s refused the router's credentials (HTTP %d): check --ranker-token-file "
+                            "and --ranker-cert", rid, status)
+                last_error = f"{rid}: refused the router's credentials (HTTP {status})"
+                continue
             self.record_success(rid, time.monotonic() - t0)
             return web.Response(status=status, body=payload, content_type="application/json",
                                 headers={"X-Grstack-Route": kind, "X-Grstack-Attempts": str(attempt + 1)})
@@ -880,7 +893,8 @@ ROUTES: list[dict[str, Any]] = [
 ]
 
 
-def make_router_app(router: Router) -> web.Application:
+def make_router_app(router: Router, security: ServerSecurity | None = None) -> web.Application:
+    """``security``: the tokens, client certificates, open paths and body timeout its guard enforces."""
     @web.middleware
     async def count(request: web.Request, handler: Any) -> web.StreamResponse:
         t0 = time.perf_counter()
@@ -890,7 +904,8 @@ def make_router_app(router: Router) -> web.Application:
         router.metrics.latency.labels(route, status_class(resp.status)).observe(time.perf_counter() - t0)
         return resp
 
-    app = web.Application(client_max_size=router.config.max_body_bytes, middlewares=[count, json_errors])
+    app = web.Application(client_max_size=router.config.max_body_bytes, middlewares=[count, json_errors,
+                                                                                   guard(security or ServerSecurity())])
     app[MAX_BODY] = router.config.max_body_bytes
 
     async def prefill(request: web.Request) -> web.Response:
@@ -898,12 +913,8 @@ def make_router_app(router: Router) -> web.Application:
         return model_response(await router.prefill(await request.read(), req))
 
     async def rank(request: web.Request) -> web.Response:
+        client_budget = parse_deadline_ms(request.headers.get(DEADLINE_HEADER))
         req = await parse_body(request, RankRequest)
-        raw = request.headers.get(DEADLINE_HEADER)
-        try:
-            client_budget = None if raw is None else float(raw)
-        except ValueError:
-            raise RequestError(400, f"{DEADLINE_HEADER}: not a number of milliseconds: {raw!r}") from None
         return await router.rank(await request.read(), req, client_budget)
 
     def view() -> dict[str, Any]:
@@ -937,11 +948,12 @@ def make_router_app(router: Router) -> web.Application:
     return app
 
 
-async def start_router(router: Router, host: str = "127.0.0.1", port: int = 0) -> tuple[web.AppRunner, str]:
+async def start_router(router: Router, host: str = "127.0.0.1", port: int = 0,
+                       security: ServerSecurity | None = None) -> tuple[web.AppRunner, str]:
     from grstack.runtime.serve.http import start_site
 
-    app = make_router_app(router)
+    app = make_router_app(router, security)
     await router.start()
-    runner, url = await start_site(app, host, port)
+    runner, url = await start_site(app, host, port, security)
     return runner, url
 

@@ -34,6 +34,14 @@ SCENARIOS: dict[str, dict[str, Any]] = {
                            "rankingService": {"enabled": True, "spec": {"checkpoint": "s3://models/hstu/model.pt",
                                                                         "storage": {"secretName": "s3"}}}},
     "single-operator": {"operator": {"leaderElection": {"enabled": False}}},
+    "serving-locked-down": {
+        "operator": {"enabled": False}, "etcd": {"enabled": True, "serverTLS": {"secretName": "etcd-tls"}},
+        "rankingService": {"enabled": True, "spec": {
+            "checkpoint": "s3://models/hstu/model.pt", "router": {"serviceType": "LoadBalancer"},
+            "auth": {"tokenSecret": "clients", "rankerTokenSecret": "internal"},
+            "tls": {"secretName": "ranker-tls", "clientAuth": True}}}},
+    "managed-etcd-no-netpol": {"networkPolicy": {"enabled": False}, "rankingService": {"enabled": True, "spec": {
+        "checkpoint": {"path": "/m"}, "etcd": {"managed": True}}}},
 }
 # Kinds of other APIs' CRDs (kopf's peering, prometheus-operator): checked here by shape, not by the
 # Kubernetes schemas.
@@ -92,8 +100,8 @@ def kinds(docs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
 
 def test_operator_deployment() -> None:
     docs = kinds(render({}))
-    assert sorted(docs) == ["ClusterKopfPeering", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service",
-                            "ServiceAccount"]
+    assert sorted(docs) == ["ClusterKopfPeering", "ClusterRole", "ClusterRoleBinding", "Deployment",
+                            "NetworkPolicy", "Service", "ServiceAccount"]
     deploy = docs["Deployment"][0]["spec"]
     # Two replicas, one leader: kopf peering through the ClusterKopfPeering the chart creates.
     assert deploy["replicas"] == 2 and deploy["strategy"]["type"] == "RollingUpdate"
@@ -171,7 +179,7 @@ def test_namespaced_operator_uses_roles() -> None:
 
 def test_serving_release_creates_a_ranking_service() -> None:
     docs = kinds(render(SERVING_VALUES, release="ranker"))
-    assert sorted(docs) == ["GRRankingService", "Service", "StatefulSet"]  # + the shared etcd; no operator
+    assert sorted(docs) == ["GRRankingService", "NetworkPolicy", "Service", "StatefulSet"]  # + etcd; no operator
     svc = docs["GRRankingService"][0]
     assert svc["metadata"]["name"] == "ranker"
     assert svc["spec"]["image"] == "ghcr.io/grstack/grstack:0.1.0-cpu"
@@ -231,10 +239,67 @@ def test_network_policies_and_service_monitor() -> None:
     metrics_service = next(s for s in docs["Service"] if s["metadata"]["name"].endswith("-operator-metrics"))
     assert monitor["spec"]["selector"]["matchLabels"].items() <= metrics_service["metadata"]["labels"].items()
     assert "ServiceMonitor" not in kinds(render({}))  # optional
-    assert "NetworkPolicy" not in kinds(render({}))
+    assert "NetworkPolicy" in kinds(render({}))  # on by default
+    assert "NetworkPolicy" not in kinds(render({"networkPolicy": {"enabled": False}}))
     serving = kinds(render(SCENARIOS["serving-uri-netpol"], release="ranker"))
     ranker = next(p for p in serving["NetworkPolicy"] if p["metadata"]["name"] == "ranker-ranker")
     sources = ranker["spec"]["ingress"][0]["from"]
     assert sources[0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "router"
     assert sources[1]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "grstack-system"}
     assert ranker["spec"]["ingress"][0]["ports"] == [{"port": 8000}]
+
+
+def test_bundled_etcd_with_tls_and_client_certificates() -> None:
+    docs = kinds(render(SCENARIOS["serving-locked-down"], release="ranker"))
+    etcd = next(s for s in docs["StatefulSet"] if s["metadata"]["name"] == "ranker-grstack-etcd")["spec"]["template"]
+    container = etcd["spec"]["containers"][0]
+    args = container["args"]
+    assert "--listen-client-urls=https://0.0.0.0:2379" in args and "--client-cert-auth" in args
+    assert "--trusted-ca-file=/var/run/etcd-tls/ca.crt" in args
+    assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "metrics"}  # plain HTTP, no data
+    tls = next(v for v in etcd["spec"]["volumes"] if v["name"] == "tls")
+    assert tls["secret"]["secretName"] == "etcd-tls"
+    spec = docs["GRRankingService"][0]["spec"]
+    assert spec["etcd"] == {"endpoints": ["https://ranker-grstack-etcd-client:2379"],
+                            "tls": {"caSecret": "etcd-tls", "clientCertSecret": "etcd-tls"}}
+    assert spec["auth"]["tokenSecret"] == "clients" and spec["tls"] == {"secretName": "ranker-tls", "clientAuth": True}
+    # The operator turns it into pods with the Secrets mounted (the rendered spec is a valid one).
+    now = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+    svc = {**docs["GRRankingService"][0], "metadata": {**docs["GRRankingService"][0]["metadata"], "uid": "u"}}
+    children = reconcile_serving(svc, {}, [], now).children
+    router = next(c for c in children if c["kind"] == "Deployment")["spec"]["template"]["spec"]
+    args = router["containers"][0]["args"]
+    assert "--auth-token-file" in args and "--ranker-cert" in args and "--etcd-cert" in args
+    plain = kinds(render({"etcd": {"enabled": True}}))
+    etcd_args = plain["StatefulSet"][0]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--listen-client-urls=http://0.0.0.0:2379" in etcd_args and "--client-cert-auth" not in etcd_args
+
+
+def test_etcd_network_policies() -> None:
+    docs = kinds(render(SCENARIOS["serving-locked-down"], release="ranker"))
+    policy = next(p for p in docs["NetworkPolicy"] if p["metadata"]["name"] == "ranker-grstack-etcd")["spec"]
+    client = next(r for r in policy["ingress"] if r["ports"] == [{"port": 2379}])
+    (peer,) = client["from"]
+    assert peer["podSelector"]["matchExpressions"] == [
+        {"key": "app.kubernetes.io/component", "operator": "In", "values": ["ranker", "router"]}]
+    managed = kinds(render({"operator": {"enabled": False}, "rankingService": {"enabled": True, "spec": {
+        "checkpoint": {"path": "/m"}, "etcd": {"managed": True}}}}, release="rank"))
+    policy = next(p for p in managed["NetworkPolicy"] if p["metadata"]["name"] == "rank-managed-etcd")["spec"]
+    assert policy["podSelector"]["matchLabels"] == {"grstack.io/service-name": "rank",
+                                                    "app.kubernetes.io/component": "etcd"}
+    assert "NetworkPolicy" not in kinds(render(SCENARIOS["managed-etcd-no-netpol"]))
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"rankingService": {"enabled": True, "spec": {"checkpoint": "s3://b/m", "router": {"serviceType": "LoadBalancer"}}}},
+     "serviceType LoadBalancer exposes the routers"),
+    ({"rankingService": {"enabled": True, "spec": {"checkpoint": "s3://b/m", "router": {"serviceType": "NodePort"}}}},
+     "set rankingService.spec.auth"),
+    ({"etcd": {"enabled": True, "auth": {"user": "u", "passwordSecret": "p"}},
+      "rankingService": {"enabled": True, "spec": {"checkpoint": "s3://b/m"}}}, "authenticates client certificates"),
+    ({"etcd": {"enabled": True, "tls": {"clientCertSecret": "c"}},
+      "rankingService": {"enabled": True, "spec": {"checkpoint": "s3://b/m"}}}, "needs etcd.serverTLS.secretName"),
+])
+def test_chart_refuses_unsafe_serving(values: dict[str, Any], message: str) -> None:
+    with pytest.raises(helm.HelmError, match=message):
+        render(values)

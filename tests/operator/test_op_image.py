@@ -1,6 +1,6 @@
 """The Dockerfile's build steps, run here without a container engine: its targets, the files it copies, the
-wheel it installs (built with the same command), the config directory the image points the operator at,
-and that the operator starts without importing torch."""
+wheel it installs (built with the same command, the configs inside it), the config directory variable, and
+that the operator starts without importing torch."""
 
 from __future__ import annotations
 
@@ -24,9 +24,20 @@ def test_targets_and_copied_paths() -> None:
     for line in re.findall(r"^COPY (?!--from)(.+)$", DOCKERFILE, flags=re.M):
         for source in line.split()[:-1]:
             assert (REPO / source).exists(), f"Dockerfile copies {source}, which is missing"
-    for stage in ("cpu", "cuda", "ascend"):
+    wheel_stage = DOCKERFILE.split("AS wheel\n", 1)[1].split("\nFROM ", 1)[0]
+    assert {"configs", "LICENSE"} <= set(_wheel_sources())
+    for stage in ("cpu", "cuda", "ascend", "operator"):
         body = DOCKERFILE.split(f"AS {stage}\n", 1)[1].split("\nFROM ", 1)[0]
-        assert "USER 1000:1000" in body and "GRSTACK_CONFIG_DIR=/opt/grstack/configs" in body, stage
+        assert "USER 1000:1000" in body, stage
+        # the configs are package data in the wheel: no stage copies them beside it
+        assert not re.search(r"^COPY (?!--from)", body, flags=re.M), stage
+    assert "pip wheel" in wheel_stage
+
+
+def _wheel_sources() -> list[str]:
+    """The paths the Dockerfile's wheel stage copies into its build context."""
+    body = DOCKERFILE.split("AS wheel\n", 1)[1].split("\nFROM ", 1)[0]
+    return [src for line in re.findall(r"^COPY (?!--from)(.+)$", body, flags=re.M) for src in line.split()[:-1]]
 
 
 @pytest.mark.integration
@@ -34,17 +45,21 @@ def test_wheel_installs_every_package_and_the_entry_point(tmp_path: Path) -> Non
     """``pip wheel --no-deps`` on exactly what the wheel stage copies."""
     src = tmp_path / "src"
     src.mkdir()
-    for name in ("pyproject.toml", "setup.py", "README.md"):
-        shutil.copy(REPO / name, src / name)
-    for folder in ("operator", "runtime", "kernels"):
-        shutil.copytree(REPO / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in _wheel_sources():
+        if (REPO / name).is_dir():
+            shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(REPO / name, src / name)
     subprocess.run([sys.executable, "-P", "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                     "--wheel-dir", str(tmp_path / "dist"), str(src)], check=True, capture_output=True)
     (wheel,) = (tmp_path / "dist").glob("grstack-*.whl")
     files = set(zipfile.ZipFile(wheel).namelist())
     for module in ("grstack/operator/handlers.py", "grstack/operator/cli.py", "grstack/runtime/cli.py",
-                   "grstack/runtime/train/progress.py", "grstack/kernels/__init__.py"):
+                   "grstack/runtime/train/progress.py", "grstack/kernels/__init__.py",
+                   "grstack/configs/synthetic-tiny-hstu.yaml"):
         assert module in files
+    assert {f"grstack/configs/{p.name}" for p in (REPO / "configs").glob("*.yaml")} <= files
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in files)
     entry = next(n for n in files if n.endswith("entry_points.txt"))
     assert "grstack = grstack.runtime.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
 
@@ -87,7 +102,8 @@ def _chart_image() -> tuple[str, str]:
 def test_operator_image_has_no_torch() -> None:
     body = DOCKERFILE.split("AS operator\n", 1)[1].split("\nFROM ", 1)[0]
     assert "torch" not in body.replace("no torch", "").replace("include torch", "")
-    assert "--no-deps" in body and "kopf" in body and "USER 1000:1000" in body
+    # the core dependencies and the operator extra, which name no torch (tests/runtime/test_packaging.py)
+    assert '.whl)[operator]"' in body and "--no-deps" not in body and "USER 1000:1000" in body
 
 
 def _make_image(tmp_path: Path, path: str, **variables: str) -> subprocess.CompletedProcess[str]:

@@ -50,7 +50,9 @@ needs_kubectl = pytest.mark.skipif(
 def readme_commands() -> list[str]:
     """The commands of the README's Kubernetes section (its fenced block), continuation lines joined."""
     text = (REPO / "README.md").read_text()
-    section = text.split("\n## Kubernetes\n", 1)[1].split("\n## ", 1)[0]
+    heading = re.search(r"\n#{2,3} [^\n]*Kubernetes[^\n]*\n", text)
+    assert heading, "README has no Kubernetes section"
+    section = re.split(r"\n#{2,3} ", text[heading.end():], maxsplit=1)[0]
     match = re.search(r"```(?:bash|sh)\n(.*?)```", section, re.S)
     assert match, "README's Kubernetes section has no fenced bash block"
     lines = match.group(1).replace("\\\n", " ").splitlines()

@@ -32,6 +32,10 @@ VALID = {
                                      "ranker": {"resources": {"requests": {"cpu": "1"}}}},
     "pdb settings": {"image": "i", "checkpoint": {"path": "/m"}, "disruptionBudget": {"maxUnavailable": "50%"},
                      "hitRateWindowSeconds": 60},
+    "load balancer with auth": {"image": "i", "checkpoint": {"path": "/m"}, "router": {"serviceType": "LoadBalancer"},
+                                "auth": {"tokenSecret": "t", "openPaths": ["healthz", "readyz", "metrics"]}},
+    "tls with client auth": {"image": "i", "checkpoint": {"path": "/m"},
+                             "tls": {"secretName": "t", "clientAuth": True}},
 }
 INVALID = {
     "no image": {"checkpoint": {"path": "/m"}},
@@ -46,6 +50,13 @@ INVALID = {
     "replicas string": {"image": "i", "checkpoint": {"path": "/m"}, "replicas": "2"},
     "replicas float": {"image": "i", "checkpoint": {"path": "/m"}, "replicas": 1.5},
     "window too short": {"image": "i", "checkpoint": {"path": "/m"}, "hitRateWindowSeconds": 1},
+    "load balancer without auth": {"image": "i", "checkpoint": {"path": "/m"},
+                                   "router": {"serviceType": "LoadBalancer"}},
+    "node port without auth": {"image": "i", "checkpoint": {"path": "/m"}, "router": {"serviceType": "NodePort"}},
+    "auth without a secret": {"image": "i", "checkpoint": {"path": "/m"}, "auth": {"tokenKey": "k"}},
+    "tls without a secret": {"image": "i", "checkpoint": {"path": "/m"}, "tls": {"clientAuth": True}},
+    "open path with a space": {"image": "i", "checkpoint": {"path": "/m"},
+                               "auth": {"tokenSecret": "t", "openPaths": ["healthz", "readyz", "a b"]}},
 }
 
 

@@ -46,6 +46,8 @@ SERVING_SPECS = {
         "ranker": {"accelerator": "nvidia", "resources": {"requests": {"cpu": "4"}, "limits": {"memory": "32Gi"}}},
         "router": {"replicas": 2, "serviceType": "LoadBalancer"},
         "scheduling": {"nodeSelector": {"pool": "serving"}},
+        "auth": {"tokenSecret": "clients", "rankerTokenSecret": "internal"},  # LoadBalancer needs auth
+        "tls": {"secretName": "rank-tls", "clientAuth": True},
     },
     "storage-uri": {"image": "grstack:cpu", "checkpoint": "s3://models/run/model.pt",
                     "storage": {"secretName": "s3-creds", "sizeLimit": "20Gi"}, "disruptionBudget": {"maxUnavailable": "50%"}},

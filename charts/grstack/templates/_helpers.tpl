@@ -35,7 +35,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end -}}
 
 {{- define "grstack.etcdEndpoint" -}}
-{{- printf "http://%s-etcd-client:2379" (include "grstack.fullname" .) -}}
+{{- printf "%s://%s-etcd-client:2379" (ternary "https" "http" (not (empty .Values.etcd.serverTLS.secretName))) (include "grstack.fullname" .) -}}
 {{- end -}}
 
 {{/* The operator's permissions in a namespace (used by the ClusterRole or by per-namespace Roles). */}}
