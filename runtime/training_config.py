@@ -1,27 +1,84 @@
 """Training configuration: pydantic models (unknown keys and wrong types rejected, the field named).
 
 A config is a YAML file; ``--set a.b=value`` overrides fields (values parsed as YAML scalars). Relative
-data paths in a config file resolve against the config file's directory, so configs in ``configs/`` read
-``../shared/data`` by default; a ``--set data.source=`` path resolves against the working directory.
+data paths in a config file resolve against the config file's directory (a config beside its data works
+from anywhere); a ``--set data.source=`` path resolves against the working directory; ``fetched:NAME`` is a
+dataset of ``grstack data fetch``.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import types
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from grstack.runtime.errors import UserError
 
 DataFormat = Literal["parquet", "recbole", "seqtxt", "movielens", "kuairand", "synth"]
 
 
+def _kinds(annotation: Any) -> set[type]:
+    """The plain types a field annotation accepts (``int | None`` -> {int, NoneType}; a Literal's values')."""
+    origin = get_origin(annotation)
+    if origin in (Union, types.UnionType):
+        return set().union(*(_kinds(a) for a in get_args(annotation)))
+    if origin is Literal:
+        return {type(a) for a in get_args(annotation)}
+    if annotation is None:
+        return {type(None)}
+    return {annotation} if isinstance(annotation, type) else set()
+
+
+_NUMBERS = {int, float, type(None)}
+_EXPONENT = re.compile(r"[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)[eE][-+]?[0-9]+")
+_WORDS = {int: "an integer", float: "a number", bool: "true or false"}
+
+
+def _strict_problem(value: Any, annotation: Any) -> str | None:
+    """Why ``value`` is the wrong kind for ``annotation`` where pydantic's lax mode would cast it: a boolean
+    for a number (``true`` as 1), a number for a boolean, a string for a number or boolean."""
+    if get_origin(annotation) is list and isinstance(value, list):
+        return next((p for p in (_strict_problem(v, get_args(annotation)[0]) for v in value) if p), None)
+    kinds = _kinds(annotation)
+    if not kinds or str in kinds or not kinds <= _NUMBERS | {bool}:
+        return None
+    want = " or ".join(_WORDS[k] for k in (int, float, bool) if k in kinds)
+    if isinstance(value, bool):
+        return None if bool in kinds else f"expected {want}, got {str(value).lower()}"
+    if isinstance(value, (int, float)):
+        return f"expected {want}, got {value!r}" if kinds.isdisjoint({int, float}) else None
+    if isinstance(value, str):
+        if float in kinds and _EXPONENT.fullmatch(value.strip()):
+            return None  # 1e-3: a number YAML 1.1 reads as a string
+        return f"expected {want}, got the string {value!r}"
+    return None
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    """Unknown keys refused; no casts between booleans, numbers and strings; no NaN or infinity."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_casts(cls, value: Any, info: ValidationInfo) -> Any:
+        problem = _strict_problem(value, cls.model_fields[info.field_name].annotation) if info.field_name else None
+        if problem:
+            raise ValueError(problem)
+        return value
 
 
 RATING_FORMATS = ("recbole", "movielens")
@@ -30,7 +87,7 @@ RATING_FORMATS = ("recbole", "movielens")
 class DataConfig(_Strict):
     format: DataFormat = "synth"
     source: str = Field("tiny", description="a path (file/dir) for imports and parquet; the preset for synth")
-    seed: int = Field(0, description="seed of the synthetic generator")
+    seed: int = Field(0, ge=0, description="seed of the synthetic generator")
     min_len: int = Field(3, ge=3, description="users with fewer events are dropped (leave-one-out needs 3)")
     max_len: int = Field(50, ge=2, description="most recent history tokens the model reads")
     read: Literal["all", "shard"] = Field(
@@ -57,6 +114,9 @@ class DataConfig(_Strict):
     rating_actions: bool = Field(
         False, description="imports with ratings (recbole's rating field, movielens): each event's rating becomes "
         "its action bits, one per rating level (rating_1 ... rating_5), for model.action_inputs (docs/features.md)")
+    timestamp_unit: Literal["auto", "s", "ms", "us"] = Field(
+        "auto", description="imports: the unit of the source's times, stored as Unix seconds (auto: detected, "
+        "refusing a file no unit fits; kuairand's time_ms is ms); as `grstack data import --timestamp-unit`")
 
     @field_validator("item_features", "user_features")
     @classmethod
@@ -145,7 +205,7 @@ class TrainSection(_Strict):
     batch_size: int = Field(128, ge=1)
     epochs: int = Field(1, ge=1)
     max_steps: int | None = Field(None, ge=1, description="stop after this many steps in total")
-    seed: int = 0
+    seed: int = Field(0, ge=0)
     device: str = "auto"
     precision: Literal["fp32", "bf16"] = Field(
         "fp32", description="bf16: autocast the dense compute to bfloat16 (weights, optimizer state, item table "
@@ -321,8 +381,8 @@ def metric_names(ks: list[int]) -> list[str]:
 def _format_validation(exc: ValidationError, origin: str) -> str:
     parts = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        msg = err["msg"]
+        loc = ".".join(str(p) if str(p).isprintable() else repr(p) for p in err["loc"]) or "(top level)"
+        msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
         parts.append(f"{loc}: {msg}")
@@ -340,12 +400,17 @@ def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node[keys[-1]] = value
 
 
+_DOTTED_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
 def parse_overrides(items: list[str]) -> list[tuple[str, Any]]:
     out = []
     for item in items:
         if "=" not in item or not item.split("=", 1)[0]:
             raise UserError(f"--set {item!r}: expected key=value, e.g. train.epochs=3")
         key, raw = item.split("=", 1)
+        if not _DOTTED_KEY.fullmatch(key.strip()):
+            raise UserError(f"--set {item!r}: {key.strip()!r} is not a config key (section.field, e.g. train.epochs)")
         try:
             value = yaml.safe_load(raw) if raw != "" else ""
         except yaml.YAMLError:
@@ -362,21 +427,10 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
     if path is not None:
         p = Path(path)
         origin = str(p)
-        if not p.is_file():
-            raise UserError(f"config file {p} does not exist")
-        try:
-            loaded = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" at line {mark.line + 1}" if mark is not None else ""
-            raise UserError(f"{p}: not valid YAML{where}") from None
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise UserError(f"{p}: a config must be a mapping of sections")
-        tree = loaded
+        tree = _read_tree(p)
         base_dir = p.resolve().parent
-    parsed = parse_overrides(overrides or [])
+    parsed = [(key, _as_typed(key, value, raw)) for (key, value), raw in
+              zip(parse_overrides(overrides or []), overrides or [], strict=True)]
     for key, value in parsed:
         _set_path(tree, key, value)
     if any(key == "data.source" or key == "data" for key, _ in parsed):
@@ -385,7 +439,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
         cfg = Config.model_validate(tree)
     except ValidationError as exc:
         raise UserError(_format_validation(exc, origin)) from None
-    if cfg.data.format != "synth":
+    if cfg.data.format != "synth" and not cfg.data.source.startswith("fetched:"):  # fetched:NAME: data.fetch
         cfg.data.source = _resolve(cfg.data.source, base_dir)
     for key in ("item_features_file", "user_features_file"):
         value = getattr(cfg.data, key)
@@ -395,10 +449,61 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
     return cfg
 
 
+def _read_tree(p: Path) -> dict[str, Any]:
+    """The YAML mapping of a config file; a missing, unreadable, binary, invalid or empty file is a UserError."""
+    from grstack.runtime.cli_args import input_problem
+
+    problem = input_problem(p, "file")
+    if problem:
+        raise UserError(f"config file {problem}")
+    try:
+        loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise UserError(f"{p}: not a text file (a config is YAML text)") from None
+    except OSError as exc:
+        raise UserError(f"{p}: cannot read it ({exc.strerror or exc})") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise UserError(f"{p}: not valid YAML{where}") from None
+    if loaded is None or loaded == {}:
+        raise UserError(f"{p}: the config is empty (expected sections such as data:, model:, train:; "
+                        f"see configs/)")
+    if not isinstance(loaded, dict):
+        raise UserError(f"{p}: a config must be a mapping of sections")
+    return loaded
+
+
+def _as_typed(key: str, value: Any, item: str) -> Any:
+    """A ``--set`` value for a text field stays the text typed (``data.source=2024`` is a path, not 2024)."""
+    model: Any = Config
+    annotation: Any = None
+    for part in key.split("."):
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return value
+        annotation = field.annotation
+        model = annotation
+    kinds = _kinds(annotation)
+    if str in kinds and isinstance(value, (int, float, bool)):
+        return item.split("=", 1)[1].strip()
+    return value
+
+
 def _resolve(path: str, base_dir: Path) -> str:
+    if not path or "\0" in path:
+        raise UserError(f"{path!r} is not a usable path (data.source, data.*_features_file)")
     p = Path(os.path.expanduser(path))
     return str(p if p.is_absolute() else (base_dir / p).resolve())
 
 
 def dump_config(cfg: Config) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def check_catalogue(cfg: Config, num_items: int, dataset: str) -> None:
+    """Refuses sampled negatives that outnumber the catalogue (known once the data is): every item would be
+    drawn several times a step, so ``loss.full_softmax`` says what was meant, exactly and cheaper."""
+    if not cfg.loss.full_softmax and cfg.loss.negatives > num_items:
+        raise UserError(f"loss.negatives={cfg.loss.negatives} is more than the {num_items} items of {dataset}: "
+                        f"set loss.negatives to at most {num_items}, or loss.full_softmax=true to score them all")

@@ -27,21 +27,24 @@ H200_BF16_PEAK_TFLOPS = 989.4  # dense bf16, H200 SXM (as bench mfu)
 
 
 def register(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    from grstack.runtime import cli_args as ca
+
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the kernels run")
     parser.add_argument("--quick", action="store_true",
                         help="smaller cases (CPU: under a minute); the JSON lists what was left out")
     parser.add_argument("--json", action="store_true", help="accepted for symmetry: the output is always JSON")
-    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per case (default 3, 5 on CUDA)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--head-dims", type=int, nargs="+", default=None,
+    parser.add_argument("--reps", type=ca.positive_int, default=None,
+                        help="timed repetitions per case (default 3, 5 on CUDA)")
+    parser.add_argument("--seed", type=ca.seed, default=0, help="seed of the random inputs")
+    parser.add_argument("--head-dims", type=ca.positive_int, nargs="+", default=None,
                         help="head sizes to run, the first is the headline (default: 64 16 on CUDA; 16, and 64 "
                              "without --quick, on CPU)")
     parser.add_argument("--compile-report", action="store_true",
                         help="compile every fused kernel configuration for an NVIDIA target (no GPU needed) and "
                              "print registers, spill bytes and shared memory per kernel instead of timing")
-    parser.add_argument("--arch", type=int, default=90, help="--compile-report: compute capability (90: H100/H200)")
-    parser.add_argument("--workers", type=int, default=2, help="--compile-report: compiler processes")
-    parser.add_argument("--threads", type=int, default=1,
+    parser.add_argument("--arch", type=ca.positive_int, default=90, help="--compile-report: compute capability (90: H100/H200)")
+    parser.add_argument("--workers", type=ca.positive_int, default=2, help="--compile-report: compiler processes")
+    parser.add_argument("--threads", type=ca.positive_int, default=1,
                         help="CPU threads for torch (default 1: on a shared machine more threads make OpenMP "
                              "barriers wait for descheduled workers, which distorts many-small-op timings)")
     parser.set_defaults(func=run)

@@ -230,13 +230,15 @@ def count_parameters(model_cfg: Any, num_items: int, max_len: int, num_tasks: in
 
 # -- the command --------------------------------------------------------------------------------------------------
 def register(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="a config file, or a name in configs/")
+    from grstack.runtime import cli_args as ca
+
+    parser.add_argument("--config", required=True, type=ca.config_file, help="a config file, or a name in configs/")
     parser.add_argument("--device", default=None, help="cpu, cuda[:N], npu[:N] or auto (default: train.device)")
-    parser.add_argument("--steps", type=int, default=10, help="timed training steps (default 10)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+    parser.add_argument("--steps", type=ca.positive_int, default=10, help="timed training steps (default 10)")
+    parser.add_argument("--warmup", type=ca.non_negative_int, default=2, help="untimed steps first (default 2)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", type=ca.override,
                         help="override a config field (repeatable)")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: "
+    parser.add_argument("--threads", type=ca.positive_int, default=None, help="CPU threads for torch (default: "
                         "train.num_threads, else torch's default)")
     parser.add_argument("--json", action="store_true", help="accepted for symmetry: the output is always JSON")
     parser.set_defaults(func=run)

@@ -14,10 +14,13 @@ from pathlib import Path
 
 
 def register(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("configs", nargs="+", help="config names in configs/ or paths")
+    from grstack.runtime import cli_args as ca
+
+    parser.add_argument("configs", nargs="+", type=ca.config_file, help="config names in configs/ or paths")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override applied to every config")
-    parser.add_argument("--out", default=None, help="keep run directories under this folder")
+                        type=ca.override, help="override applied to every config (repeatable)")
+    parser.add_argument("--out", default=None, type=ca.output_dir,
+                        help="keep run directories under this folder (default: a new temporary folder)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (default)")
     parser.add_argument("--progress", action="store_true", help="show progress bars")
     parser.set_defaults(func=run)

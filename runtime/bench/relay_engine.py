@@ -28,14 +28,16 @@ CHECK_MAX_LENGTH_CPU = 2048  # full-sequence reference scores above this are slo
 
 
 def register(parser: argparse.ArgumentParser) -> None:
+    from grstack.runtime import cli_args as ca
+
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default auto)")
     parser.add_argument("--lengths", default=None, help="comma-separated prefix lengths (default 1024,4096,8192; "
                                                         "--quick 512,1024,2048)")
-    parser.add_argument("--batch", type=int, default=16, help="cached ranks per batch (default 16)")
-    parser.add_argument("--candidates", type=int, default=64)
-    parser.add_argument("--short", type=int, default=16, help="short-term events per rank (default 16)")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    parser.add_argument("--batch", type=ca.positive_int, default=16, help="cached ranks per batch (default 16)")
+    parser.add_argument("--candidates", type=ca.positive_int, default=64, help="candidates per rank")
+    parser.add_argument("--short", type=ca.positive_int, default=16, help="short-term events per rank (default 16)")
+    parser.add_argument("--repeats", type=ca.positive_int, default=5, help="timed repetitions per point")
+    parser.add_argument("--threads", type=ca.positive_int, default=1, help="torch CPU threads (default 1)")
     parser.add_argument("--quick", action="store_true", help="short lengths (a CPU smoke run)")
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
     parser.set_defaults(func=run)

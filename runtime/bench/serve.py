@@ -31,14 +31,12 @@ from typing import Any
 from grstack.runtime.bench import cpu_pinning, host_cpu
 from grstack.runtime.bench.serve_trace import Population, Trace, TraceConfig, build_trace, population
 
-# --quick: the first quick run (40 QPS, lengths from 512) failed every point of every mode — the baseline cannot
-# rank 512-token histories at 40 QPS on two 1-thread rankers sharing 2 cores with the load generator. In the next
-# two, at 1024 tokens the baseline failed every QPS down to the 5 QPS floor, so slo_qps_ratio had no denominator:
-# the QPS sweep runs at 512 tokens (both presets). --quick is asked to finish within 15 minutes with 1,000 measured
-# ranks per point, so its points are few and fast: 4 lengths at 40 QPS (about 37 s a point). Its QPS sweep starts
-# at the length sweep's 40 QPS (the same point, not measured again; a mode failing it is probed down to 10 QPS)
-# and steps by 1.5 or 2 to 240: runs A-M started at 20 QPS (71 s a point, every mode passed it in K-M) and
-# doubled, so a limit between 80 and 160 was never resolved, and the run took 17-18 minutes.
+# The QPS sweep runs at 512 tokens (both presets): on two 1-thread rankers sharing 2 cores with the load
+# generator, the baseline can fail 1024-token histories at every QPS down to the floor, which would leave
+# slo_qps_ratio without a denominator. --quick is meant to finish within about 15 minutes with 1,000 measured ranks per point, so its
+# points are few and fast: 4 lengths at 40 QPS (about 37 s a point). Its QPS sweep starts at the length sweep's
+# 40 QPS (the same point, not measured again; a mode failing it is probed down to 10 QPS) and steps by 1.5 or 2
+# to 240, so that limits between 80 and 160 QPS are resolved (docs/bench-serve.md, Measurement).
 QUICK: dict[str, Any] = {"users": 2000, "lengths": [256, 512, 1024, 2048], "length_qps": 40.0,
                          "qps": [40.0, 80.0, 120.0, 160.0, 240.0], "qps_length": 512, "repeats": 1,
                          "qps_floor": 10.0}
@@ -49,10 +47,9 @@ MODES = ("baseline", "relay", "no_trigger", "no_affinity", "no_expander")
 ABLATIONS = ("no_trigger", "no_affinity", "no_expander")
 RANKERS = 2  # per mode, the protocol's (--rankers)
 # The rankers run at this niceness. This process is the load generator and the router; on a real test bed both
-# have cores of their own. Sharing 2 cores at equal priority, the overload run's served ranks left the router
-# within 100 ms and reached the load generator up to 40-55 ms later, its event loop waiting for a core behind
-# the rankers' compute (docs/bench-serve.md, run K): the harness measured its own wait. Niced rankers yield
-# the core to it, and get every cycle it does not use.
+# have cores of their own. Sharing cores at equal priority, the load generator's event loop waits for a core
+# behind the rankers' compute, and that wait lands in every latency it measures (docs/bench-serve.md, System
+# under test). Niced rankers yield the core to it, and get every cycle it does not use.
 RANKER_NICE = 10
 QPS_FLOOR = 2.5  # a mode failing the lowest swept QPS is probed down by halves to here
 MAX_SUFFIX = 64
@@ -61,46 +58,51 @@ CANDIDATES = 64
 SCORE_SAMPLES_PER_POINT = 8
 SCORE_SAMPLES_MAX = 64
 SCORE_SAMPLES_MIN = 30
-# trace, the trace's tail (heavy users waiting out their gap), drain and stats per point (runs K-M: 6-9 s at 40
+# trace, the trace's tail (heavy users waiting out their gap), drain and stats per point (about 6-9 s at 40
 # QPS; used only for the estimate)
 POINT_OVERHEAD_S = 6.0
 START_S = 30.0  # every mode's rankers started, one mode's at a time, and stopped; the overload run's too
-# Rankers started at once: one mode's two, as when each mode started its own (runs A-M). A ranker measures its
-# latency profile (what the trigger's risk test reads) while it starts; four starting together on these 2 cores
-# measured 2-3x the full-inference times of two (run N's first attempt, stopped: relay pre-inferred every visit).
-# So they start one mode's rankers (Settings.rankers) at a time.
+# Rankers started at once: one mode's (Settings.rankers). A ranker measures its latency profile (what the
+# trigger's risk test reads) while it starts; four starting together on 2 cores measure full-inference times
+# 2-3x those of two, which skews the trigger. So they start one mode's rankers at a time.
 HOST_BUSY_WARN = 0.25  # cores used by other processes before the run above which it warns
 
 
 def register(parser: argparse.ArgumentParser) -> None:
+    from grstack.runtime import cli_args as ca
+
     parser.add_argument("--quick", action="store_true", help="the quick protocol (2,000 users, 1 repeat)")
     parser.add_argument("--json", action="store_true", help="print only the JSON object (no summary)")
-    parser.add_argument("--out", default="runs/bench-serve", help="model, plot and full results go here")
-    parser.add_argument("--slo-ms", type=float, default=100.0, help="P99 SLO of a rank request (default 100)")
-    parser.add_argument("--cascade-gap-ms", type=float, default=50.0,
+    parser.add_argument("--out", default="runs/bench-serve", type=ca.output_dir,
+                        help="model, plot and full results go here")
+    parser.add_argument("--slo-ms", type=ca.positive_float, default=100.0,
+                        help="P99 SLO of a rank request (default 100)")
+    parser.add_argument("--cascade-gap-ms", type=ca.non_negative_float, default=50.0,
                         help="pre-infer signal to rank request (default 50, jittered +-20%%)")
-    parser.add_argument("--users", type=int, default=None, help="synthetic users per point (default 10,000; "
+    parser.add_argument("--users", type=ca.positive_int, default=None, help="synthetic users per point (default 10,000; "
                                                                 "--quick 2,000)")
     parser.add_argument("--lengths", default=None, help="comma-separated base long-term lengths")
     parser.add_argument("--qps", default=None, help="comma-separated QPS values")
-    parser.add_argument("--length-qps", type=float, default=None, help="QPS of the length sweep")
-    parser.add_argument("--qps-length", type=int, default=None, help="base length of the QPS sweep (default 512)")
-    parser.add_argument("--repeats", type=int, default=None, help="trace seeds per point (default 3; --quick 1)")
-    parser.add_argument("--measured", type=int, default=1000, help="measured rank requests per point (>= 1000 "
+    parser.add_argument("--length-qps", type=ca.positive_float, default=None, help="QPS of the length sweep")
+    parser.add_argument("--qps-length", type=ca.positive_int, default=None,
+                        help="base length of the QPS sweep (default 512)")
+    parser.add_argument("--repeats", type=ca.positive_int, default=None,
+                        help="trace seeds per point (default 3; --quick 1)")
+    parser.add_argument("--measured", type=ca.positive_int, default=1000, help="measured rank requests per point (>= 1000 "
                                                                   "in the protocol)")
-    parser.add_argument("--warmup", type=int, default=250, help="visits sent before measuring (default 250)")
-    parser.add_argument("--qps-floor", type=float, default=None,
+    parser.add_argument("--warmup", type=ca.non_negative_int, default=250, help="visits sent before measuring (default 250)")
+    parser.add_argument("--qps-floor", type=ca.positive_float, default=None,
                         help="a mode failing the lowest QPS is probed down by halves to this (default 2.5; "
                              "--quick 10)")
-    parser.add_argument("--min-user-gap-s", type=float, default=1.0,
+    parser.add_argument("--min-user-gap-s", type=ca.non_negative_float, default=1.0,
                         help="one user's consecutive visits are at least this far apart (default 1 s)")
-    parser.add_argument("--rankers", type=int, default=RANKERS,
+    parser.add_argument("--rankers", type=ca.positive_int, default=RANKERS,
                         help=f"one-thread rankers per mode (default {RANKERS})")
     parser.add_argument("--ranker-cpus", default=None,
                         help="CPUs the rankers run on, e.g. 1 or 2-11 (Linux; default: any)")
     parser.add_argument("--harness-cpus", default=None,
                         help="CPUs this process (load generator and routers) runs on, e.g. 0 (Linux; default: any)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=ca.seed, default=0, help="seed of the synthetic users and traces")
     parser.set_defaults(func=run)
 
 
@@ -193,7 +195,7 @@ async def run_sweeps(modes: list[str], values: list[float], measure_step: Step,
     whose lowest value fails is probed down by halves to ``floor`` until a point passes), interleaved: at each
     value ``measure_step(order, value)`` measures every mode still sweeping, in ``order``, which rotates by one
     from value to value, and returns each one's point. The host's speed drifts over minutes on a shared
-    machine; run one mode after another, the drift lands on whole modes (docs/bench-serve.md, run M),
+    machine; run one mode after another, the drift lands on whole modes (docs/bench-serve.md, Measurement),
     interleaved it lands on all of them alike."""
     points: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     ordered = sorted(values)

@@ -64,12 +64,15 @@ SETTINGS = ("sync", "dbp", "fwp", "fwp_clustered")
 
 
 def register(parser: argparse.ArgumentParser) -> None:
+    from grstack.runtime import cli_args as ca
+
     parser.add_argument("--quick", action="store_true", help="smaller data and fewer steps (a minute or two)")
     parser.add_argument("--json", action="store_true", help="accepted for symmetry: the output is always JSON")
-    parser.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
-    parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=None, help="measured steps per setting")
-    parser.add_argument("--balance-steps", type=int, default=None,
+    parser.add_argument("--nproc", type=ca.positive_int, default=2, help="ranks (default 2)")
+    parser.add_argument("--microbatches", type=ca.positive_int, default=4,
+                        help="micro-batches per batch of the pipelining comparison")
+    parser.add_argument("--steps", type=ca.positive_int, default=None, help="measured steps per setting")
+    parser.add_argument("--balance-steps", type=ca.positive_int, default=None,
                         help="timed steps per split of the measured balance (default 20; 30 without --quick)")
     parser.add_argument("--no-embedding", action="store_true", help="skip the embedding-step comparison")
     parser.set_defaults(func=run)

@@ -8,13 +8,15 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from grstack.runtime import cli_args
 from grstack.runtime.errors import UserError
 
 if TYPE_CHECKING:
     from grstack.runtime.data.dataset import SequenceDataset
 
-FORMATS = ("recbole", "seqtxt", "movielens", "kuairand")  # kept in sync with importers.IMPORTERS by a test
+FORMATS = ("recbole", "seqtxt", "movielens", "kuairand", "amazon")  # kept in sync with importers.IMPORTERS by a test
 PRESETS = ("tiny", "small", "hard", "hard-rank", "27k")  # kept in sync with synth.PRESETS by a test
+TIMESTAMP_UNITS = ("auto", "s", "ms", "us")  # kept in sync with importers.timestamps.UNITS by a test
 
 
 def _check_out(out: Path) -> None:
@@ -65,6 +67,8 @@ def _import(args: argparse.Namespace) -> int:
         if args.format not in ("recbole", "movielens"):
             raise UserError("--rating-actions applies to --format recbole or movielens (the formats with ratings)")
         opts["ratings"] = True
+    if args.timestamp_unit != "auto":  # formats that have no times refuse a unit by name
+        opts["timestamp_unit"] = args.timestamp_unit
     for kind in ("item", "user"):
         side, fields = getattr(args, f"{kind}_features"), getattr(args, f"{kind}_fields")
         if fields is not None and side is None:
@@ -106,14 +110,7 @@ ROW_GROUP_HELP = ("users per Parquet row group (default 4096): the unit ranks sp
                   "data.read=shard, so a set read by many ranks wants many row groups")
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+_positive = cli_args.positive_int
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -126,10 +123,12 @@ def register(parser: argparse.ArgumentParser) -> None:
                                      "mapping is kept in items.parquet).")
     imp.add_argument("--format", required=True, metavar="{" + ",".join(FORMATS) + "}",
                      help="recbole: RecBole .inter; seqtxt: S3-Rec 'user i1 i2 ...'; movielens: ratings.dat, "
-                          "u.data or ratings.csv; kuairand: log_standard_*.csv")
-    imp.add_argument("src", help="source file, or a directory holding it")
-    imp.add_argument("--out", required=True, help="output dataset directory (must not exist or be empty)")
-    imp.add_argument("--min-len", type=int, default=3,
+                          "u.data or ratings.csv; kuairand: log_standard_*.csv; amazon: ratings_*.csv "
+                          "(Amazon 2014: user,item,rating,timestamp)")
+    imp.add_argument("src", type=cli_args.input_path, help="source file, or a directory holding it")
+    imp.add_argument("--out", required=True, type=cli_args.output_dir,
+                     help="output dataset directory (must not exist or be empty)")
+    imp.add_argument("--min-len", type=_positive, default=3,
                      help="drop users with fewer events (default 3: leave-one-out needs train/valid/test)")
     imp.add_argument("--name", default=None, help="dataset name recorded in meta.json (default: from SRC)")
     imp.add_argument("--clicks-only", action="store_true",
@@ -139,13 +138,16 @@ def register(parser: argparse.ArgumentParser) -> None:
                      help="recbole, movielens: each event's rating becomes its action bits, one per rating level "
                           "(rating_1 ... rating_5), for model.action_inputs")
     imp.add_argument("--row-group-size", type=_positive, default=4096, help=ROW_GROUP_HELP)
-    imp.add_argument("--item-features", metavar="FILE|auto", default=None,
+    imp.add_argument("--timestamp-unit", choices=TIMESTAMP_UNITS, default="auto",
+                     help="unit of the source's timestamps, stored as Unix seconds (default auto: kuairand's "
+                          "time_ms is ms; otherwise detected from the values, refusing a file no unit fits)")
+    imp.add_argument("--item-features", metavar="FILE|auto", default=None, type=cli_args.input_file_or_auto,
                      help="item side file to attach as categorical item features, or 'auto': the one beside SRC "
                           "(recbole *.item, seqtxt *_item2attributes.json, kuairand video_features_basic*.csv, "
                           "movielens u.item/movies.dat/movies.csv)")
     imp.add_argument("--item-fields", metavar="A,B", type=_field_list, default=None,
                      help="item feature fields to keep (default: every categorical field of the file)")
-    imp.add_argument("--user-features", metavar="FILE|auto", default=None,
+    imp.add_argument("--user-features", metavar="FILE|auto", default=None, type=cli_args.input_file_or_auto,
                      help="user side file, or 'auto' (recbole *.user, kuairand user_features*.csv, "
                           "movielens u.user/users.dat)")
     imp.add_argument("--user-fields", metavar="A,B", type=_field_list, default=None,
@@ -158,15 +160,20 @@ def register(parser: argparse.ArgumentParser) -> None:
                                      "The same seed gives identical data.")
     syn.add_argument("--preset", required=True, metavar="{" + ",".join(PRESETS) + "}",
                      help="tiny: CI (~400 users); small: ~3k users; 27k: 27,285 users, lengths up to 10k")
-    syn.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    syn.add_argument("--out", required=True, help="output dataset directory (must not exist or be empty)")
+    syn.add_argument("--seed", type=cli_args.seed, default=0, help="random seed, >= 0 (default 0)")
+    syn.add_argument("--out", required=True, type=cli_args.output_dir,
+                     help="output dataset directory (must not exist or be empty)")
     syn.add_argument("--row-group-size", type=_positive, default=4096, help=ROW_GROUP_HELP)
     syn.set_defaults(func=_synth)
 
     st = sub.add_parser("stats", help="print dataset statistics",
                         description="Print users, items, events, length distribution, popularity skew, time "
                                     "span and action rates of a grstack dataset directory.")
-    st.add_argument("dir", help="dataset directory")
+    st.add_argument("dir", type=cli_args.input_dir, help="dataset directory")
     st.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     st.set_defaults(func=_stats)
+
+    from grstack.runtime.data.fetch.cli import register as register_fetch
+
+    register_fetch(sub)
 

@@ -299,6 +299,8 @@ def read_dataset(path: str | os.PathLike, files: list[str] | None = None) -> Seq
         raise UserError(f"dataset {p} has no part-*.parquet files")
     tables = []
     for name in names:
+        if not (p / name).is_file():
+            raise UserError(f"{p / name}: not a file (a dataset's part-*.parquet are Parquet files)")
         try:
             t = pq.read_table(p / name)
         except (OSError, pa.ArrowInvalid) as exc:

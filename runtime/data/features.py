@@ -214,11 +214,16 @@ def read_features(path: Path, meta: dict, kind: Kind, row_ids: np.ndarray) -> Fe
     if not entry:
         return None
     f_path = path / str(entry.get("file", FILES[kind]))
+    for needed in (f_path, path / VOCAB_FILE):
+        if not needed.is_file():
+            what = "a directory" if needed.is_dir() else "missing"
+            raise UserError(f"{needed}: {what}, but meta.json names it as the {kind} features' Parquet file")
     try:
         table = pq.read_table(f_path)
         vocab = pq.read_table(path / VOCAB_FILE, columns=["kind", "field", "raw"])
     except (OSError, pa.ArrowInvalid) as exc:
-        raise UserError(f"{path}: {kind} features named in meta.json cannot be read ({exc})") from None
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(f"{path}: {kind} features named in meta.json cannot be read ({first})") from None
     key = KEYS[kind]
     sizes = dict(entry.get("fields") or {})
     if key not in table.column_names or any(n not in table.column_names for n in sizes):

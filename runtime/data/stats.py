@@ -33,8 +33,17 @@ def gini(counts: np.ndarray) -> float:
     return float((2.0 * np.arange(1, n + 1) - n - 1).dot(c) / (n * total))
 
 
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+_CALENDAR = (-62_135_596_800, 253_402_300_800)  # 0001-01-01 .. 10000-01-01 in Unix seconds
+
+
 def _iso(ts: int) -> str:
-    return dt.datetime.fromtimestamp(int(ts), tz=dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    """UTC date of a stored timestamp (seconds). Pure arithmetic, never the C library's gmtime (which fails
+    with EOVERFLOW on some values); a time no calendar date fits (a dataset written before importers
+    checked units) is shown as such instead of raising."""
+    if not _CALENDAR[0] <= ts < _CALENDAR[1]:
+        return f"{ts} s (outside years 1-9999: not Unix seconds?)"
+    return (_EPOCH + dt.timedelta(seconds=int(ts))).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def feature_stats(feats: Features) -> dict[str, dict]:

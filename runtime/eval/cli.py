@@ -6,10 +6,13 @@ from __future__ import annotations
 import argparse
 import json
 
+from grstack.runtime import cli_args
+
 
 def register(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--run", required=True, help="run directory written by grstack train")
-    parser.add_argument("--split", choices=("valid", "test", "both"), default="both")
+    parser.add_argument("--run", required=True, type=cli_args.input_dir, help="run directory written by grstack train")
+    parser.add_argument("--split", choices=("valid", "test", "both"), default="both",
+                        help="which held-out events to rank: each user's second-to-last, last, or both")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--all-users", action="store_true",
                         help="rank every user (default: the run's eval.max_users sample, the users its summary.json "

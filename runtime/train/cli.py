@@ -6,15 +6,20 @@ import argparse
 import json
 import sys
 
+from grstack.runtime import cli_args
+
 
 def register(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="YAML config (see configs/)")
+    parser.add_argument("--config", required=True, type=cli_args.config_file,
+                        help="YAML config: a path, or a name in configs/ (e.g. synthetic-tiny-hstu)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        type=cli_args.override,
                         help="override a config field, e.g. --set train.epochs=3 (repeatable)")
-    parser.add_argument("--out", required=True, help="run directory; an existing checkpoint there is resumed")
-    parser.add_argument("--stop-after-step", type=int, default=None, metavar="N",
+    parser.add_argument("--out", required=True, type=cli_args.output_dir,
+                        help="run directory; an existing checkpoint there is resumed")
+    parser.add_argument("--stop-after-step", type=cli_args.positive_int, default=None, metavar="N",
                         help="checkpoint and exit after global step N (resume later with the same command)")
-    parser.add_argument("--nproc", type=int, default=None, metavar="N",
+    parser.add_argument("--nproc", type=cli_args.positive_int, default=None, metavar="N",
                         help="train on N local ranks (sharded embeddings; gloo on CPU, NCCL/HCCL on "
                              "accelerators, one per rank), --nproc 1 included (a process group of one: every "
                              "collective runs); without it, one process and no process group. Inside a pod "

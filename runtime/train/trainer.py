@@ -64,7 +64,7 @@ from grstack.runtime.train.pipeline import Engine
 from grstack.runtime.train.rundir import reclaim_unstarted
 from grstack.runtime.train.shard_schedule import ShardSchedule
 from grstack.runtime.train.sharded_eval import export_sharded, sharded_eval_ranks, sharded_rank_logits
-from grstack.runtime.training_config import RANKING_PREFIX, Config, dump_config
+from grstack.runtime.training_config import RANKING_PREFIX, Config, check_catalogue, dump_config
 
 # Config sections (or fields) that must match for a checkpoint to be resumed.
 RESUME_FIELDS = ("data", "model", "loss", "optim", "embedding", "balance", "train.batch_size", "train.seed",
@@ -261,6 +261,7 @@ class Trainer:
         return int(sum(len(x) for rank in self.piece_lengths for x in rank))
 
     def _check_sizes(self) -> None:
+        check_catalogue(self.cfg, self.ds.num_items, f"data.source {self.cfg.data.source}")
         n = self._train_rows()
         W = self.ctx.world_size
         if n == 0:
@@ -423,7 +424,7 @@ class Trainer:
         mine = {"events_read": sh.events_read, "events_decoded": sh.events_decoded, "pieces": len(sh.mine),
                 "cache_peak_pieces": sh.cache_peak}
         ranks = self.ctx.world.all_gather_object(mine)
-        total = max(1, int(read_meta(self.cfg.data.source).get("num_events") or sum(p.events for p in sh.pieces)))
+        total = max(1, int(read_meta(sh.path).get("num_events") or sum(p.events for p in sh.pieces)))
         fractions = [r["events_read"] / total for r in ranks]
         assert isinstance(self.schedule, ShardSchedule)
         return {"read": "shard", "pieces": len(sh.pieces), "events_total": total,
@@ -665,6 +666,9 @@ class Trainer:
     def _finish(self) -> dict[str, Any]:
         st, cfg, ctx = self.state, self.cfg, self.ctx
         model, shard = self.model, None
+        if self.progress:
+            print(f"evaluation: the best model (epoch {st.best_epoch}) on the validation and test users",
+                  file=sys.stderr, flush=True)
         if self.best_state is not None and self.best_shard is not None:
             model, shard = copy.deepcopy(self.model), self.best_shard
             model.load_state_dict(self.best_state)

@@ -1,5 +1,5 @@
-"""Where a config's data path is read from: a path in the file from the file's folder (so the shipped
-configs find ../shared/data wherever they are run), a path typed with --set from the working directory."""
+"""Where a config's data path is read from: a path in the file from the file's folder (so a config beside its
+data works wherever it is run), a path typed with --set from the working directory."""
 
 from pathlib import Path
 

@@ -1,8 +1,10 @@
 """Importers from public formats into the grstack sequence format: ``import_dataset(fmt, src, **opts)``.
 
-Formats: ``recbole`` (atomic ``.inter`` file), ``seqtxt`` (S3-Rec ``user i1 i2 ...``), ``movielens``
+Formats: ``amazon`` (Amazon 2014 ``ratings_*.csv``), ``recbole`` (atomic ``.inter`` file), ``seqtxt`` (S3-Rec ``user i1 i2 ...``), ``movielens``
 (``ratings.dat``, ``u.data``, ``ratings.csv``), ``kuairand`` (``log_standard_*.csv``). Common options:
-``min_len`` (drop users with fewer events; default 3, the minimum for leave-one-out) and ``name``.
+``min_len`` (drop users with fewer events; default 3, the minimum for leave-one-out), ``name`` and, for
+formats with times, ``timestamp_unit`` ("auto", "s", "ms", "us"; stored times are Unix seconds:
+``importers/timestamps.py``).
 A bad source raises ``UserError`` naming the file and line before anything is written.
 
 Side features (``importers/side.py``): ``item_features``/``user_features`` name a side file or "auto" (the
@@ -20,6 +22,7 @@ import numpy as np
 
 from grstack.runtime.data.dataset import SequenceDataset
 from grstack.runtime.data.features import Kind, attach, coverage
+from grstack.runtime.data.importers.amazon import import_amazon
 from grstack.runtime.data.importers.common import DEFAULT_MIN_LEN, check_missing
 from grstack.runtime.data.importers.kuairand import import_kuairand
 from grstack.runtime.data.importers.movielens import import_movielens
@@ -29,6 +32,7 @@ from grstack.runtime.data.importers.side import find_side_file, read_side, resol
 from grstack.runtime.errors import UserError
 
 IMPORTERS: dict[str, Callable[..., SequenceDataset]] = {
+    "amazon": import_amazon,
     "kuairand": import_kuairand,
     "movielens": import_movielens,
     "recbole": import_recbole,
@@ -53,7 +57,9 @@ def import_dataset(fmt: str, src: str | Path, *, item_features: str | Path | Non
     path = Path(src)
     check_missing(path)
     sides: dict[Kind, tuple[Path, list[str] | None]] = {}
-    for kind, spec, fields in (("item", item_features, item_fields), ("user", user_features, user_fields)):
+    wanted: tuple[tuple[Kind, str | Path | None, list[str] | None], ...] = (
+        ("item", item_features, item_fields), ("user", user_features, user_fields))
+    for kind, spec, fields in wanted:
         if fields is not None and not fields:
             raise UserError(f"{kind} fields: an empty list (leave it out for every field)")
         if spec is not None:

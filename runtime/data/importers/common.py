@@ -7,21 +7,29 @@ good file never pays for Python-level parsing.
 
 from __future__ import annotations
 
+import csv
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
 from grstack.runtime.data.dataset import SequenceDataset
+from grstack.runtime.data.importers.timestamps import UNITS, scale
+from grstack.runtime.data.importers.timestamps import unit_of as unit_of  # re-exported for importers
 from grstack.runtime.errors import UserError
 
 DEFAULT_MIN_LEN = 3  # leave-one-out needs a train, a validation and a test item per user
 
 _INT_RE = re.compile(r"-?[0-9]+")
+_FLOAT_RE = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
 
 LineCheck = Callable[[str], "str | None"]
+
+TimestampUnit = Literal["auto", "s", "ms", "us"]
+TIMESTAMP_UNITS: tuple[str, ...] = UNITS  # for --timestamp-unit choices
 
 
 @dataclass
@@ -30,7 +38,7 @@ class Events:
 
     users: np.ndarray
     items: np.ndarray
-    times: np.ndarray  # int64 or float64, in units of ``seconds_per_unit`` seconds
+    times: np.ndarray  # int64 or float64, in units of ``seconds_per_unit`` seconds (:func:`timestamp_scale`)
     seconds_per_unit: float = 1.0
     actions: np.ndarray | None = None
     action_names: list[str] = field(default_factory=list)
@@ -60,11 +68,22 @@ def is_int(token: str) -> bool:
     return _INT_RE.fullmatch(token) is not None
 
 
+INT64_MAX = np.iinfo(np.int64).max
+
+
+def int_problem(name: str, token: str) -> str | None:
+    """Why ``token`` is not an int64 field value (spaces around it allowed, as pyarrow does), or None."""
+    if not is_int(token.strip(" ")):
+        return f"{name} must be an integer, got {token!r}"
+    if not -INT64_MAX - 1 <= int(token) <= INT64_MAX:
+        return f"{name} {token.strip(' ')} does not fit in 64 bits (at most {INT64_MAX})"
+    return None
+
+
 def is_number(token: str) -> bool:
-    try:
-        return np.isfinite(float(token))
-    except ValueError:
-        return False
+    """A finite decimal number (Python's float() also takes "1_000", which pyarrow refuses)."""
+    token = token.strip(" ")
+    return _FLOAT_RE.fullmatch(token) is not None and bool(np.isfinite(float(token)))
 
 
 def check_missing(path: Path) -> None:
@@ -95,27 +114,72 @@ def locate_bad_line(path: Path, lines: Iterable[tuple[int, str]], check: LineChe
 
 
 def fields_check(delimiter: str, names: list[str], ints: Iterable[str] = (), numbers: Iterable[str] = (),
-                 tokens: Iterable[str] = (), unquote: bool = False) -> LineCheck:
-    """A line checker for delimited rows: field count, strict integers, finite numbers, non-empty tokens.
-    ``unquote`` strips CSV double quotes around fields (for files whose fields never hold the delimiter)."""
+                 tokens: Iterable[str] = (), quoted: bool = False, unquote: bool = False) -> LineCheck:
+    """A line checker for delimited rows: field count, int64 integers, finite numbers, non-empty tokens.
+    ``quoted`` (or its older name ``unquote``) splits as CSV does (``"11,5"`` is one field), for files that
+    pyarrow reads with quoting."""
+    quoted = quoted or unquote
     idx = {n: i for i, n in enumerate(names)}
-    checks = ([(idx[n], "an integer", is_int) for n in ints]
-              + [(idx[n], "a finite number", is_number) for n in numbers]
+    int_idx = [idx[n] for n in ints]
+    checks = ([(idx[n], "a finite number", is_number) for n in numbers]
               + [(idx[n], "a non-empty token", bool) for n in tokens])
     label = "tab" if delimiter == "\t" else repr(delimiter)
 
     def check(line: str) -> str | None:
-        parts = line.split(delimiter)
-        if unquote:
-            parts = [part[1:-1] if len(part) >= 2 and part[0] == part[-1] == '"' else part for part in parts]
+        if quoted:
+            try:
+                parts = next(csv.reader([line], delimiter=delimiter, strict=True))
+            except csv.Error as exc:
+                return f"malformed quoting ({exc})"
+        else:
+            parts = line.split(delimiter)
         if len(parts) != len(names):
             return f"expected {len(names)} {label}-separated fields, got {len(parts)}"
+        for i in int_idx:
+            problem = int_problem(names[i], parts[i])
+            if problem:
+                return problem
         for i, kind, ok in checks:
             if not ok(parts[i]):
                 return f"{names[i]} must be {kind}, got {parts[i]!r}"
         return None
 
     return check
+
+
+@dataclass(frozen=True)
+class RowLines:
+    """Where row ``i`` of a parsed table came from: the ``first_row + i``-th non-empty line after ``skip``
+    header lines (pyarrow.csv and :func:`numbered_lines` both skip empty lines), found only on error."""
+
+    path: Path
+    skip: int = 0
+    first_row: int = 0
+
+    def line(self, row: int) -> int:
+        target = self.first_row + row
+        for k, (lineno, _) in enumerate(numbered_lines(self.path, skip=self.skip)):
+            if k == target:
+                return lineno
+        return self.skip + target + 1  # unreachable for a table read from this file
+
+    def error(self, row: int, what: str) -> UserError:
+        return bad_line(self.path, self.line(row), what)
+
+
+def timestamp_scale(values: np.ndarray, unit: str, where: RowLines | Path | str,
+                    field_name: str = "timestamp") -> float:
+    """Seconds per unit of ``values`` (``Events.seconds_per_unit``), after checking every value is a valid
+    time in ``unit`` ("auto": detected; :mod:`.timestamps`). A bad row is refused by its line: ``where`` is
+    the file's :class:`RowLines` (a bare path means row i is the file's i-th non-empty line)."""
+    rows = where if isinstance(where, RowLines) else RowLines(Path(where))
+    return scale(values, unit, rows, field_name)
+
+
+def to_seconds(values: np.ndarray, unit: str, where: RowLines | Path | str,
+               field_name: str = "timestamp") -> np.ndarray:
+    """``values`` checked (:func:`timestamp_scale`) and floored to int64 Unix seconds, the stored unit."""
+    return _to_seconds(values, timestamp_scale(values, unit, where, field_name))
 
 
 def _dense(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -139,12 +203,12 @@ def _as_ids(raw: np.ndarray) -> np.ndarray:
 
 
 def _to_seconds(times: np.ndarray, seconds_per_unit: float) -> np.ndarray:
+    """Floored int64 seconds. Dividing by the integer count per second is exact where multiplying by
+    ``seconds_per_unit`` is not (1649376001000 * 0.001 < 1649376001)."""
+    per_second = round(1.0 / seconds_per_unit)
     if times.dtype.kind in "iu":
-        if seconds_per_unit == 1.0:
-            return times.astype(np.int64)
-        per_second = round(1.0 / seconds_per_unit)
         return np.floor_divide(times.astype(np.int64), per_second)
-    return np.floor(times.astype(np.float64) * seconds_per_unit).astype(np.int64)
+    return np.floor(times.astype(np.float64) / per_second).astype(np.int64)
 
 
 def build_dataset(ev: Events, *, src: Path, fmt: str, name: str | None, min_len: int,

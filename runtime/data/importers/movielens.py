@@ -15,11 +15,15 @@ from grstack.runtime.data.dataset import SequenceDataset
 from grstack.runtime.data.importers.common import (
     DEFAULT_MIN_LEN,
     Events,
+    RowLines,
+    TimestampUnit,
     build_dataset,
     fields_check,
     locate_bad_line,
     numbered_lines,
     rating_actions,
+    timestamp_scale,
+    unit_of,
 )
 from grstack.runtime.errors import UserError
 
@@ -58,9 +62,10 @@ def detect(src: Path) -> tuple[Path, str]:
                     f"'{CSV_HEADER}' header)")
 
 
-def import_movielens(src: Path, *, min_len: int = DEFAULT_MIN_LEN,
-                     name: str | None = None, ratings: bool = False) -> SequenceDataset:
-    """With ``ratings``, each event's rating becomes its action bits (:func:`rating_actions`)."""
+def import_movielens(src: Path, *, min_len: int = DEFAULT_MIN_LEN, name: str | None = None,
+                     ratings: bool = False, timestamp_unit: TimestampUnit = "auto") -> SequenceDataset:
+    """With ``ratings``, each event's rating becomes its action bits (:func:`rating_actions`). MovieLens
+    times are seconds; ``timestamp_unit`` "auto" checks that (:func:`timestamp_scale`)."""
     path, layout = detect(src)
     delimiter, skip = LAYOUTS[layout]
     data = path.read_bytes()
@@ -87,11 +92,16 @@ def import_movielens(src: Path, *, min_len: int = DEFAULT_MIN_LEN,
         raise locate_bad_line(path, numbered_lines(path, skip=skip), check, str(exc)) from None
     if table.num_rows == 0:
         raise UserError(f"{path}: empty file (no events)")
-    if not np.isfinite(table.column("rating").to_numpy()).all():
-        raise locate_bad_line(path, numbered_lines(path, skip=skip), check, "non-finite rating")
+    finite = np.isfinite(table.column("rating").to_numpy()).all()
+    if any(col.null_count for col in table.columns) or not finite:
+        # pyarrow reads "", "NaN", "null" as null in a number column: the checker names the line
+        raise locate_bad_line(path, numbered_lines(path, skip=skip), check, "empty or non-finite field")
+    times = table.column("timestamp").to_numpy()
+    spu = timestamp_scale(times, timestamp_unit, RowLines(path, skip=skip))
     ev = Events(users=table.column("user_id").to_numpy(), items=table.column("item_id").to_numpy(),
-                times=table.column("timestamp").to_numpy())
+                times=times, seconds_per_unit=spu)
     if ratings:
         ev.actions, ev.action_names = rating_actions(path, table.column("rating").to_numpy())
     return build_dataset(ev, src=path, fmt="movielens", name=name or path.parent.name, min_len=min_len,
-                         info={"layout": path.name if path.name in FILE_NAMES else layout})
+                         info={"layout": path.name if path.name in FILE_NAMES else layout,
+                               "timestamp_unit": unit_of(spu)})

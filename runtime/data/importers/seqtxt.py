@@ -11,10 +11,19 @@ from pathlib import Path
 import numpy as np
 
 from grstack.runtime.data.dataset import SequenceDataset
-from grstack.runtime.data.importers.common import DEFAULT_MIN_LEN, Events, bad_line, build_dataset, is_int
+from grstack.runtime.data.importers.common import (
+    DEFAULT_MIN_LEN,
+    Events,
+    TimestampUnit,
+    bad_line,
+    build_dataset,
+    int_problem,
+    is_int,
+)
 from grstack.runtime.errors import UserError
 
 _ONLY_INTS = re.compile(rb"^[0-9 \t\r\n-]*$")
+_NOT_ALLOWED = re.compile(r"[^0-9 \t\r-]")
 
 
 _NOT_DATA = ("source", "readme", "license")
@@ -39,15 +48,28 @@ def _first_bad(path: Path, lines: list[str]) -> UserError:
         for tok in line.split():
             if not is_int(tok):
                 return bad_line(path, lineno, f"ids must be integers, got {tok!r}")
+            problem = int_problem("id", tok)
+            if problem:
+                return bad_line(path, lineno, problem)
+        odd = _NOT_ALLOWED.search(line)
+        if odd:
+            return bad_line(path, lineno, f"unexpected character {odd.group()!r} (ids are integers separated "
+                                          "by spaces or tabs)")
     return UserError(f"{path}: not a 'user item item ...' text file")
 
 
-def import_seqtxt(src: Path, *, min_len: int = DEFAULT_MIN_LEN, name: str | None = None) -> SequenceDataset:
+def import_seqtxt(src: Path, *, min_len: int = DEFAULT_MIN_LEN, name: str | None = None,
+                  timestamp_unit: TimestampUnit = "auto") -> SequenceDataset:
+    """``timestamp_unit`` must stay "auto": the file has no times (positions are used)."""
+    if timestamp_unit != "auto":
+        raise UserError(f"--timestamp-unit {timestamp_unit}: seqtxt files have no timestamps "
+                        "(events are numbered 0..L-1 in file order)")
     path = find_txt(src)
     data = path.read_bytes()
     if not data.strip():
         raise UserError(f"{path}: empty file (no events)")
-    lines = data.decode("utf-8", errors="replace").splitlines()
+    text = data.decode("utf-8", errors="replace").replace("\r\n", "\n").replace("\r", "\n")
+    lines = text.split("\n")  # not splitlines(): "\x0b" or "\x1c" ends no line in an editor
     rows = [line.split() for line in lines]
     if not _ONLY_INTS.match(data):
         raise _first_bad(path, lines)

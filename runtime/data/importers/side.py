@@ -407,4 +407,8 @@ def read_side(fmt: str, kind: Kind, path: Path, fields: list[str] | None = None)
     """The ``kind`` side file ``path`` of format ``fmt``, only ``fields`` (None: every categorical field)."""
     if not has_reader(fmt, kind):
         raise _no_reader(fmt, kind)
-    return READERS[fmt](path, kind, fields)
+    raw = READERS[fmt](path, kind, fields)
+    if len(raw.keys) == 0:
+        raise UserError(f"{path}: lists no {kind} (nothing after the header): a side file needs at least "
+                        "one row")
+    return raw

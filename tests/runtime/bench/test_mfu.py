@@ -209,7 +209,7 @@ def test_cli_on_cpu_prints_achieved_flops_and_null_peak(capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--config", "no-such-config.yaml"], "no config named"),
-    (["--config", TINY, "--steps", "0"], "--steps 0"),
+    (["--config", TINY, "--steps", "0"], "--steps: 0 is out of range"),
     (["--config", TINY, "--device", "tpu"], "unknown device"),
 ])
 def test_bad_input_is_one_error_line(capsys, argv, message):

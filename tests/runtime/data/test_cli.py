@@ -93,7 +93,7 @@ def test_bad_input_exits_2_with_one_line_and_no_output(case: str, write, tmp_pat
 def test_missing_source_and_non_empty_out(tmp_path: Path, write, capsys) -> None:
     missing = tmp_path / "nowhere" / "ratings.dat"
     assert main(["data", "import", "--format", "movielens", str(missing), "--out", str(tmp_path / "o")]) == 2
-    assert capsys.readouterr().err == f"error: {missing}: no such file or directory\n"
+    assert capsys.readouterr().err == f"error: argument src: {missing} does not exist\n"
     assert not (tmp_path / "o").exists()
 
     full = tmp_path / "full"

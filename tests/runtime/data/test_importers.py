@@ -1,4 +1,4 @@
-"""Importers on small files written here, plus real-data checks when ../shared/data is present."""
+"""Importers on small files written here (whole datasets in the real formats: test_format_fixtures.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from grstack.runtime.data.importers import FORMATS, import_dataset
 from grstack.runtime.data.importers.kuairand import ACTIONS
 from grstack.runtime.errors import UserError
 
-from .conftest import KUAIRAND_HEADER, RECBOLE_HEADER, SHARED_DATA, kuairand_row
+from .conftest import KUAIRAND_HEADER, RECBOLE_HEADER, kuairand_row
 
 pytestmark = pytest.mark.unit
 
@@ -216,7 +216,7 @@ def test_header_only_and_unknown_format_and_option(write) -> None:
         import_dataset("recbole", write("h.inter", RECBOLE_HEADER))
     with pytest.raises(UserError, match="no events after the header"):
         import_dataset("kuairand", write("log_standard_h.csv", KUAIRAND_HEADER))
-    known = r"\(known: kuairand, movielens, recbole, seqtxt\)"
+    known = r"\(known: amazon, kuairand, movielens, recbole, seqtxt\)"
     with pytest.raises(UserError, match=rf"unknown format 'csv' {known}"):
         import_dataset("csv", "anything")
     with pytest.raises(UserError, match="takes no option"):
@@ -239,36 +239,3 @@ def test_round_trip_keeps_sequences_and_maps(write, tmp_path: Path) -> None:
     for f in ("user_ids", "offsets", "item_ids", "timestamps", "item_raw_ids", "user_raw_ids"):
         assert np.array_equal(getattr(ds, f), getattr(back, f)), f
     assert back.info == ds.info and back.num_items == 3 and back.source == ds.source
-
-
-# Real data: the counts are the ones the sources document (checked independently with awk).
-
-
-@pytest.mark.skipif(not (SHARED_DATA / "ml-100k" / "ml-100k.inter").exists(), reason="ml-100k not present")
-def test_real_ml100k() -> None:
-    src = SHARED_DATA / "ml-100k"
-    ds = import_dataset("recbole", src)
-    assert (ds.num_users, ds.num_items, ds.num_events) == (943, 1682, 100000)
-    assert ds.lengths.min() == 20 and ds.lengths.max() == 737
-    assert np.array_equal(ds.item_raw_ids, np.arange(1, 1683))  # GroupLens ids are already 1..1682
-    # Reference order for two users: Python's sort is stable, so ties keep file order.
-    rows = [line.split("\t") for line in (src / "ml-100k.inter").read_text().splitlines()[1:]]
-    for user in (1, 196):
-        mine = sorted(((float(t), int(i)) for u, i, _, t in rows if int(u) == user), key=lambda r: r[0])
-        k = int(np.flatnonzero(ds.user_ids == user)[0])
-        assert ds.sequence(k).tolist() == [i for _, i in mine]
-        assert ds.timestamps[ds.offsets[k] : ds.offsets[k + 1]].tolist() == [int(t) for t, _ in mine]
-    rated = import_dataset("recbole", src, ratings=True)
-    assert rated.action_names == [f"rating_{r}" for r in range(1, 6)]
-    levels = np.log2(rated.actions).astype(int) + 1  # exactly one bit per event
-    assert np.array_equal(rated.item_ids, ds.item_ids) and (rated.actions & (rated.actions - 1) == 0).all()
-    assert np.bincount(levels)[1:].tolist() == [sum(r[2] == str(v) for r in rows) for v in range(1, 6)]
-
-
-@pytest.mark.skipif(not (SHARED_DATA / "amazon-beauty" / "Beauty.txt").exists(), reason="Beauty not present")
-def test_real_beauty() -> None:
-    ds = import_dataset("seqtxt", SHARED_DATA / "amazon-beauty")
-    assert (ds.num_users, ds.num_items, ds.num_events) == (22363, 12101, 198502)
-    assert ds.lengths.min() == 5 and ds.lengths.max() == 204
-    assert np.array_equal(ds.item_raw_ids, np.arange(1, 12102))  # already dense: the mapping is the identity
-    assert ds.sequence(1).tolist() == [6, 7, 8, 9, 10, 4, 11]  # line 2 of the file

@@ -67,8 +67,8 @@ def test_serve_demo_reports_latency_hits_and_exactness(tiny_checkpoint: Path, tm
 @pytest.mark.unit
 @pytest.mark.parametrize(("argv", "message"), [
     (["serve", "ranker", "--checkpoint", "/nonexistent/model.pt"], "checkpoint /nonexistent/model.pt not found"),
-    (["serve", "local", "--checkpoint", "/nonexistent", "--replicas", "0"], "--replicas must be at least 1"),
-    (["serve", "router", "--rankers", "http://127.0.0.1:1", "--slo-ms", "0"], "--slo-ms must be positive"),
+    (["serve", "local", "--checkpoint", "/nonexistent", "--replicas", "0"], "--replicas: 0 is out of range"),
+    (["serve", "router", "--rankers", "http://127.0.0.1:1", "--slo-ms", "0"], "--slo-ms: 0 is out of range"),
 ])
 def test_cli_mistakes_are_one_line_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 2

@@ -3,7 +3,6 @@ stored, and the placements made during an etcd outage written back when it retur
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import time
@@ -11,6 +10,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from grstack.runtime.cli_args import ArgParser
 from grstack.runtime.errors import UserError
 from grstack.runtime.serve.placement import Event, MemoryPlacementStore, PlacementStore, Replica
 from grstack.runtime.serve.ring import HashRing
@@ -206,7 +206,7 @@ async def test_outage_placements_are_written_back_and_a_concurrent_write_wins(et
 def test_cli_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     from grstack.runtime.serve import cli
 
-    parser = argparse.ArgumentParser()
+    parser = ArgParser()
     cli.register(parser)
     cfg = cli.router_config(parser.parse_args(["router", "--etcd", "http://127.0.0.1:2379"]))
     assert (cfg.placement_ttl_s, cfg.placement_exceptions_only) == (3600.0, True)

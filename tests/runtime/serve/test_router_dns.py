@@ -3,12 +3,13 @@ operator keep the ranker count out of the router's pod template."""
 
 from __future__ import annotations
 
-import argparse
 import socket
 from typing import Any
 
 import pytest
 
+from grstack.runtime.cli_args import ArgParser
+from grstack.runtime.errors import UserError
 from grstack.runtime.serve.cli import register, router_config
 from grstack.runtime.serve.router import Router, RouterConfig
 from grstack.runtime.serve.trigger import SequenceAwareTrigger, TriggerConfig
@@ -57,13 +58,12 @@ def test_cache_budget_per_replica_follows_the_up_rankers() -> None:
 
 
 def test_cli_flags() -> None:
-    parser = argparse.ArgumentParser()
+    parser = ArgParser()
     register(parser)
     args = parser.parse_args(["router", "--rankers-dns", "rank-ranker:8000", "--cache-budget-per-replica-mb", "2"])
     cfg = router_config(args)
     assert cfg.rankers_dns == "rank-ranker:8000" and cfg.cache_budget_per_replica_bytes == 2 << 20
-    with pytest.raises(SystemExit):
+    with pytest.raises(UserError, match="not allowed with"):
         parser.parse_args(["router", "--rankers-dns", "a:1", "--rankers", "http://x:1"])
-    bad = parser.parse_args(["router", "--rankers-dns", "no-port"])
-    with pytest.raises(Exception, match="HOST:PORT"):
-        router_config(bad)
+    with pytest.raises(UserError, match="HOST:PORT"):
+        parser.parse_args(["router", "--rankers-dns", "no-port"])

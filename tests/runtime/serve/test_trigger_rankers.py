@@ -144,12 +144,11 @@ def test_admit_all_ignores_the_rankers_budgets() -> None:
 
 
 def test_cli_flags_reach_the_router_and_trigger() -> None:
-    import argparse
-
+    from grstack.runtime.cli_args import ArgParser
     from grstack.runtime.errors import UserError
     from grstack.runtime.serve import cli
 
-    parser = argparse.ArgumentParser()
+    parser = ArgParser()  # a bad value is the parser's UsageError, a UserError naming the flag
     cli.register(parser)
     base = ["router", "--rankers", "http://127.0.0.1:1"]
     cfg = cli.router_config(parser.parse_args(base))
@@ -160,9 +159,8 @@ def test_cli_flags_reach_the_router_and_trigger() -> None:
     for bad in (["--ranker-cache-fraction", "1.5"], ["--overload-min-load", "0"], ["--load-poll-interval-s", "-1"]):
         with pytest.raises(UserError, match=bad[0]):
             cli.router_config(parser.parse_args([*base, *bad]))
-    ranker = parser.parse_args(["ranker", "--checkpoint", "m.pt", "--max-step-tokens", "0"])
     with pytest.raises(UserError, match="--max-step-tokens"):
-        cli.ranker_config(ranker, 64)
+        cli.ranker_config(parser.parse_args(["ranker", "--checkpoint", "m.pt", "--max-step-tokens", "0"]), 64)
 
 
 def busy_stats(compute_ms: float) -> dict:

@@ -89,7 +89,7 @@ def test_a_shard_limit_the_items_cannot_fit():
 
 def test_a_shard_limit_is_checked_against_a_parquet_datasets_metadata(tmp_path):
     data = write_cyclic(tmp_path / "cyclic", num_users=20, num_items=60)  # 61 rows
-    over = ["data.format=parquet", f"data.source={data}", "train.device=cpu"]
+    over = ["data.format=parquet", f"data.source={data}", "train.device=cpu", "loss.negatives=16"]  # <= 60 items
     _refused(_cfg(*over, "distributed.max_shard_rows=30"), 2, r"61 rows .* need 31 rows per rank")
     assert preflight(_cfg(*over, "distributed.max_shard_rows=31"), 2) is None
 
@@ -148,3 +148,12 @@ def test_the_cli_exits_2_with_one_error_line_and_no_run_directory(tmp_path, caps
     _, err = capsys.readouterr()
     assert code == 2 and err.count("\n") == 1 and "sparse_group_size=2" in err
     assert not run.exists()
+
+
+def test_more_negatives_than_items(tmp_path):
+    data = write_cyclic(tmp_path / "cyclic", num_users=20, num_items=60)
+    over = ["data.format=parquet", f"data.source={data}", "train.device=cpu"]
+    _refused(_cfg(*over, "loss.negatives=61"), 2, r"loss.negatives=61 is more than the 60 items")
+    assert preflight(_cfg(*over, "loss.negatives=60"), 2) is None
+    assert preflight(_cfg(*over, "loss.negatives=61", "loss.full_softmax=true",
+                          "loss.sharing=batch"), 2) is None
