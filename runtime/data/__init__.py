@@ -5,7 +5,8 @@ Other packages import from here, never a submodule: ``SequenceDataset`` and ``re
 ``write_dataset`` / ``from_sequences``; ``load_source`` (the dataset a config names) and
 ``known_item_count``; ``select_features`` (the side-feature fields a config uses); ``list_pieces`` / ``deal`` / ``RankShare`` / ``epoch_order`` (one rank's share of a
 Parquet dataset, ``data.read: shard``), ``fingerprint`` and ``metadata_only``; ``LeaveOneOut`` and
-``ranges_index``; ``JaggedBatch`` and ``append_candidates``. Exports load lazily, so importing this package
+``ranges_index``; ``JaggedBatch`` and ``append_candidates``; ``resolve_source``
+(``fetched:NAME`` data sources, ``grstack data fetch``). Exports load lazily, so importing this package
 (as ``grstack --help`` does, through ``data.cli``) stays cheap.
 """
 
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
         read_meta,
         write_dataset,
     )
+    from grstack.runtime.data.fetch import resolve_source
     from grstack.runtime.data.jagged import JaggedBatch
     from grstack.runtime.data.shards import (
         RankShare,
@@ -57,6 +59,7 @@ _EXPORTS = {
     "list_pieces": "grstack.runtime.data.shards",
     "metadata_only": "grstack.runtime.data.shards",
     "synthesize": "grstack.runtime.data.synth",
+    "resolve_source": "grstack.runtime.data.fetch",
 }
 
 __all__ = [
@@ -77,6 +80,7 @@ __all__ = [
     "ranges_index",
     "read_dataset",
     "read_meta",
+    "resolve_source",
     "select_features",
     "synthesize",
     "write_dataset",

@@ -29,6 +29,7 @@ import torch
 
 from grstack.runtime.data.dataset import SequenceDataset, _check_types, read_meta
 from grstack.runtime.data.features import read_features
+from grstack.runtime.data.fetch.cache import source_path
 from grstack.runtime.data.jagged import JaggedBatch
 from grstack.runtime.data.splits import LeaveOneOut
 from grstack.runtime.errors import UserError
@@ -58,7 +59,7 @@ def _leaf_values(md: pq.RowGroupMetaData, column: str) -> int:
 def list_pieces(path: str | Path, world_size: int) -> list[Piece]:
     """Every piece of the dataset, in file order: its row groups, each cut into row slices when there are
     fewer row groups than ``world_size`` (so every rank gets some data)."""
-    p = Path(path)
+    p = source_path(str(path))
     read_meta(p)
     names = sorted(f.name for f in p.glob("part-*.parquet"))
     if not names:
@@ -103,7 +104,7 @@ def deal(pieces: list[Piece], world_size: int) -> list[list[int]]:
 def fingerprint(path: str | Path) -> dict[str, object]:
     """What identifies a dataset directory's content cheaply (names, sizes, meta.json's digest): a resumed
     run checks that its data did not change under it."""
-    p = Path(path)
+    p = source_path(str(path))
     files = sorted(f for f in p.glob("part-*.parquet"))
     meta = (p / "meta.json").read_bytes()
     return {"path": str(p.resolve()), "meta_sha256": hashlib.sha256(meta).hexdigest(),
@@ -114,6 +115,7 @@ def metadata_only(path: str | Path) -> SequenceDataset:
     """A dataset with the directory's name, item count, action names and item features but no users: what
     the trainer needs to know about data it never holds whole (task names, the table size, the exported
     artefact)."""
+    path = source_path(str(path))
     meta = read_meta(path)
     has_actions = bool(meta.get("has_actions"))
     empty = np.zeros(0, dtype=np.int64)
@@ -135,7 +137,7 @@ class RankShare:
 
     def __init__(self, path: str | Path, pieces: list[Piece], mine: list[int], *, min_len: int,
                  max_len: int, has_actions: bool, cache_pieces: int = 16, block: int = 0) -> None:
-        self.path, self.pieces, self.mine = Path(path), pieces, list(mine)
+        self.path, self.pieces, self.mine = source_path(str(path)), pieces, list(mine)
         self.min_len, self.max_len, self.has_actions = min_len, max_len, has_actions
         self.block = block  # ranking blocks of logged exposures (LeaveOneOut.block)
         self.cache_pieces = max(1, cache_pieces)
@@ -243,8 +245,12 @@ class RankShare:
         parts = [self._read(i) for i in chunk]
         items = [p.item_ids[p.offsets[u] : p.offsets[u + 1]] for p in parts for u in range(p.num_users)]
         stamps = [p.timestamps[p.offsets[u] : p.offsets[u + 1]] for p in parts for u in range(p.num_users)]
-        acts = ([p.actions[p.offsets[u] : p.offsets[u + 1]] for p in parts for u in range(p.num_users)]
-                if self.has_actions else None)
+        acts: list[np.ndarray] | None = None
+        if self.has_actions:
+            acts = []
+            for p in parts:
+                assert p.actions is not None  # every piece of a dataset with actions carries them
+                acts += [p.actions[p.offsets[u] : p.offsets[u + 1]] for u in range(p.num_users)]
         ds = _concat(items, stamps, acts)
         ds.user_ids = np.concatenate([p.user_ids for p in parts] + [np.zeros(0, np.int64)]).astype(np.int64)
         return LeaveOneOut(ds, min_len=self.min_len, block=self.block)

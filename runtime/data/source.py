@@ -1,10 +1,10 @@
-"""Loads the dataset a config names: a Parquet dataset, an import from raw files, or a synthetic preset."""
+"""Loads the dataset a config names: a Parquet dataset (``fetched:NAME``: one in the fetch cache), an import
+from raw files, or a synthetic preset."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from grstack.runtime.data.dataset import SequenceDataset, read_dataset
+from grstack.runtime.data.fetch.cache import check_format, source_path
 from grstack.runtime.errors import UserError
 from grstack.runtime.training_config import DataConfig
 
@@ -12,11 +12,15 @@ from grstack.runtime.training_config import DataConfig
 def load_source(cfg: DataConfig) -> SequenceDataset:
     """Everything is read into memory before any output is written, so a bad source leaves nothing. The
     dataset keeps only the side-feature fields the config names (:func:`select_features`)."""
+    if cfg.timestamp_unit != "auto" and cfg.format in ("synth", "parquet"):
+        raise UserError(f"data.timestamp_unit {cfg.timestamp_unit} applies to imports; format {cfg.format} "
+                        "holds Unix seconds already")
     if cfg.format == "synth":
         from grstack.runtime.data.synth import synthesize
 
         return select_features(synthesize(cfg.source, seed=cfg.seed), cfg)
-    src = Path(cfg.source)
+    check_format(cfg.source, cfg.format)
+    src = source_path(cfg.source)  # fetched:NAME -> its dataset in the cache, or how to fetch it
     if not src.exists():
         raise UserError(f"data.source {src} does not exist")
     if cfg.format == "parquet":
@@ -30,6 +34,8 @@ def load_source(cfg: DataConfig) -> SequenceDataset:
         opts |= {"user_features": cfg.user_features_file, "user_fields": list(cfg.user_features)}
     if cfg.rating_actions:
         opts["ratings"] = True
+    if cfg.timestamp_unit != "auto":
+        opts["timestamp_unit"] = cfg.timestamp_unit
     return select_features(import_dataset(cfg.format, src, **opts), cfg)
 
 
@@ -58,8 +64,9 @@ def known_item_count(cfg: DataConfig) -> int | None:
 
         preset = PRESETS.get(cfg.source)
         return preset.num_items if preset is not None else None
+    check_format(cfg.source, cfg.format)
     if cfg.format == "parquet":
         from grstack.runtime.data.dataset import read_meta
 
-        return int(read_meta(cfg.source)["num_items"])
+        return int(read_meta(source_path(cfg.source))["num_items"])
     return None

@@ -1,12 +1,11 @@
-"""Small source files in every supported format, written into tmp_path by the tests that need them."""
+"""Small source files in every supported format, written into tmp_path by the tests that need them (whole
+datasets in the real formats ship in ``fixtures/``: format_fixtures.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-
-SHARED_DATA = Path(__file__).resolve().parents[4] / "shared" / "data"
 
 RECBOLE_HEADER = "user_id:token\titem_id:token\trating:float\ttimestamp:float\n"
 KUAIRAND_HEADER = ("user_id,video_id,date,hourmin,time_ms,is_click,is_like,is_follow,is_comment,is_forward,"

@@ -1,9 +1,8 @@
-"""Side features: the on-disk round trip, attach, each side-file reader (good and malformed), discovery,
-``import_dataset``'s wiring, and ``grstack data import/stats`` on the shared ML-100K and Beauty files."""
+"""Side features: the on-disk round trip, attach, each side-file reader (good and malformed), discovery and
+``import_dataset``'s wiring (``grstack data import/stats`` on whole datasets: test_format_fixtures.py)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -28,14 +27,9 @@ from grstack.runtime.data.importers.side import (
 )
 from grstack.runtime.errors import UserError
 
-from .conftest import KUAIRAND_HEADER, RECBOLE_HEADER, SHARED_DATA, kuairand_row
+from .conftest import KUAIRAND_HEADER, RECBOLE_HEADER, kuairand_row
 
 pytestmark = pytest.mark.unit
-
-ML100K = SHARED_DATA / "ml-100k"
-BEAUTY = SHARED_DATA / "amazon-beauty"
-needs_ml100k = pytest.mark.skipif(not (ML100K / "ml-100k.item").is_file(), reason="no shared ML-100K")
-needs_beauty = pytest.mark.skipif(not (BEAUTY / "Beauty_item2attributes.json").is_file(), reason="no Beauty")
 
 
 def rows(raw: RawFeatures, name: str) -> dict[str, list[str]]:
@@ -259,46 +253,6 @@ def test_kuairand_import_with_video_features(write) -> None:
     assert ds.item_features.names == ["tag", "video_type"]
     assert tokens_of(ds.item_features, "tag") == [["28", "9"], [], ["5"]]
     assert coverage(ds.item_features) == {"tag": pytest.approx(2 / 3), "video_type": pytest.approx(2 / 3)}
-
-
-# -- CLI on the shared data -----------------------------------------------------------------------------------
-@needs_ml100k
-def test_cli_import_and_stats_ml100k_features(tmp_path: Path, capsys) -> None:
-    out = tmp_path / "ml"
-    assert main(["data", "import", "--format", "recbole", str(ML100K), "--out", str(out),
-                 "--item-features", "auto", "--item-fields", "class,release_year",
-                 "--user-features", str(ML100K / "ml-100k.user")]) == 0
-    line = capsys.readouterr().out
-    assert "item features class (19 values, 100.0% covered), release_year (73 values, 100.0% covered)" in line
-    assert ("user features age (61 values, 100.0% covered), gender (2 values, 100.0% covered), "
-            "occupation (21 values, 100.0% covered), zip_code (795 values, 100.0% covered)") in line
-    ds = read_dataset(out)
-    assert ds.item_features.names == ["class", "release_year"] and ds.num_items == 1682
-    assert np.all(np.diff(ds.item_features.fields[0].offsets) > 0)  # every movie has a genre
-    assert sorted(ds.item_features.fields[0].vocab.tolist())[:3] == ["Action", "Adventure", "Animation"]
-    assert ds.user_features.names == ["age", "gender", "occupation", "zip_code"]
-    assert tokens_of(ds.user_features, "occupation")[0] == ["technician"]  # user 1: 24 M technician 85711
-    assert main(["data", "stats", str(out)]) == 0
-    text = capsys.readouterr().out
-    assert "item feats  class: 19 values, 100.0% of items covered, 1.72 per item" in text
-    assert "user feats  age: 61 values, 100.0% of users covered, 1.00 per user" in text
-    assert main(["data", "stats", str(out), "--json"]) == 0
-    stats = json.loads(capsys.readouterr().out)
-    assert stats["features"]["item"]["class"]["values"] == 19
-    assert stats["features"]["item"]["class"]["mean_per_row"] == pytest.approx(2893 / 1682)
-
-
-@needs_beauty
-def test_cli_import_beauty_attributes(tmp_path: Path, capsys) -> None:
-    out = tmp_path / "beauty"
-    assert main(["data", "import", "--format", "seqtxt", str(BEAUTY), "--out", str(out),
-                 "--item-features", "auto"]) == 0
-    assert "item features attribute (637 values, 100.0% covered)" in capsys.readouterr().out
-    ds = read_dataset(out)
-    f = ds.item_features.fields[0]
-    assert ds.num_items == 12101 and f.name == "attribute" and f.num_values == 637
-    assert np.all(np.diff(f.offsets) > 0) and int(f.offsets[-1]) == 45037
-    assert ds.info["item_features"]["coverage"] == {"attribute": 1.0}
 
 
 def test_cli_feature_flag_errors_exit_2_with_one_line(recbole_file: Path, tmp_path: Path, capsys) -> None:
