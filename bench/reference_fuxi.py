@@ -24,11 +24,12 @@ Set-up (once)::
     .venv/bin/pip install --target /tmp/fxdeps --no-deps pandas python-dateutil pytz tzdata gin-config \\
         absl-py six einops
 
-Run (from an empty working directory: the code writes ``exps/``, ``ckpts/`` and reads ``tmp/``)::
+Run (from an empty working directory: the code writes ``exps/``, ``ckpts/`` and reads ``tmp/``; ``ML100K`` is a
+folder with RecBole's ``ml-100k.inter``)::
 
     .venv/bin/python -P bench/reference_fuxi.py --code $FUXI --deps /tmp/fxdeps \\
         --config configs/ml-1m/fuxi-sampled-softmax-n128-final.gin --seed 0 \\
-        --data ../shared/data/ml-100k/ml-100k.inter
+        --data ML100K/ml-100k.inter
 
 It prints the code's own log; ``eval @ epoch E ...: NDCG@10 ...`` lines are its full evaluation after each
 epoch. Results and protocol: docs/fuxi.md, "FuXi-α's reference code on MovieLens-100K".
