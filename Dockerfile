@@ -11,9 +11,13 @@
 # version come from one place: charts/grstack/values.yaml (image.repository) and Chart.yaml (appVersion).
 #
 # Check an image with the commands the tests run (tests/operator runs them as local processes):
-#   docker run --rm ghcr.io/grstack/grstack:0.1.0-cpu train --config /opt/grstack/configs/synthetic-tiny-hstu.yaml \
-#       --set train.max_steps=20 --out /tmp/run
-#   docker run --rm ghcr.io/grstack/grstack:0.1.0-cpu operator --help
+#   docker run --rm ghcr.io/grstack/grstack:0.1.0-cpu --version
+#   docker run --rm ghcr.io/grstack/grstack:0.1.0-cpu demo --quick --out /tmp/run
+#   docker run --rm ghcr.io/grstack/grstack:0.1.0-operator operator --help
+#
+# The ready configs (configs/) are package data inside the wheel (grstack/configs in site-packages), found by
+# name (`grstack demo`, `bench quality`, the operator's default training config); GRSTACK_CONFIG_DIR
+# points elsewhere.
 #
 # The images run as uid 1000 with a read-only root filesystem in Kubernetes: everything writable (HOME,
 # caches, run directories) is a mounted volume. Pick the torch version matching your driver/CANN with
@@ -26,10 +30,11 @@ ARG CANN_IMAGE=ascendai/cann:8.1.rc1-910b-ubuntu22.04-py3.11
 ARG ASCEND_TORCH_VERSION=2.5.1
 ARG TORCH_NPU_VERSION=2.5.1
 
-# --- the grstack wheel (pure Python; built once, installed into every target) ---------------------------
+# --- the grstack wheel (pure Python, configs included; built once, installed into every target) ----------
 FROM ${PYTHON_IMAGE} AS wheel
 WORKDIR /src
-COPY pyproject.toml setup.py README.md ./
+COPY pyproject.toml setup.py README.md LICENSE ./
+COPY configs ./configs
 COPY operator ./operator
 COPY runtime ./runtime
 COPY kernels ./kernels
@@ -40,9 +45,8 @@ FROM ${PYTHON_IMAGE} AS cpu
 ARG TORCH_VERSION
 RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu
 COPY --from=wheel /dist /dist
-RUN pip install --no-cache-dir "$(ls /dist/grstack-*.whl)[serve,operator]" && rm -rf /dist
-COPY configs /opt/grstack/configs
-ENV GRSTACK_CONFIG_DIR=/opt/grstack/configs HOME=/tmp PYTHONUNBUFFERED=1
+RUN pip install --no-cache-dir "$(ls /dist/grstack-*.whl)[train,serve,operator]" && rm -rf /dist
+ENV HOME=/tmp PYTHONUNBUFFERED=1
 RUN useradd --uid 1000 --user-group --no-create-home --home-dir /tmp grstack
 USER 1000:1000
 ENTRYPOINT ["grstack"]
@@ -52,9 +56,8 @@ FROM ${PYTHON_IMAGE} AS cuda
 ARG TORCH_VERSION
 RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" triton
 COPY --from=wheel /dist /dist
-RUN pip install --no-cache-dir "$(ls /dist/grstack-*.whl)[serve,operator,gpu]" && rm -rf /dist
-COPY configs /opt/grstack/configs
-ENV GRSTACK_CONFIG_DIR=/opt/grstack/configs HOME=/tmp PYTHONUNBUFFERED=1
+RUN pip install --no-cache-dir "$(ls /dist/grstack-*.whl)[train,serve,operator,gpu]" && rm -rf /dist
+ENV HOME=/tmp PYTHONUNBUFFERED=1
 RUN useradd --uid 1000 --user-group --no-create-home --home-dir /tmp grstack
 USER 1000:1000
 ENTRYPOINT ["grstack"]
@@ -67,9 +70,8 @@ USER root
 RUN pip install --no-cache-dir "torch==${ASCEND_TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu \
     && pip install --no-cache-dir "torch_npu==${TORCH_NPU_VERSION}"
 COPY --from=wheel /dist /dist
-RUN pip install --no-cache-dir "$(ls /dist/grstack-*.whl)[serve,operator]" && rm -rf /dist
-COPY configs /opt/grstack/configs
-ENV GRSTACK_CONFIG_DIR=/opt/grstack/configs HOME=/tmp PYTHONUNBUFFERED=1
+RUN pip install --no-cache-dir "$(ls /dist/grstack-*.whl)[train,serve,operator]" && rm -rf /dist
+ENV HOME=/tmp PYTHONUNBUFFERED=1
 RUN (id -u 1000 >/dev/null 2>&1 || useradd --uid 1000 --user-group --no-create-home --home-dir /tmp grstack)
 USER 1000:1000
 ENTRYPOINT ["grstack"]
@@ -77,12 +79,9 @@ ENTRYPOINT ["grstack"]
 # --- operator: the kopf operator only, no torch (the operator never imports it; see the import contracts) --
 FROM ${PYTHON_IMAGE} AS operator
 COPY --from=wheel /dist /dist
-# --no-deps: the wheel's own dependencies include torch; the operator needs only these.
-RUN pip install --no-cache-dir --no-deps "$(ls /dist/grstack-*.whl)" && rm -rf /dist \
-    && pip install --no-cache-dir "kopf>=1.37" "kubernetes>=29" "aiohttp>=3.9" "pydantic>=2.6" "pyyaml>=6" \
-       "prometheus-client>=0.20"
-COPY configs /opt/grstack/configs
-ENV GRSTACK_CONFIG_DIR=/opt/grstack/configs HOME=/tmp PYTHONUNBUFFERED=1
+# The core dependencies and the operator extra only: no torch.
+RUN pip install --no-cache-dir "$(ls /dist/grstack-*.whl)[operator]" && rm -rf /dist
+ENV HOME=/tmp PYTHONUNBUFFERED=1
 RUN useradd --uid 1000 --user-group --no-create-home --home-dir /tmp grstack
 USER 1000:1000
 ENTRYPOINT ["grstack"]

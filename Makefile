@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PYP) -m pip install --quiet --upgrade pip
 	$(PYP) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PYP) -m pip install --quiet -e ".[test,serve,operator]"
+	$(PYP) -m pip install --quiet -e ".[test,all]"
 	$(PYP) -m pip install --quiet --no-deps $(TORCHREC_SPEC)
 	$(PYP) -m pip install --quiet cloudpickle pyvers==0.2.3
 	touch $(STAMP)
@@ -37,25 +37,33 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/grstack demo
 
-# Every test (unit, integration, e2e; see tests/conftest.py), after the linters.
+# Every test (unit, integration, e2e; see tests/conftest.py), after the linters; -rs lists each skip and why.
 test: lint
-	$(PYP) -m pytest -q
+	$(PYP) -m pytest -q -rs
 
 # The fast layer only: in-process tests (under 2 minutes on 2 cores).
 test-unit: $(STAMP)
-	$(PYP) -m pytest -q -m unit
+	$(PYP) -m pytest -q -rs -m unit
 
-# ruff, then the import contracts in pyproject.toml ([tool.importlinter]). import-linter cannot follow the
-# editable install's package-dir mapping, so it reads a plain (non-editable) install of a copy of the
-# sources, built in a temporary directory that is removed afterwards (nothing is written into the repo).
+# The packages mypy checks ([tool.mypy] in pyproject.toml); the rest of grstack is read for types only.
+MYPY_PACKAGES ?= grstack.operator grstack.runtime.serve grstack.runtime.data
+
+# ruff, the import contracts in pyproject.toml ([tool.importlinter]), then mypy. import-linter and mypy cannot
+# follow the editable install's package-dir mapping, so they read a plain (non-editable) install of a copy of
+# the sources, built in a temporary directory that is removed afterwards (nothing is written into the repo;
+# mypy's cache lives in the venv). mypy's paths (from this or, cached, an earlier build) are rewritten back to
+# the repository's files.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && mkdir "$$tmp/src" && \
-	tar -c --exclude=__pycache__ pyproject.toml setup.py README.md operator runtime kernels \
+	tar -c --exclude=__pycache__ pyproject.toml setup.py README.md LICENSE operator runtime kernels configs \
 	    | tar -x -C "$$tmp/src" && \
 	if ! $(PYP) -m pip install --quiet --no-deps --no-build-isolation --no-compile --target "$$tmp/site" \
 	    "$$tmp/src" >"$$tmp/pip.log" 2>&1; then cat "$$tmp/pip.log"; exit 1; fi && \
-	PYTHONPATH="$$tmp/site" $(VENV)/bin/lint-imports --no-cache --no-logo pyproject.toml
+	PYTHONPATH="$$tmp/site" $(VENV)/bin/lint-imports --no-cache --no-logo pyproject.toml || exit $$?; \
+	rc=0; MYPYPATH="$$tmp/site" $(VENV)/bin/mypy --config-file pyproject.toml --cache-dir $(VENV)/.mypy_cache \
+	    $(foreach p,$(MYPY_PACKAGES),-p $(p)) >"$$tmp/mypy.log" 2>&1 || rc=$$?; \
+	sed -E 's#^[^:]*/site/grstack/##' "$$tmp/mypy.log"; exit $$rc
 
 bench-kernels: $(STAMP)
 	$(VENV)/bin/grstack bench kernels --quick --json

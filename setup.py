@@ -2,6 +2,9 @@
 
 ``operator/`` must not shadow the standard library's ``operator`` module, so the folders are installed as
 ``grstack.operator``, ``grstack.runtime`` and ``grstack.kernels``; ``grstack`` itself is a namespace package.
+The ready configs in ``configs/`` ship inside the wheel as ``grstack/configs/*.yaml``, next to
+``grstack/runtime``, where :func:`grstack.runtime.config_files.config_dir` finds them (in a checkout it finds
+the repository's ``configs/`` the same way).
 """
 
 from setuptools import find_packages, setup
@@ -15,4 +18,8 @@ for folder in FOLDERS:
     packages.append(f"grstack.{folder}")
     packages.extend(f"grstack.{folder}.{sub}" for sub in find_packages(folder))
 
-setup(packages=packages, package_dir=package_dir)
+# A data-only package (no __init__.py): the YAML files, nothing importable.
+package_dir["grstack.configs"] = "configs"
+packages.append("grstack.configs")
+
+setup(packages=packages, package_dir=package_dir, package_data={"grstack.configs": ["*.yaml"]})

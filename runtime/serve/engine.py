@@ -23,17 +23,22 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from torch import nn
 
 from grstack import kernels
 from grstack.runtime.data import JaggedBatch, append_candidates
 from grstack.runtime.serve.prefix import prefix_hash, truncate_prefix
 
+if TYPE_CHECKING:
+    from grstack.runtime.model import HSTU
+
 __all__ = ["PrefixKV", "PrefixTokens", "RankItem", "RelayEngine", "prefix_hash"]
+
+# Item ids, timestamps or action bits of events: a request's lists or arrays.
+Ints = Sequence[int] | np.ndarray
 
 
 @dataclass
@@ -148,7 +153,7 @@ class PrefixTokens:
 class RelayEngine:
     """Stateless compute on one device; the caller owns caching and scheduling."""
 
-    def __init__(self, model: nn.Module, *, device: torch.device | str = "cpu", max_suffix: int = 64,
+    def __init__(self, model: HSTU, *, device: torch.device | str = "cpu", max_suffix: int = 64,
                  chunk: int = 256, backend: str | None = None) -> None:
         if getattr(model, "rank_head", None) is None or not hasattr(model, "encode_with_prefix"):
             raise ValueError("relay serving needs an HSTU model with a ranking head")
@@ -177,9 +182,9 @@ class RelayEngine:
         self.head = int(context.num_fields) if context is not None else 0
 
     # -- request canonicalisation -------------------------------------------------------------------
-    def canonical(self, long_items: Sequence[int], long_ts: Sequence[int], short_items: Sequence[int],
-                  short_ts: Sequence[int], candidates: Sequence[int], request_ts: int,
-                  long_actions: Sequence[int] | None = None, short_actions: Sequence[int] | None = None,
+    def canonical(self, long_items: Ints, long_ts: Ints, short_items: Ints,
+                  short_ts: Ints, candidates: Ints, request_ts: int,
+                  long_actions: Ints | None = None, short_actions: Ints | None = None,
                   context: np.ndarray | None = None) -> RankItem:
         """Applies the serving truncation (the same for the cached and the full path). Actions and context are
         kept only when the model reads them, and then must be given."""
@@ -190,14 +195,14 @@ class RelayEngine:
         return RankItem(li, lt, si, st, np.asarray(candidates, dtype=np.int64), int(request_ts), la, sa,
                         self._context(context))
 
-    def truncate_prefix(self, items: Sequence[int], ts: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    def truncate_prefix(self, items: Ints, ts: Ints) -> tuple[np.ndarray, np.ndarray]:
         return truncate_prefix(items, ts, self.max_prefix)
 
-    def truncate_actions(self, actions: Sequence[int] | None, n: int) -> np.ndarray | None:
+    def truncate_actions(self, actions: Ints | None, n: int) -> np.ndarray | None:
         """The actions of :meth:`truncate_prefix`'s events (None when the model reads none)."""
         return self._actions(actions, n, self.max_prefix, "long_actions")
 
-    def _actions(self, actions: Sequence[int] | None, n: int, keep: int, name: str) -> np.ndarray | None:
+    def _actions(self, actions: Ints | None, n: int, keep: int, name: str) -> np.ndarray | None:
         if not self.action_bits:
             return None
         if actions is None:
@@ -210,8 +215,10 @@ class RelayEngine:
         return a[-keep:] if keep > 0 else a[:0]
 
     def _context(self, context: np.ndarray | None) -> np.ndarray | None:
-        if not self.head:
-            return None
+        return self._context_ids(context) if self.head else None
+
+    def _context_ids(self, context: np.ndarray | None) -> np.ndarray:
+        """A request's user context as the [fields, W] value ids of a model that reads it."""
         if context is None:
             return np.zeros((self.head, 1), dtype=np.int64)  # no values: the fields' tokens are zero vectors
         c = np.asarray(context, dtype=np.int64)
@@ -306,7 +313,7 @@ class RelayEngine:
             extra["actions"] = self._tensor(np.concatenate(
                 [acts[b] if acts[b] is not None else np.zeros(lens[j], dtype=np.int64) for j, b in enumerate(live)]))
         if self.head:
-            extra["contexts"] = [self._tensor(ctxs[b]) if ctxs[b] is not None else None for b in live]
+            extra["contexts"] = [self._tensor(c) if (c := ctxs[b]) is not None else None for b in live]
         # Sequences with room reserved in a KV arena get their new K/V written in place; the others' come back
         # from the model and are concatenated onto their prefix.
         layout = self.model.prefix_layout(self.backend)
@@ -383,7 +390,7 @@ class RelayEngine:
         ids_t = self._tensor(np.concatenate(ids))
         ts_t = self._tensor(np.concatenate(tss))
         offsets = np.concatenate([[0], np.cumsum(lens)]).tolist()
-        extra = {"actions": self._tensor(np.concatenate(acts))} if self.action_bits else {}
+        extra: dict[str, Any] = {"actions": self._tensor(np.concatenate(acts))} if self.action_bits else {}
         x, _, _ = self.model.encode_with_prefix(
             ids_t, ts_t, self._tensor(offsets), [p.keys for p in prefixes], [p.values for p in prefixes],
             [p.timestamps for p in prefixes], num_targets=self._tensor(nts), backend=self.backend, **extra)
@@ -429,7 +436,7 @@ class RelayEngine:
                                 r.short_actions if r.short_actions is not None else np.zeros(len(r.short_items))])
                 for r in reqs]).astype(np.int64))
         if self.head:
-            ctxs = [self._context(r.context) for r in reqs]
+            ctxs = [self._context_ids(r.context) for r in reqs]
             width = max(c.shape[1] for c in ctxs)
             padded = np.zeros((len(reqs), self.head, width), dtype=np.int64)
             for b, c in enumerate(ctxs):

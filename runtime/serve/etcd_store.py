@@ -109,7 +109,7 @@ class _Client(aetcd.Client):
     @aetcd.client._handle_errors
     async def connect(self) -> None:
         if self._credentials is None:
-            return await aetcd.Client.connect.__wrapped__(self)  # type: ignore[attr-defined]
+            return await aetcd.Client.connect.__wrapped__(self)
         real = aetcd.rpc.insecure_channel
         creds = self._credentials
 
@@ -122,7 +122,7 @@ class _Client(aetcd.Client):
         # The swap is undone on that call (and in ``finally``), so no other coroutine ever sees it.
         aetcd.rpc.insecure_channel = secure
         try:
-            await aetcd.Client.connect.__wrapped__(self)  # type: ignore[attr-defined]
+            await aetcd.Client.connect.__wrapped__(self)
         finally:
             aetcd.rpc.insecure_channel = real
 
@@ -259,7 +259,7 @@ class EtcdPlacementStore(PlacementStore):
         return bool(ok)
 
     # -- watch --------------------------------------------------------------------------------------
-    async def watch(self) -> AsyncIterator[Event]:  # type: ignore[override]
+    async def watch(self) -> AsyncIterator[Event]:
         prefix = f"{self.root}/"
         rng = await self._call(self._client.get_prefix(prefix.encode()))
         replicas, placements = [], []

@@ -28,12 +28,14 @@ from __future__ import annotations
 import bisect
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from grstack.runtime.serve.engine import PrefixKV
+
+if TYPE_CHECKING:
+    from grstack.runtime.model import HSTU
 
 __all__ = ["ArenaBlock", "ArenaKV", "KVArena"]
 
@@ -52,26 +54,34 @@ class ArenaBlock:
         return self.refs > 0
 
 
+def bytes_per_token(model: HSTU) -> int:
+    """Arena bytes of one cached prefix token: every layer's keys and values, and an int64 timestamp."""
+    keys, _ = model.empty_prefix_kv()
+    return model.kv_elements_per_token * keys[0].element_size() + 8
+
+
 class KVArena:
     """Per-layer keys/values [capacity tokens] and a timestamp row; first-fit allocator over token ranges."""
 
-    def __init__(self, model: nn.Module, capacity_tokens: int, *, backend: str | None = None) -> None:
+    def __init__(self, model: HSTU, capacity_tokens: int, *, backend: str | None = None) -> None:
         if capacity_tokens <= 0:
             raise ValueError(f"capacity_tokens must be positive, got {capacity_tokens}")
-        w = model.item_emb.weight
+        # Each layer's keys/values as the model lays out a prefix (heads, dims, dtype, device), 0 tokens long.
+        empty_keys, empty_values = model.empty_prefix_kv(backend)
         self.layout = model.prefix_layout(backend)
         self.capacity = int(capacity_tokens)
-        self.device = w.device
+        self.device = empty_keys[0].device
 
-        def tensor(heads: int, dim: int) -> torch.Tensor:
-            shape = (heads, self.capacity, dim) if self.layout.seq_dim == 1 else (self.capacity, heads, dim)
-            return torch.empty(shape, dtype=w.dtype, device=w.device)
+        def tensor(empty: torch.Tensor) -> torch.Tensor:
+            shape = list(empty.shape)
+            shape[self.layout.seq_dim] = self.capacity
+            return empty.new_empty(shape)
 
         with torch.no_grad():
-            self.keys = [tensor(layer.num_heads, layer.dqk) for layer in model.layers]
-            self.values = [tensor(layer.num_heads, layer.dv) for layer in model.layers]
-            self.timestamps = torch.empty(self.capacity, dtype=torch.int64, device=w.device)
-        self.bytes_per_token = model.kv_elements_per_token * w.element_size() + 8
+            self.keys = [tensor(k) for k in empty_keys]
+            self.values = [tensor(v) for v in empty_values]
+            self.timestamps = torch.empty(self.capacity, dtype=torch.int64, device=self.device)
+        self.bytes_per_token = bytes_per_token(model)
         self._free: list[tuple[int, int]] = [(0, self.capacity)]  # (start, length), sorted, coalesced
         self._blocks: set[ArenaBlock] = set()
         self._lock = threading.Lock()
@@ -79,10 +89,9 @@ class KVArena:
         self.moved_tokens = 0
 
     @classmethod
-    def from_budget(cls, model: nn.Module, budget_bytes: int, *, backend: str | None = None) -> KVArena:
+    def from_budget(cls, model: HSTU, budget_bytes: int, *, backend: str | None = None) -> KVArena:
         """The largest arena that fits ``budget_bytes`` (the device cache budget)."""
-        per_token = model.kv_elements_per_token * model.item_emb.weight.element_size() + 8
-        return cls(model, budget_bytes // per_token, backend=backend)
+        return cls(model, budget_bytes // bytes_per_token(model), backend=backend)
 
     # -- inspection ---------------------------------------------------------------------------------
     @property
@@ -235,16 +244,16 @@ class ArenaKV(PrefixKV):
         d = self.arena.layout.seq_dim
         return [t.narrow(d, self.block.start, self._length) for t in tensors]
 
-    @property  # type: ignore[override]
-    def keys(self) -> list[torch.Tensor]:
+    @property
+    def keys(self) -> list[torch.Tensor]:  # type: ignore[override]
         return self._views(self.arena.keys)
 
-    @property  # type: ignore[override]
-    def values(self) -> list[torch.Tensor]:
+    @property
+    def values(self) -> list[torch.Tensor]:  # type: ignore[override]
         return self._views(self.arena.values)
 
-    @property  # type: ignore[override]
-    def timestamps(self) -> torch.Tensor:
+    @property
+    def timestamps(self) -> torch.Tensor:  # type: ignore[override]
         return self.arena.timestamps[self.block.start:self.block.start + self._length]
 
     @property

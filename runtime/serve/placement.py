@@ -212,7 +212,7 @@ class MemoryPlacementStore(PlacementStore):
         self._drop_placement(user)
         return True
 
-    async def watch(self) -> AsyncIterator[Event]:  # type: ignore[override]
+    async def watch(self) -> AsyncIterator[Event]:
         self._ensure_sweeper()
         self.expire()
         q: asyncio.Queue[Event] = asyncio.Queue()

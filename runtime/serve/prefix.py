@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 
-def truncate_prefix(items: Sequence[int], timestamps: Sequence[int],
+def truncate_prefix(items: Sequence[int] | np.ndarray, timestamps: Sequence[int] | np.ndarray,
                     max_prefix: int) -> tuple[np.ndarray, np.ndarray]:
     """The most recent ``max_prefix`` long-term events (the serving truncation rule)."""
     items_a = np.asarray(items, dtype=np.int64)

@@ -397,9 +397,11 @@ class ComputeScheduler:
         return logits, kv, timing
 
     async def rank_extend(self, item: RankItem, base: PrefixKV,
-                          deadline: float | None = None) -> tuple[torch.Tensor, PrefixKV, Timing]:
+                          deadline: float | None = None) -> tuple[torch.Tensor, PrefixKV | None, Timing]:
         """Ranks a miss whose cached older prefix ``base`` is a prefix of ``item``'s: only the tokens after
-        it are computed. Returns the logits and the whole new prefix's K/V (for the cache)."""
+        it are computed. Returns the logits and the whole new prefix's K/V (for the cache); None when
+        ``base``'s arena range was freed meanwhile and the miss, short enough, was ranked by one full
+        inference (as :meth:`rank_full_cached`)."""
         (logits, kv), timing = await self._submit_miss(item, base, deadline)
         return logits, kv, timing
 
@@ -549,7 +551,8 @@ class ComputeScheduler:
         tokens = sum(j.tokens for j in batch)
         self._expect(self.full_cost.predict(tokens))
         try:
-            out = await loop.run_in_executor(self._executor, self.engine.rank_full, [j.item for j in batch])
+            items = [item for j in batch if (item := j.item) is not None]  # short misses: all rank requests
+            out = await loop.run_in_executor(self._executor, self.engine.rank_full, items)
         except Exception as exc:
             for j in batch:
                 if not j.future.done():
@@ -659,6 +662,7 @@ class ComputeScheduler:
             value = kv if j.item is None else (lg, kv)
             self._end(j, keep=not j.future.done())
             if not j.future.done():
+                assert j.started is not None  # _step_chunks set it before the job's first step
                 j.future.set_result((value, Timing((j.started - j.enqueued) * 1e3, (end - j.started) * 1e3)))
 
     def _fail(self, job: _Job, exc: Exception) -> None:

@@ -104,7 +104,7 @@ class LatencyModel:
     def predict_cached_ms(self, prefix_len: int) -> float:
         return _curve(self.lengths, self.cached_ms, prefix_len, 1)
 
-    def predict_prefill_ms(self, prefix_len: int) -> float:
+    def predict_prefill_ms(self, prefix_len: float) -> float:
         return _curve(self.lengths, self.prefill_ms, prefix_len, 2)
 
     def kv_bytes(self, prefix_len: int) -> int:
