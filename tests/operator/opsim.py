@@ -17,10 +17,19 @@ What it lacks and this module adds:
   selectors on lists and watches, JSON-typed watch streams, ``as=Table`` output with the CRDs' printer
   columns (a default table for pods, Name/Age for the rest);
 - writes to ``status`` through the main resource are ignored (status subresource semantics);
-- the garbage collector: objects whose owners are all gone are deleted (ownerReferences);
+- kube-apiserver's request semantics (helpers in opsim_semantics.py): ``generateName``, ``dryRun=All``,
+  watches with WatchList (``sendInitialEvents``), bookmarks, ``timeoutSeconds`` and ``410 Gone`` after
+  ``compact()``, the ``autoscaling/v1`` Scale subresource, printer-column JSONPath filters, graceful deletion
+  (finalizers, ``propagationPolicy``), server-side apply with ``managedFields``, the Events table;
+- for Pods, Services, StatefulSets and Deployments (opsim_builtin.py): decoding against the published
+  schemas, defaulting, canonical quantities and kube-apiserver's validation, with its 422 answers; with
+  ``Cluster.start(controllers=True)``, StatefulSet, Deployment and HPA controllers (opsim_controllers.py);
+- the garbage collector: objects whose owners are all gone are deleted (ownerReferences), and owners deleted
+  in the foreground wait for their blocking dependents;
 - the kubelet: a Pod becomes a local process (command/args/env with ``$(VAR)`` expansion and the downward
   API; ConfigMap, emptyDir and PVC volumes mapped to directories, paths in args/env rewritten; the headless
-  Service address of rank 0 mapped to 127.0.0.1 and a free port); phases Pending -> Running ->
+  Service address of rank 0 mapped to 127.0.0.1 and a free port; container ports and ``SERVICE:PORT`` in args
+  made local and readiness probes run, see opsim_controllers.PodNetwork); phases Pending -> Running ->
   Succeeded/Failed with exit codes and termination messages are written back through the API.
 """
 
@@ -53,6 +62,12 @@ import yaml
 
 from grstack.operator import crds
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the opsim_* modules, also when run as a script (-P)
+import opsim_admission
+import opsim_builtin
+import opsim_controllers
+import opsim_semantics
+
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 
@@ -65,6 +80,7 @@ CORE = {
     "v1/serviceaccounts": ("ServiceAccount", set(), {"sa"}, set()),
     "v1/events": ("Event", set(), {"ev"}, set()),
     "v1/persistentvolumeclaims": ("PersistentVolumeClaim", {"status"}, {"pvc"}, set()),
+    "v1/resourcequotas": ("ResourceQuota", {"status"}, {"quota"}, set()),
     "rbac.authorization.k8s.io/v1/roles": ("Role", set(), set(), set()),
     "rbac.authorization.k8s.io/v1/rolebindings": ("RoleBinding", set(), set(), set()),
     "apps/v1/statefulsets": ("StatefulSet", {"status", "scale"}, {"sts"}, {"all"}),
@@ -72,6 +88,7 @@ CORE = {
     "autoscaling/v2/horizontalpodautoscalers": ("HorizontalPodAutoscaler", {"status"}, {"hpa"}, {"all"}),
     "policy/v1/poddisruptionbudgets": ("PodDisruptionBudget", {"status"}, {"pdb"}, set()),
     "coordination.k8s.io/v1/leases": ("Lease", set(), set(), set()),
+    "networking.k8s.io/v1/networkpolicies": ("NetworkPolicy", set(), {"netpol"}, set()),  # the chart's
 }
 CLUSTER = {  # cluster-scoped resources (kopf looks for some during discovery; the chart creates the RBAC ones)
     "v1/namespaces": ("Namespace", {"ns"}),
@@ -83,6 +100,7 @@ VERBS = {"create", "delete", "get", "list", "patch", "update", "watch"}
 CRD_KEY = "apiextensions.k8s.io/v1/customresourcedefinitions"
 TABLE = {"kind": "Table", "apiVersion": "meta.k8s.io/v1"}
 REPLACE = "X-Opsim-Replace"  # marks a PUT handed to KMock as a PATCH
+APPLY_PATCH = "application/apply-patch+yaml"  # server-side apply
 
 
 # ------------------------------------------------------------------------------------ CRD schema handling
@@ -297,16 +315,12 @@ def merge_diff(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
 
 
 def json_path(obj: Any, path: str) -> Any:
-    """The simple JSONPath of printer columns (``.status.state``, ``.spec.items[0].name``)."""
-    for part in re.findall(r"[^.\[\]]+|\[\d+\]", path):
-        if part.startswith("["):
-            index = int(part[1:-1])
-            obj = obj[index] if isinstance(obj, list) and index < len(obj) else None
-        else:
-            obj = obj.get(part) if isinstance(obj, dict) else None
-        if obj is None:
-            return None
-    return obj
+    """The first value a printer column's or field selector's JSONPath selects (filters such as
+    ``.status.conditions[?(@.type=="Ready")].status`` included: opsim_semantics); None when none."""
+    try:
+        return opsim_semantics.first(obj, path)
+    except opsim_semantics.JsonPathError:
+        return None
 
 
 def human_age(timestamp: str | None) -> str:
@@ -394,6 +408,17 @@ def _pod_cells(pod: dict[str, Any]) -> list[Any]:
             (pod.get("spec") or {}).get("nodeName")]
 
 
+EVENT_COLUMNS = [("Last Seen", 0), ("Type", 0), ("Reason", 0), ("Object", 0), ("Message", 0), ("Name", 1)]
+
+
+def _event_cells(event: dict[str, Any]) -> list[Any]:
+    about = event.get("involvedObject") or event.get("regarding") or {}
+    seen = event.get("lastTimestamp") or event.get("eventTime") or event["metadata"].get("creationTimestamp")
+    return [human_age(seen), event.get("type"), event.get("reason"),
+            f"{str(about.get('kind', '')).lower()}/{about.get('name', '')}", event.get("message") or event.get("note"),
+            event["metadata"]["name"]]
+
+
 def _protobuf_fields(buf: bytes) -> dict[int, bytes | int]:
     """The top-level fields of a protobuf message (varint and length-delimited ones; enough for names)."""
     out: dict[int, bytes | int] = {}
@@ -443,6 +468,14 @@ class ApiServer(kmock.KubernetesEmulator):
     custom: dict[Any, tuple[str, dict[str, Any]]] = attrs.field(factory=dict)  # resource -> (kind, schema)
     columns: dict[Any, list[dict[str, Any]]] = attrs.field(factory=dict)  # resource -> additionalPrinterColumns
     namespaces: dict[str, dict[str, Any]] = attrs.field(factory=dict)
+    builtin_defaults: opsim_builtin.Defaults = attrs.field(factory=opsim_builtin.Defaults)  # Service cluster IPs
+    scales: dict[Any, tuple[str, str, str | None]] = attrs.field(factory=dict)  # resource -> scale paths (CRDs)
+    compacted_rv: int = 0  # watches and exact lists from an older resourceVersion get 410 Gone (see compact)
+    bookmark_seconds: float = 5.0  # BOOKMARK period on watches with allowWatchBookmarks=true
+    expired_answers: int = 0  # how many 410 Gone answers were given (tests check that a client relisted)
+    open_watches: dict[str, int] = attrs.field(factory=dict)  # resource plural -> watches being served
+    _watch_queues: set[asyncio.Queue[Any]] = attrs.field(factory=set)  # of the watches being served
+    _tombstones: list[dict[str, Any]] = attrs.field(factory=list)  # the last state of deleted objects
     _rv: int = 0
 
     def __attrs_post_init__(self) -> None:
@@ -477,6 +510,29 @@ class ApiServer(kmock.KubernetesEmulator):
             res = kmock.resource(key)
             self.custom[res] = (names_["kind"], with_root_fields(version["schema"]["openAPIV3Schema"]))
             self.columns[res] = list(version.get("additionalPrinterColumns") or [])
+            scale = (version.get("subresources") or {}).get("scale")
+            if isinstance(scale, dict):
+                self.scales[res] = (scale["specReplicasPath"], scale["statusReplicasPath"],
+                                    scale.get("labelSelectorPath"))
+
+    def compact(self, drop_watches: bool = False) -> int:
+        """Forget the history before the current resourceVersion, like etcd compaction: a watch or an exact
+        list from an older one then gets ``410 Gone`` (reason Expired) and a client must list again. With
+        ``drop_watches`` the open watches end too (as when the API server restarts), so clients re-watch from
+        the resourceVersion they last saw and meet the 410."""
+        self.compacted_rv = self._rv
+        self._tombstones.clear()
+        if drop_watches:
+            for queue in self._watch_queues:
+                queue.put_nowait(None)  # the end of that stream, after what it has already been sent
+        return self._rv
+
+    def _expired(self, rv: str | None) -> kmock.KubernetesError | None:
+        since = _int(rv)
+        if since and since < self.compacted_rv:
+            self.expired_answers += 1
+            return _bad(410, "Expired", f"too old resource version: {since} ({self.compacted_rv})")
+        return None
 
     def _info(self, res: Any) -> Any:
         try:
@@ -595,11 +651,15 @@ class ApiServer(kmock.KubernetesEmulator):
         self.namespaces.setdefault("default", self._namespace_object("default"))
         if raw.method == "POST":
             body = await raw.read()
+            labels: dict[str, str] = {}
             if raw.content_type == "application/vnd.kubernetes.protobuf":  # kubectl create namespace
                 ns_name = _protobuf_name(body)
             else:
                 ns_name = json.loads(body)["metadata"]["name"]
+                labels = json.loads(body)["metadata"].get("labels") or {}
             obj = self._namespace_object(ns_name)
+            if labels:  # e.g. pod-security.kubernetes.io/enforce (opsim_admission)
+                obj["metadata"]["labels"] = dict(labels)
             if obj["metadata"]["name"] in self.namespaces:
                 return web.json_response({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 409,
                                           "reason": "AlreadyExists",
@@ -613,6 +673,15 @@ class ApiServer(kmock.KubernetesEmulator):
                 return web.json_response({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 404,
                                           "reason": "NotFound", "message": f'namespaces "{name}" not found',
                                           "details": {"name": name, "kind": "namespaces"}}, status=404)
+            if raw.method == "PATCH":  # kubectl label/annotate namespace (Pod Security levels: opsim_admission)
+                patched = merge_patch(obj.get("metadata") or {}, (json.loads(await raw.read() or b"{}") or {})
+                                      .get("metadata") or {})
+                for key in ("labels", "annotations"):
+                    if key in patched:
+                        obj["metadata"][key] = patched[key]
+                    else:
+                        obj["metadata"].pop(key, None)
+                obj["metadata"]["resourceVersion"] = self._next_rv()
             if wants_table(raw.headers):
                 return web.json_response(self._table(kmock.resource("v1/namespaces"), [obj], raw.query))
             return web.json_response(obj)
@@ -636,7 +705,8 @@ class ApiServer(kmock.KubernetesEmulator):
 
     async def _serve_version(self, request: kmock.Request) -> Any:
         """Discovery of one group version: ``v1`` (not ``/v1``) for the core group; subresources carry no
-        singular or short names (kubectl would warn that ``grtj`` also matches ``grtrainingjobs/status``)."""
+        singular or short names (kubectl would warn that ``grtj`` also matches ``grtrainingjobs/status``); a
+        ``/scale`` subresource is an ``autoscaling/v1`` Scale (client-go's scale client converts by it)."""
         payload = await super()._serve_version(request)
         if request.resource.group == "":
             payload["groupVersion"] = request.resource.version
@@ -644,6 +714,8 @@ class ApiServer(kmock.KubernetesEmulator):
             if "/" in entry["name"]:
                 entry.update(singularName="", shortNames=[], categories=[])
                 entry["verbs"] = ["get", "patch", "update"]
+                if entry["name"].endswith("/scale"):
+                    entry.update(group="autoscaling", version="v1", kind="Scale")
             elif not entry["categories"]:
                 entry.pop("categories")
         payload["resources"].sort(key=lambda e: e["name"])
@@ -672,6 +744,12 @@ class ApiServer(kmock.KubernetesEmulator):
 
             def cells(o: dict[str, Any]) -> list[Any]:
                 return [o["metadata"]["name"], *_pod_cells(o)]
+        elif res.plural == "events" and res.group == "":  # kube-apiserver's event columns (Name is wide-only)
+            cols = [{"name": n, "type": "string", "format": "", "description": "", "priority": p}
+                    for n, p in EVENT_COLUMNS]
+
+            def cells(o: dict[str, Any]) -> list[Any]:
+                return _event_cells(o)
         else:
             cols = [name_col, {"name": "Age", "type": "string", "format": "", "priority": 0,
                                "description": "time since creation"}]
@@ -695,6 +773,9 @@ class ApiServer(kmock.KubernetesEmulator):
         return info.kind if info is not None and info.kind else res.plural.capitalize()
 
     async def _serve_list(self, request: kmock.Request) -> Any:
+        exact = request.params.get("resourceVersionMatch") == "Exact" or request.params.get("continue")
+        if exact and (expired := self._expired(request.params.get("resourceVersion"))) is not None:
+            raise expired
         payload = await super()._serve_list(request)
         items = [o for o in payload["items"] if selected(o, request.params)]
         items.sort(key=lambda o: (o["metadata"].get("namespace") or "", o["metadata"].get("name") or ""))
@@ -710,30 +791,312 @@ class ApiServer(kmock.KubernetesEmulator):
             return self._table(request.resource, [obj], request.params)
         return obj
 
+    def _of(self, res: Any, obj: dict[str, Any]) -> bool:
+        """Whether a tombstone is of resource ``res`` (by apiVersion; the kind is checked by the caller)."""
+        api = f"{res.group}/{res.version}" if res.group else res.version
+        return obj.get("apiVersion", api) == api
+
+    def _in_scope(self, request: kmock.Request, namespace: str | None, name: str | None) -> bool:
+        return (request.namespace is None or namespace == request.namespace) and \
+            (request.name is None or name == request.name)
+
+    def _bookmark(self, res: Any, rv: int, initial_end: bool = False) -> dict[str, Any]:
+        meta: dict[str, Any] = {"resourceVersion": str(rv)}
+        if initial_end:
+            meta["annotations"] = {"k8s.io/initial-events-end": "true"}
+        api = f"{res.group}/{res.version}" if res.group else res.version
+        return {"type": "BOOKMARK", "object": {"kind": self._kind(res), "apiVersion": api, "metadata": meta}}
+
     async def _serve_watch(self, request: kmock.Request) -> Any:
+        """A watch as kube-apiserver serves it, on KMock's store and event bus: the current objects as ADDED
+        (those newer than ``resourceVersion``), then every change; with ``sendInitialEvents=true`` (WatchList,
+        what client-go >= 1.35 informers and ``kubectl wait`` send) all current objects and then a BOOKMARK
+        annotated ``k8s.io/initial-events-end``; with ``allowWatchBookmarks=true`` a BOOKMARK every
+        ``bookmark_seconds`` while idle; an ERROR 410 Expired from a compacted resourceVersion; the stream
+        ends after ``timeoutSeconds``."""
+        params = request.params
+        yield b""  # the headers go out now: the client sees a live stream even if nothing happens
+        if (expired := self._expired(params.get("resourceVersion"))) is not None:
+            yield {"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1", "metadata": {},
+                                               "status": "Failure", "code": 410, "reason": "Expired",
+                                               "message": expired.message}}
+            return
+        res: Any = request.resource
         table = wants_table(request.headers)
-        since = _int(request.params.get("resourceVersion"))
-        async for event in super()._serve_watch(request):
-            if isinstance(event, dict) and isinstance(event.get("object"), dict):
-                if not selected(event["object"], request.params):
+        since = _int(params.get("resourceVersion"))
+        initial = params.get("sendInitialEvents") == "true"
+        bookmarks = params.get("allowWatchBookmarks") == "true" and not table
+        bus = self._buses[res]
+        async with self._lock:  # writers publish under this lock: nothing falls between snapshot and stream
+            marker = await bus.mark()
+            snapshot = [copy.deepcopy(o.raw) for (r, ns, name), o in list(self.objects.items())
+                        if r == res and not o.deleted and self._in_scope(request, ns, name)]
+            kind = self._kind(res)
+            gone = [copy.deepcopy(t) for t in self._tombstones if since and not initial
+                    and _int(t["metadata"].get("resourceVersion")) > since and t.get("kind", kind) == kind
+                    and self._in_scope(request, t["metadata"].get("namespace"), t["metadata"].get("name"))
+                    and self._of(res, t)]
+            seen = self._rv
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+
+        async def pump() -> None:
+            async for item in bus.stream(since=marker):
+                queue.put_nowait(item)
+
+        def shown(event: dict[str, Any]) -> dict[str, Any]:
+            if table:
+                return {"type": event["type"], "object": self._table(res, [event["object"]], params)}
+            return event
+
+        task = asyncio.create_task(pump())
+        self.open_watches[res.plural] = self.open_watches.get(res.plural, 0) + 1
+        self._watch_queues.add(queue)
+        loop = asyncio.get_running_loop()
+        timeout = float(params["timeoutSeconds"]) if params.get("timeoutSeconds") else None
+        deadline = loop.time() + timeout if timeout else float("inf")
+        try:
+            replay = [("ADDED", o) for o in snapshot] + [("DELETED", o) for o in gone]
+            replay.sort(key=lambda pair: _int(pair[1]["metadata"].get("resourceVersion")))
+            for type_, obj in replay:  # (a deletion since ``since`` too: the client may have listed the object)
+                if selected(obj, params) and (initial or _int(obj["metadata"].get("resourceVersion")) > since):
+                    yield shown({"type": type_, "object": obj})
+            if initial:
+                yield self._bookmark(res, seen, initial_end=True)
+            next_bookmark = loop.time() + self.bookmark_seconds
+            while True:
+                if loop.time() >= deadline:
+                    return
+                try:
+                    due = [deadline - loop.time()] + ([next_bookmark - loop.time()] if bookmarks else [])
+                    event = await asyncio.wait_for(queue.get(), None if min(due) == float("inf") else
+                                                   max(0.0, min(due)))
+                except TimeoutError:
+                    if bookmarks and loop.time() >= next_bookmark:
+                        yield self._bookmark(res, seen)
+                        next_bookmark = loop.time() + self.bookmark_seconds
                     continue
-                # KMock replays the current objects as ADDED: those a client listed at ``since`` it has seen.
-                if since and event.get("type") == "ADDED" and \
-                        _int(event["object"].get("metadata", {}).get("resourceVersion")) <= since:
+                if event is None:  # compact(drop_watches=True)
+                    return
+                changed: Any = event.get("object") if isinstance(event, dict) else None
+                if not isinstance(changed, dict):
                     continue
-                if table:
-                    event = {"type": event["type"], "object": self._table(request.resource, [event["object"]],
-                                                                          request.params)}
-            yield event
+                meta = changed.get("metadata") or {}
+                seen = max(seen, _int(meta.get("resourceVersion")))
+                if self._in_scope(request, meta.get("namespace"), meta.get("name")) and selected(changed, params):
+                    yield shown(event)
+        finally:
+            self.open_watches[res.plural] -= 1
+            self._watch_queues.discard(queue)
+            task.cancel()
+            with contextlib.suppress(Exception):
+                await bus.unmark(marker)
 
     # -- writes: admission on create, update and patch --------------------------------------------------
     async def _handle(self, request: kmock.Request) -> Any:
         if request.resource is not None:
+            dry = request.params.get("dryRun")
+            if dry not in (None, "All"):
+                raise _bad(400, "BadRequest", f"unsupported dryRun value {dry!r}: only All is valid")
+            ctype = (request.headers.get("Content-Type") or "").split(";")[0].strip()
+            if request.subresource == "scale" and request.name is not None:
+                return await self._scale(request, dry == "All")
             if request.action == kmock.action.CREATE and isinstance(request.data, dict):
-                self._admit_create(request)
+                self._admit_create(request, dry == "All")
+                if dry == "All":  # admitted and answered as if created; nothing is stored or announced
+                    if self._stored(request.resource, request.data["metadata"].get("namespace"),
+                                    request.data["metadata"]["name"]) is not None:
+                        raise _bad(409, "AlreadyExists", f'{request.resource.plural} '
+                                                         f'"{request.data["metadata"]["name"]}" already exists')
+                    return aiohttp.web.json_response(request.data, status=201)
+            elif request.action == kmock.action.UPDATE and request.name is not None and ctype == APPLY_PATCH:
+                return await self._server_side_apply(request, dry == "All")
             elif request.action == kmock.action.UPDATE and request.name is not None:
-                self._admit_update(request)
+                current = self._stored(request.resource, request.namespace, request.name)
+                self._admit_update(request, dry == "All")
+                if dry == "All" and current is not None:
+                    return aiohttp.web.json_response(merge_patch(current, request.data))
+                if current is not None and (current["metadata"].get("deletionTimestamp")
+                                            and not merge_patch(current, request.data)["metadata"].get("finalizers")):
+                    return await self._release(request)
+            elif request.action == kmock.action.DELETE and request.name is not None:
+                return await self._delete(request, dry == "All")
         return await super()._handle(request)
+
+    def _derived(self, request: kmock.Request, **changes: Any) -> kmock.Request:
+        """A request the emulator makes of itself (a scale write as an object patch, an apply as a create or
+        replace); recorded like a received one, since KMock's reactions only serve requests it has seen."""
+        inner = attrs.evolve(request, **changes)
+        self._requests.append(inner)
+        return inner
+
+    def _stored(self, res: Any, namespace: str | None, name: str | None) -> dict[str, Any] | None:
+        key: Any = (res, namespace, name)
+        if key not in self.objects or self.objects[key].deleted:
+            return None
+        return copy.deepcopy(self.objects[key].raw)
+
+    def _not_found(self, res: Any, name: str | None) -> kmock.KubernetesError:
+        plural = f"{res.plural}.{res.group}" if res.group else res.plural
+        return _bad(404, "NotFound", f'{plural} "{name}" not found', name=name, group=res.group, kind=res.plural)
+
+    async def _delete(self, request: kmock.Request, dry: bool) -> aiohttp.web.StreamResponse:
+        """DELETE as kube-apiserver does it: DeleteOptions preconditions; an object with finalizers (or
+        ``propagationPolicy: Foreground``, which adds ``foregroundDeletion``) only gets a deletionTimestamp and
+        stays, Terminating, until they are removed (202); ``Orphan`` strips the owner from its dependents'
+        ownerReferences first; ``Background`` (the default) deletes now and leaves the dependents to the
+        garbage collector (collect_garbage)."""
+        res: Any = request.resource
+        web = aiohttp.web
+        options = request.data if isinstance(request.data, dict) else {}
+        dry = dry or "All" in (options.get("dryRun") or [])  # kubectl sends it in the DeleteOptions body
+        policy = options.get("propagationPolicy") or request.params.get("propagationPolicy")
+        if policy is None and (options.get("orphanDependents") is True
+                               or request.params.get("orphanDependents") == "true"):
+            policy = "Orphan"
+        if policy not in (None, "Foreground", "Background", "Orphan"):
+            raise _bad(422, "Invalid", f"propagationPolicy: Unsupported value: {policy!r}: supported values: "
+                                       '"Foreground", "Background", "Orphan"')
+        async with self._lock:
+            key: Any = (res, request.namespace, request.name)
+            if key not in self.objects or self.objects[key].deleted:
+                raise self._not_found(res, request.name)
+            entry = self.objects[key]
+            current = copy.deepcopy(entry.raw)
+            meta = current.get("metadata") or {}
+            pre = options.get("preconditions") or {}
+            for field in ("uid", "resourceVersion"):
+                if pre.get(field) and pre[field] != meta.get(field):
+                    raise _bad(409, "Conflict", f"Precondition failed: {field} in precondition: {pre[field]}, "
+                                                f"{field} in object meta: {meta.get(field)}")
+            if dry or meta.get("deletionTimestamp"):  # a dry run, or already Terminating: nothing changes
+                return web.json_response(current, status=202 if meta.get("deletionTimestamp") else 200)
+            if policy == "Orphan":
+                await self._orphan_dependents(meta.get("uid"))
+            finalizers = list(meta.get("finalizers") or [])
+            if policy == "Foreground" and "foregroundDeletion" not in finalizers:
+                finalizers.append("foregroundDeletion")
+            if finalizers:
+                entry.patch({"metadata": {"deletionTimestamp": _now(), "deletionGracePeriodSeconds": 0,
+                                          "finalizers": finalizers, "resourceVersion": self._next_rv()}})
+                raw = entry.raw
+                await self._buses[res].put({"type": "MODIFIED", "object": raw})
+                return web.json_response(raw, status=202)
+            raw = await self._remove(res, key)
+        return web.json_response(raw)
+
+    async def _remove(self, res: Any, key: Any) -> dict[str, Any]:
+        """Deletes a stored object (the caller holds the lock): a DELETED event with a new resourceVersion, and
+        a tombstone, so that a watch from an older resourceVersion still hears of it."""
+        entry = self.objects[key]
+        entry.patch({"metadata": {"resourceVersion": self._next_rv()}})
+        raw = entry.raw
+        entry.delete()
+        self._tombstones.append(raw)
+        del self._tombstones[:-10000]
+        await self._buses[res].put({"type": "DELETED", "object": raw})
+        return raw
+
+    async def _release(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        """The update that removes a Terminating object's last finalizer: MODIFIED, then the deletion."""
+        res: Any = request.resource
+        key: Any = (res, request.namespace, request.name)
+        async with self._lock:
+            if key not in self.objects or self.objects[key].deleted:
+                raise self._not_found(res, request.name)
+            self.objects[key].patch(request.data)
+            await self._buses[res].put({"type": "MODIFIED", "object": self.objects[key].raw})
+            raw = await self._remove(res, key)
+        return aiohttp.web.json_response(raw)
+
+    async def _orphan_dependents(self, uid: str | None) -> None:
+        """Removes ``uid`` from every ownerReferences list (the caller holds the lock)."""
+        for (res, _, _), entry in list(self.objects.items()):
+            if entry.deleted:
+                continue
+            refs = (entry.raw.get("metadata") or {}).get("ownerReferences") or []
+            kept = [r for r in refs if r.get("uid") != uid]
+            if len(kept) != len(refs):
+                entry.patch({"metadata": {"ownerReferences": kept or None, "resourceVersion": self._next_rv()}})
+                await self._buses[res].put({"type": "MODIFIED", "object": entry.raw})
+
+    async def _scale(self, request: kmock.Request, dry: bool) -> aiohttp.web.StreamResponse:
+        """The ``scale`` subresource: an ``autoscaling/v1`` Scale read through the CRD's scale paths (or a
+        StatefulSet's/Deployment's spec.replicas, status.replicas, spec.selector); a PUT or patch of it writes
+        ``spec.replicas`` back through the ordinary update path (so CRD validation applies)."""
+        res: Any = request.resource
+        builtin = res.group == "apps" and res.plural in opsim_semantics.BUILTIN_SCALE
+        paths = opsim_semantics.BUILTIN_SCALE[res.plural] if builtin else self.scales.get(res)
+        if paths is None:
+            raise _bad(404, "NotFound", "the server could not find the requested resource")
+        current = self._stored(res, request.namespace, request.name)
+        if current is None:
+            raise self._not_found(res, request.name)
+        scale = opsim_semantics.scale_of(current, paths, builtin)
+        if request.action == kmock.action.FETCH:
+            return aiohttp.web.json_response(scale)
+        if request.action != kmock.action.UPDATE:
+            raise _bad(405, "MethodNotAllowed", f"{request.action} is not supported on the scale subresource")
+        body = request.data
+        ctype = (request.headers.get("Content-Type") or "").split(";")[0].strip()
+        try:
+            if request.headers.get(REPLACE) == "1":
+                new = body
+                sent = ((body or {}).get("metadata") or {}).get("resourceVersion") if isinstance(body, dict) else None
+                if sent and sent != scale["metadata"].get("resourceVersion"):
+                    raise _bad(409, "Conflict", f'Operation cannot be fulfilled on {res.plural} "{request.name}": '
+                                                "the object has been modified; please apply your changes to the "
+                                                "latest version and try again")
+            elif ctype == "application/json-patch+json":
+                new = jsonpatch.apply_patch(scale, body, in_place=False)
+            else:
+                new = merge_patch(scale, body)
+        except (jsonpatch.JsonPatchException, jsonpointer.JsonPointerException) as exc:
+            raise _bad(422, "Invalid", f"the JSON patch could not be applied: {exc}") from exc
+        replicas = ((new or {}).get("spec") or {}).get("replicas") if isinstance(new, dict) else None
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
+            raise _bad(422, "Invalid", f'Scale.autoscaling "{request.name}" is invalid: spec.replicas: Invalid '
+                                       f"value: {replicas!r}: must be greater than or equal to 0")
+        inner = self._derived(request, subresource=None, data=opsim_semantics.replicas_patch(paths[0], replicas),
+                              headers={"Content-Type": "application/merge-patch+json"})
+        await self._handle(inner)  # admitted like any update of the object (CRD schema and CEL rules)
+        if dry:
+            return aiohttp.web.json_response({**scale, "spec": {"replicas": replicas}})
+        stored = self._stored(res, request.namespace, request.name) or current
+        return aiohttp.web.json_response(opsim_semantics.scale_of(stored, paths, builtin))
+
+    async def _server_side_apply(self, request: kmock.Request, dry: bool) -> aiohttp.web.StreamResponse:
+        """``PATCH application/apply-patch+yaml``: create-or-merge with field ownership (opsim_semantics
+        .server_side_apply), then stored through the ordinary create or update path (same admission)."""
+        try:
+            applied = yaml.safe_load(request.body or b"")
+        except yaml.YAMLError as exc:
+            raise _bad(400, "BadRequest", f"error decoding YAML: {exc}") from exc
+        if not isinstance(applied, dict):
+            raise _bad(400, "BadRequest", "the body of an apply patch must be an object")
+        manager = request.params.get("fieldManager")
+        if not manager:
+            raise _bad(422, "Invalid", "fieldManager: Required value: is required for apply patch")
+        name = (applied.get("metadata") or {}).get("name")
+        if name not in (None, request.name):
+            raise _bad(400, "BadRequest", f"the name of the object ({name}) does not match the name on the URL "
+                                          f"({request.name})")
+        current = self._stored(request.resource, request.namespace, request.name)
+        merge = merge_patch if request.resource in self.custom else strategic_merge_patch
+        try:
+            new = opsim_semantics.server_side_apply(current, applied, manager, request.params.get("force") == "true",
+                                                    merge, _now())
+        except opsim_semantics.ApplyConflict as exc:
+            raise _bad(409, "Conflict", str(exc)) from exc
+        new["metadata"]["name"] = request.name
+        if request.namespace:
+            new["metadata"]["namespace"] = request.namespace
+        if current is None:
+            inner = self._derived(request, action=kmock.action.CREATE, data=new,
+                                  headers={"Content-Type": "application/json"})
+        else:
+            new["metadata"]["resourceVersion"] = current["metadata"].get("resourceVersion")
+            inner = self._derived(request, data=new, headers={"Content-Type": "application/json", REPLACE: "1"})
+        return await self._handle(inner)
 
     def _admit_custom(self, request: kmock.Request, obj: dict[str, Any],
                       old: dict[str, Any] | None) -> dict[str, Any]:
@@ -757,14 +1120,39 @@ class ApiServer(kmock.KubernetesEmulator):
                                for f, _, m in (e.partition(": ") for e in errors)])
         return stored
 
-    def _admit_create(self, request: kmock.Request) -> None:
+    def _builtin_kind(self, res: Any) -> str | None:
+        info = self._info(res)
+        kind = info.kind if info is not None else None
+        return kind if kind in opsim_builtin.KINDS and opsim_builtin.KINDS[kind][1] == res.group else None
+
+    def _admit_builtin(self, request: kmock.Request, kind: str, obj: dict[str, Any],
+                       old: dict[str, Any] | None) -> dict[str, Any]:
+        """Decoding, defaulting, quantity canonicalisation and validation of a built-in kind (opsim_builtin)."""
+        try:
+            return opsim_builtin.admit(self.builtin_defaults, kind, obj, old,
+                                       strict=request.params.get("fieldValidation") == "Strict")
+        except opsim_builtin.Refused as exc:
+            raise _bad(exc.code, exc.reason, exc.message, **exc.details) from exc
+
+    def _admit_create(self, request: kmock.Request, dry: bool = False) -> None:
         data = request.data
         meta = data.setdefault("metadata", {})
         if request.namespace and not meta.get("namespace"):
             meta["namespace"] = request.namespace
+        if not meta.get("name"):  # generateName: the prefix and 5 random characters, for every kind
+            if not meta.get("generateName"):
+                raise _bad(422, "Invalid", f'{data.get("kind") or getattr(request.resource, "plural", "")} "" is invalid: '
+                                           "metadata.name: Required value: name or generateName is required")
+            taken = {n for (r, ns, n), o in list(self.objects.items())
+                     if r == request.resource and ns == meta.get("namespace") and not o.deleted}
+            meta["name"] = opsim_semantics.generate_name(meta["generateName"], taken)
         if request.resource in self.custom:
             stored = self._admit_custom(request, data, None)
             stored.pop("status", None)
+            data.clear()
+            data.update(stored)
+        elif (builtin := self._builtin_kind(request.resource)) is not None:
+            stored = self._admit_builtin(request, builtin, data, None)
             data.clear()
             data.update(stored)
         if request.resource == kmock.resource(CRD_KEY):
@@ -775,10 +1163,24 @@ class ApiServer(kmock.KubernetesEmulator):
                                               "message": m} for t, r, m in (
                                   ("NamesAccepted", "NoConflicts", "no conflicts found"),
                                   ("Established", "InitialNamesAccepted", "the initial names have been accepted"))]}
-            self.register_crd(data)
-        meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now(), resourceVersion=self._next_rv(), generation=1)
+            if not dry:
+                self.register_crd(data)
+        self._admit_policies(request)
+        meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now(), generation=1)
+        if not dry:
+            meta["resourceVersion"] = self._next_rv()
 
-    def _admit_update(self, request: kmock.Request) -> None:
+    def _admit_policies(self, request: kmock.Request) -> None:
+        """Validating admission (Pod Security, ResourceQuota): see opsim_admission."""
+        ns = request.data["metadata"].get("namespace") or ""
+        labels = (self.namespaces.get(ns, {}).get("metadata") or {}).get("labels") or {}
+        pods = [p for p in self.live("v1/pods") if p["metadata"].get("namespace") == ns]
+        quotas = [q for q in self.live("v1/resourcequotas") if q["metadata"].get("namespace") == ns]
+        same = sum(1 for (r, n, _), o in list(self.objects.items()) if r == request.resource and n == ns
+                   and not o.deleted)
+        opsim_admission.admit_create(request.resource, request.data, labels, pods, quotas, same)
+
+    def _admit_update(self, request: kmock.Request, dry: bool = False) -> None:
         """PATCH (merge, strategic-merge for built-ins, JSON patch): the resulting object is computed here,
         admitted like a create (pruning, defaulting, schema and CEL validation, with ``oldSelf``), and
         handed to KMock as the merge patch from the stored object to it."""
@@ -829,6 +1231,12 @@ class ApiServer(kmock.KubernetesEmulator):
         if expected and expected != cur_meta.get("uid"):
             raise _bad(409, "Conflict", f"Precondition failed: UID in precondition: {expected}, "
                                         f"UID in object meta: {cur_meta.get('uid')}")
+        # A patch that names a resourceVersion is an update conditional on it (optimistic concurrency).
+        sent_rv = ((body.get("metadata") or {}) if isinstance(body, dict) else {}).get("resourceVersion")
+        if sent_rv and not replace and sent_rv != cur_meta.get("resourceVersion"):
+            raise _bad(409, "Conflict", f'Operation cannot be fulfilled on {request.resource.plural} '
+                                        f'"{request.name}": the object has been modified; please apply your '
+                                        "changes to the latest version and try again")
         for field in ("uid", "name", "namespace", "creationTimestamp", "generation", "deletionTimestamp"):
             if field in cur_meta:
                 meta[field] = cur_meta[field]
@@ -846,13 +1254,17 @@ class ApiServer(kmock.KubernetesEmulator):
         if custom:
             new = self._admit_custom(request, new, current)  # a new object: its metadata is a copy
             meta = new["metadata"]
-        if request.resource == kmock.resource(CRD_KEY) and request.subresource is None:
+        elif request.subresource is None and (builtin := self._builtin_kind(request.resource)) is not None:
+            new = self._admit_builtin(request, builtin, new, current)
+            meta = new["metadata"]
+        if request.resource == kmock.resource(CRD_KEY) and request.subresource is None and not dry:
             self.register_crd(new)
         changed = {k: v for k, v in new.items() if k not in ("metadata", "status")} != \
                   {k: v for k, v in current.items() if k not in ("metadata", "status")}
         if changed:
             meta["generation"] = int(cur_meta.get("generation") or 1) + 1
-        meta["resourceVersion"] = self._next_rv()
+        if not dry:
+            meta["resourceVersion"] = self._next_rv()
         object.__setattr__(request, "data", merge_diff(current, new))
 
     def live(self, plural_key: str) -> list[dict[str, Any]]:
@@ -869,16 +1281,39 @@ def object_path(res: Any, namespace: str | None, name: str | None = None, sub: s
 
 
 async def collect_garbage(server: ApiServer, http: aiohttp.ClientSession, period: float = 0.2) -> None:
-    """Deletes dependents whose owners are all gone, like kube-controller-manager's garbage collector."""
+    """kube-controller-manager's garbage collector: deletes (in the background) dependents whose owners are
+    all gone; for an owner deleted in the foreground (finalizer ``foregroundDeletion``) deletes its dependents
+    (in the foreground too) and removes the finalizer once none with ``blockOwnerDeletion`` is left."""
     while True:
         await asyncio.sleep(period)
         items = [(k, o.raw) for k, o in list(server.objects.items()) if not o.deleted]
         uids = {raw.get("metadata", {}).get("uid") for _, raw in items}
         for (res, ns, name), raw in items:
-            refs = raw.get("metadata", {}).get("ownerReferences") or []
+            meta = raw.get("metadata", {})
+            refs = meta.get("ownerReferences") or []
             if refs and not any(ref.get("uid") in uids for ref in refs):
-                async with http.delete(object_path(res, ns, name)) as resp:
-                    await resp.read()
+                await _gc_delete(http, object_path(res, ns, name), "Background")
+            if meta.get("deletionTimestamp") and "foregroundDeletion" in (meta.get("finalizers") or []):
+                blocking = False
+                for (dres, dns, dname), dep in items:
+                    owned = [r for r in dep.get("metadata", {}).get("ownerReferences") or []
+                             if r.get("uid") == meta.get("uid")]
+                    if owned:
+                        blocking = blocking or any(r.get("blockOwnerDeletion") for r in owned)
+                        if not dep["metadata"].get("deletionTimestamp"):
+                            await _gc_delete(http, object_path(dres, dns, dname), "Foreground")
+                if not blocking:
+                    rest = [f for f in meta.get("finalizers") or [] if f != "foregroundDeletion"]
+                    async with http.patch(object_path(res, ns, name), json={"metadata": {
+                            "uid": meta.get("uid"), "finalizers": rest}},
+                            headers={"Content-Type": "application/merge-patch+json"}) as resp:
+                        await resp.read()
+
+
+async def _gc_delete(http: aiohttp.ClientSession, url: str, policy: str) -> None:
+    async with http.delete(url, json={"kind": "DeleteOptions", "apiVersion": "v1",
+                                      "propagationPolicy": policy}) as resp:
+        await resp.read()  # 404: gone already
 
 
 # ---------------------------------------------------------------------------------------------- kubelet
@@ -914,6 +1349,7 @@ class LocalKubelet:
         self.enabled = True  # False: pods stay Pending (nothing is run)
         self.containers: dict[str, _Container] = {}
         self.ports: dict[tuple[str, str, str], int] = {}
+        self.network = opsim_controllers.PodNetwork(server)  # container ports and Service addresses, made local
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def run(self) -> None:
@@ -995,21 +1431,29 @@ class LocalKubelet:
         env = self._env(pod, container, mounts)
         argv = [self._rewrite(_expand(a, env), mounts) for a in container.get("command", [])]
         argv += [self._rewrite(_expand(a, env), mounts) for a in container.get("args", [])]
-        argv = self.command_map.get(argv[0], [argv[0]]) + argv[1:]
+        while (local := self.network.rewrite_args(pod, argv)) is None:  # a Service it names has no endpoint yet
+            if c.deleted:
+                return
+            await asyncio.sleep(self.period)
+        argv = self.command_map.get(local[0], [local[0]]) + local[1:]
         c.log = pod_dir / "container.log"
         c.log.parent.mkdir(parents=True, exist_ok=True)
         with c.log.open("wb") as out:
             c.process = await asyncio.create_subprocess_exec(
                 *argv, env=env, cwd=pod_dir, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out,
                 start_new_session=True)
+        if c.deleted:  # deleted while it was being started: _sync signalled no process, so stop it here
+            self._signal(c, signal.SIGKILL)
+            await c.process.wait()
+            return
         started = _now()
-        await self._patch_status(c, {
-            "phase": "Running", "podIP": "127.0.0.1", "hostIP": "127.0.0.1", "startTime": started,
-            "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": started}],
-            "containerStatuses": [{"name": container["name"], "ready": True, "restartCount": 0,
-                                   "image": container.get("image", ""), "imageID": "",
-                                   "state": {"running": {"startedAt": started}}}]})
+        probed = "readinessProbe" in container  # then Ready only once the probe answers
+        await self._patch_status(c, self._running(container, started, not probed))
+        prober = asyncio.create_task(self._probe(c, pod, container, started)) if probed else None
         code = await c.process.wait()
+        if prober is not None:
+            prober.cancel()
+            await asyncio.gather(prober, return_exceptions=True)
         if c.deleted:
             return
         exit_code = code if code >= 0 else 128 - code
@@ -1022,6 +1466,24 @@ class LocalKubelet:
                                    "state": {"terminated": {
                                        "exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error",
                                        "message": tail, "startedAt": started, "finishedAt": _now()}}}]})
+
+    @staticmethod
+    def _running(container: dict[str, Any], started: str, ready: bool) -> dict[str, Any]:
+        return {"phase": "Running", "podIP": "127.0.0.1", "hostIP": "127.0.0.1", "startTime": started,
+                "conditions": [{"type": "Ready", "status": "True" if ready else "False", "lastTransitionTime": _now()}],
+                "containerStatuses": [{"name": container["name"], "ready": ready, "restartCount": 0,
+                                       "image": container.get("image", ""), "imageID": "",
+                                       "state": {"running": {"startedAt": started}}}]}
+
+    async def _probe(self, c: _Container, pod: dict[str, Any], container: dict[str, Any], started: str) -> None:
+        """The readinessProbe, polled until the process ends; the Ready condition follows its answer."""
+        ready = False
+        while not c.deleted:
+            ok = await self.network.probe(pod, container)
+            if ok != ready:
+                ready = ok
+                await self._patch_status(c, self._running(container, started, ready))
+            await asyncio.sleep(0.3)
 
     def _volumes(self, pod: dict[str, Any], container: dict[str, Any], pod_dir: Path) -> list[tuple[str, str]] | None:
         """(mountPath, local dir) pairs, longest mount path first; None while a ConfigMap is missing."""
@@ -1130,17 +1592,25 @@ class Cluster:
         self.kubelet = kubelet
         self.root = root
         self.op: OperatorProcess | None = None
+        self.controllers: opsim_controllers.Controllers | None = None  # with start(controllers=True)
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def start(cls, root: Path, command_map: dict[str, list[str]] | None = None) -> AsyncIterator[Cluster]:
+    async def start(cls, root: Path, command_map: dict[str, list[str]] | None = None,
+                    controllers: bool = False) -> AsyncIterator[Cluster]:
+        """``controllers``: also run the StatefulSet, Deployment and HPA controllers (opsim_controllers); off,
+        those objects get no pods and their status is whatever a test writes."""
         async with ApiServer() as server, kmock.Server(server) as srv:
             url = str(srv.url).rstrip("/")
             async with aiohttp.ClientSession(url) as http:
                 kubelet = LocalKubelet(server, http, url, root, command_map)
                 tasks = [asyncio.create_task(kubelet.run()), asyncio.create_task(collect_garbage(server, http))]
+                cluster = cls(server, url, http, kubelet, root)
+                if controllers:
+                    cluster.controllers = opsim_controllers.Controllers(server, http)
+                    tasks.append(asyncio.create_task(cluster.controllers.run()))
                 try:
-                    yield cls(server, url, http, kubelet, root)
+                    yield cluster
                 finally:
                     for task in tasks:
                         task.cancel()

@@ -7,8 +7,12 @@ failures on demand) so these stay fast; ``test_op_e2e.py`` runs the real trainer
 from __future__ import annotations
 
 import asyncio
+import json
+import threading
+from pathlib import Path
 from typing import Any
 
+import fake_trainer
 import pytest
 from aiohttp import web
 from opsim import Cluster
@@ -92,6 +96,29 @@ async def test_crashed_worker_restarts_the_gang_from_the_checkpoint(cluster: Clu
     pods = cluster.pods(names.LABEL_JOB, "crash")
     assert {p["metadata"]["labels"][names.LABEL_ATTEMPT] for p in pods} == {"1"}
     await metrics_show(cluster, "grstack_operator_gang_restarts_total 1.0")
+
+
+def test_a_rank_starting_while_rank_0_checkpoints_reads_a_whole_checkpoint(tmp_path: Path) -> None:
+    """How the crash test can count 2 restarts on a loaded machine: a rank 1 that starts late reads the
+    checkpoint while rank 0 is rewriting it (truncate, then write), fails to parse it and exits 1, a real
+    second worker failure (of the fake). The fake now replaces files atomically, as the trainer does."""
+    ckpt = tmp_path / "checkpoint.json"
+    stop = threading.Event()
+
+    def rank0() -> None:
+        step = 0
+        while not stop.is_set():
+            step += 2
+            fake_trainer.write_atomically(ckpt, json.dumps({"step": step}))
+
+    writer = threading.Thread(target=rank0)
+    writer.start()
+    try:
+        steps = [fake_trainer.read_step(ckpt) for _ in range(20000)]  # JSONDecodeError on a torn read
+    finally:
+        stop.set()
+        writer.join()
+    assert all(s % 2 == 0 for s in steps) and steps == sorted(steps)
 
 
 async def test_killed_worker_restarts(cluster: Cluster) -> None:
