@@ -38,6 +38,13 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="peering priority (default: random, so replicas never tie)")
     parser.add_argument("--readiness-port", type=cli_args.port, default=0,
                         help="serve /readyz on this port: ready once the CRDs are served (0 = off)")
+    parser.add_argument("--allow-privileged-pods", action="store_true",
+                        help="accept pod templates that ask for host namespaces, hostPath, privileged or root "
+                             "containers, capabilities or another service account (default: refused; chart value "
+                             "operator.podSecurity.allowPrivileged)")
+    parser.add_argument("--max-replicas", type=int, default=None, metavar="N",
+                        help="refuse workers.replicas and serving replicas above N (default and most: the CRDs' "
+                             "maximum, 1000; chart value operator.limits.maxReplicas)")
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging, probe requests included")
     parser.set_defaults(func=run)
 
@@ -56,6 +63,10 @@ def check_args(args: argparse.Namespace) -> None:
                 raise UserError(f"{flag} and {other} are both {port}")
     if not args.resync_seconds > 0:
         raise UserError(f"--resync-seconds {args.resync_seconds}: must be > 0")
+    from grstack.operator.names import MAX_REPLICAS
+
+    if args.max_replicas is not None and not 1 <= args.max_replicas <= MAX_REPLICAS:
+        raise UserError(f"--max-replicas {args.max_replicas}: must be 1-{MAX_REPLICAS} (the CRDs' maximum)")
     for ns in args.namespace:
         if not ns.strip():
             raise UserError("--namespace: empty namespace name")
@@ -87,6 +98,10 @@ def run(args: argparse.Namespace) -> int:
     from grstack.operator.handlers import OperatorConfig, build_registry
 
     check_args(args)
+    from grstack.operator import names, policy
+
+    policy.configure(policy.ClusterPolicy(allow_privileged=args.allow_privileged_pods,
+                                          max_replicas=args.max_replicas or names.MAX_REPLICAS))
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not args.verbose:

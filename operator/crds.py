@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from grstack.operator import models
+from grstack.operator import models, names
 from grstack.operator.names import (
     GROUP,
     SERVING_KIND,
@@ -134,6 +134,24 @@ def _property(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     return converted
 
 
+# Only name and generateName may be declared under metadata. Declaring both (with name's maxLength) makes
+# the API server type them for CEL as declared, so the rules below are cheap enough to pass its cost check.
+METADATA_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": names.MAX_NAME_LENGTH}, "generateName": {"type": "string"}}}
+# The API server checks a custom resource's name only as a DNS subdomain ("demo.v2" and "1demo" pass), but
+# the operator names Services and pod hostnames after it.
+NAME_RULES = [
+    {"rule": f"self.metadata.name.matches('{names.DNS_1035_PATTERN}')",
+     "message": "metadata.name must be a DNS-1035 label (lowercase letters, digits and '-', starting with a "
+                "letter and ending with a letter or digit): the operator names Services and pod hostnames "
+                "after it"},
+    {"rule": f"size(self.metadata.name) <= {names.MAX_NAME_LENGTH}",
+     "message": f"metadata.name must be at most {names.MAX_NAME_LENGTH} characters: the names the operator "
+                f"derives from it (<name>-ranker-<hash>, <name>-worker-<rank>) must fit in "
+                f"{names.DNS_LABEL_MAX}"},
+]
+
+
 def crd(resource: Resource) -> dict[str, Any]:
     """The CustomResourceDefinition object for one resource."""
     spec_schema = structural_schema(resource.spec)
@@ -144,10 +162,11 @@ def crd(resource: Resource) -> dict[str, Any]:
         "properties": {
             "apiVersion": {"type": "string"},
             "kind": {"type": "string"},
-            "metadata": {"type": "object"},
+            "metadata": METADATA_SCHEMA,
             "spec": spec_schema,
             "status": structural_schema(resource.status),
         },
+        "x-kubernetes-validations": NAME_RULES,
     }
     subresources: dict[str, Any] = {"status": {}}
     if resource.scale:

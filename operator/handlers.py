@@ -6,7 +6,10 @@ pass, so decisions never rest on a stale cache. create/update/resume handlers va
 daemon; an invalid spec raises ``kopf.PermanentError`` (not retried) after the daemon has written the
 ``InvalidSpec`` condition. Children carry ownerReferences, so Kubernetes' garbage collector removes them
 with their owner; the delete handler only forgets the resource. Every write is idempotent: create tolerates
-409, delete tolerates 404, patches are JSON merge patches of the desired state.
+409, delete tolerates 404, patches are JSON merge patches of the desired state. A create or patch the API
+server refuses otherwise is no reason to fail the pass silently: it is written into the resource's status
+(``refusals``: condition ReplicaFailure, a Warning Event, a backoff held in ``status.nextRetryTime``), and the
+status is written after the children and pods, so its times describe writes that happened.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Any, cast
 import aiohttp
 import kopf
 
-from grstack.operator import names, serving, training
+from grstack.operator import kueue, names, objects, refusals, serving, training
 from grstack.operator.kube import ApiError, KubeClient
 from grstack.operator.metrics import OperatorMetrics
 
@@ -98,13 +101,7 @@ def owned_by(obj: dict[str, Any], uid: str) -> bool:
     return any(ref.get("uid") == uid for ref in obj.get("metadata", {}).get("ownerReferences") or [])
 
 
-def covers(desired: Any, live: Any) -> bool:
-    """Whether the live object already has every desired field (the API server adds defaults of its own)."""
-    if isinstance(desired, dict):
-        return isinstance(live, dict) and all(covers(v, live.get(k)) for k, v in desired.items())
-    if isinstance(desired, list):
-        return isinstance(live, list) and len(desired) == len(live) and all(map(covers, desired, live))
-    return desired == live or (desired is not None and live is not None and str(desired) == str(live))
+covers = objects.covers  # live objects hold canonical quantities ("500m" for "0.5"): compared by value
 
 
 def status_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any] | None:
@@ -116,8 +113,19 @@ def status_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any] | N
     return patch
 
 
+class Refused(ApiError):
+    """The API server refused a write of a child (a 4xx/5xx answer other than 409 to a create or patch)."""
+
+    def __init__(self, operation: str, obj: dict[str, Any], error: ApiError) -> None:
+        super().__init__(error.status, error.reason, error.message)
+        self.refusal = refusals.Refusal(operation=operation, kind=str(obj.get("kind")),
+                                        name=str(obj.get("metadata", {}).get("name")), code=error.status,
+                                        reason=error.reason, message=error.message)
+
+
 async def ensure(client: KubeClient, obj: dict[str, Any], *, update: bool) -> dict[str, Any]:
-    """Create ``obj`` if missing; with ``update``, merge-patch it when the live object differs."""
+    """Create ``obj`` if missing; with ``update``, merge-patch it when the live object differs. A refused
+    create or patch raises Refused."""
     meta = obj["metadata"]
     live = await client.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
     if live is None:
@@ -125,10 +133,13 @@ async def ensure(client: KubeClient, obj: dict[str, Any], *, update: bool) -> di
             return await client.create(obj)
         except ApiError as exc:
             if exc.status != 409:
-                raise
+                raise Refused("create", obj, exc) from exc
             live = await client.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"]) or {}
     if update and not covers(obj, live):
-        return await client.patch(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"], obj)
+        try:
+            return await client.patch(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"], obj)
+        except ApiError as exc:
+            raise Refused("patch", obj, exc) from exc
     return live
 
 
@@ -152,8 +163,32 @@ def post_events(body: dict[str, Any], events: list[tuple[str, str, str]]) -> Non
 # -------------------------------------------------------------------------------------------- training
 
 
+def holding(status: dict[str, Any], generation: int | None, now_: dt.datetime) -> float | None:
+    """Seconds left of the backoff after a refused write (status.nextRetryTime), or None: retry now. A new
+    generation (the user changed the spec, maybe to fix what was refused) retries at once."""
+    due = objects.parse_time(status.get("nextRetryTime"))
+    cond = objects.condition(status.get("conditions") or [], refusals.CONDITION) or {}
+    if due is None or due <= now_ or cond.get("observedGeneration") != generation:
+        return None
+    return (due - now_).total_seconds()
+
+
+def surface(rt: Runtime, status: dict[str, Any], events: list[tuple[str, str, str]],
+            refused: refusals.Refusal | None, wait: float | None, generation: int | None, where: str) -> float | None:
+    """After the writes of a pass: a refusal goes into ``status`` and ``events`` with the next backoff (which
+    is returned); a pass whose writes all went through clears the backoff. ``wait``: a backoff still held."""
+    if refused is not None:
+        wait = error_backoff(rt.config, refusals.retries(status) + 1, random.uniform(-1, 1))
+        events += refusals.record(status, refused, wait, now(), generation)
+        log.warning("%s: %s", where, refused.describe())
+    elif wait is None:
+        events += refusals.clear(status, now(), generation)
+    return wait
+
+
 async def reconcile_training_once(rt: Runtime, namespace: str, name: str) -> float | None:
-    """One pass: read, plan, apply. Returns when to come back (None = the regular resync)."""
+    """One pass: read, plan, write the children and pods, then the status (whose times and failures describe
+    the writes just made). Returns when to come back (None = the regular resync)."""
     client = rt.kube()
     key = (namespace, name)
     started = time.perf_counter()
@@ -162,34 +197,55 @@ async def reconcile_training_once(rt: Runtime, namespace: str, name: str) -> flo
         rt.metrics.job_state(key, None)
         return None
     uid = job["metadata"].get("uid")
+    generation = job["metadata"].get("generation")
     pods = [p for p in await client.list("v1", "Pod", namespace, {names.LABEL_JOB: name}) if owned_by(p, uid)]
-    plan = training.reconcile_training(job, pods, now())
+    view = await kueue.observe(client, job)  # None: the job names no Kueue queue
+    plan = training.reconcile_training(job, pods, now(), kueue_view=view)
+    wait = holding(plan.status, generation, now())
+
+    refused: refusals.Refusal | None = None
+    if wait is None:
+        for child in plan.children:  # kept up to date: a spec change reaches the ConfigMap and the Role
+            try:
+                await ensure(client, child, update=True)
+            except Refused as exc:
+                if child["kind"] == "PodGroup" and exc.status in (403, 404):
+                    log.warning("%s/%s: cannot create the %s PodGroup (is the gang scheduler installed and the "
+                                "operator allowed to manage podgroups?): %s", namespace, name, child["apiVersion"],
+                                exc)
+                    continue
+                refused = refused or exc.refusal
+    for pod_name in plan.delete_pods:
+        if await client.delete("v1", "Pod", namespace, pod_name):
+            rt.metrics.pods_deleted.inc()
+    if plan.kueue is not None and (wait is None or plan.kueue.create is None):
+        failed = await kueue.apply(client, namespace, plan.kueue)
+        if failed is not None:
+            refused = refused or Refused(*failed).refusal
+    created = 0
+    if wait is None and refused is None:  # the pods need their ConfigMap, Service and account
+        for pod in plan.create_pods:
+            try:
+                await client.create(pod)
+            except ApiError as exc:
+                if exc.status == 409:
+                    continue
+                refused = Refused("create", pod, exc).refusal
+                break  # the rest of the gang would meet the same answer; none waits on a partial gang
+            created += 1
+            rt.metrics.pods_created.inc()
+    training.record_created(plan, created, now())
+    wait = surface(rt, plan.status, plan.events, refused, wait, generation, f"{namespace}/{name}")
+    if wait is not None:
+        plan.requeue_after = wait if plan.requeue_after is None else min(plan.requeue_after, wait)
 
     patch = status_patch(job.get("status") or {}, plan.status)
     if patch is not None:
         await client.patch(names.API_VERSION, names.TRAINING_KIND, namespace, name, {"status": patch},
                            subresource="status")
     post_events(job, plan.events)
-    if plan.status.get("restarts", 0) > (job.get("status") or {}).get("restarts", 0):
+    if training.attempt_of(plan.status) > training.attempt_of(job.get("status") or {}):
         rt.metrics.restarts.inc()
-    for child in plan.children:  # kept up to date: a spec change reaches the ConfigMap and the Role
-        try:
-            await ensure(client, child, update=True)
-        except ApiError as exc:
-            if child["kind"] != "PodGroup" or exc.status not in (403, 404):
-                raise
-            log.warning("%s/%s: cannot create the %s PodGroup (is the gang scheduler installed and the operator "
-                        "allowed to manage podgroups?): %s", namespace, name, child["apiVersion"], exc)
-    for pod_name in plan.delete_pods:
-        if await client.delete("v1", "Pod", namespace, pod_name):
-            rt.metrics.pods_deleted.inc()
-    for pod in plan.create_pods:
-        try:
-            await client.create(pod)
-            rt.metrics.pods_created.inc()
-        except ApiError as exc:
-            if exc.status != 409:
-                raise
     if plan.delete_job:
         log.info("deleting %s/%s: ttlSecondsAfterFinished has passed", namespace, name)
         await client.delete(names.API_VERSION, names.TRAINING_KIND, namespace, name)
@@ -222,11 +278,19 @@ async def reconcile_serving_once(rt: Runtime, namespace: str, name: str) -> floa
     stats = await fetch_stats(serving.stats_targets(svc, pods))
     window = rt.hit_rates.setdefault(key, serving.HitRateWindow())
     plan = serving.reconcile_serving(svc, observed, stats, now(), window)
+    generation = svc["metadata"].get("generation")
+    wait = holding(plan.status, generation, now())
 
-    for child in plan.children:
-        await ensure(client, child, update=True)
+    refused: refusals.Refusal | None = None
+    if wait is None:
+        for child in plan.children:
+            try:
+                await ensure(client, child, update=True)
+            except Refused as exc:
+                refused = refused or exc.refusal
     for api_version, kind, child_name in plan.delete:
         await client.delete(api_version, kind, namespace, child_name)
+    wait = surface(rt, plan.status, plan.events, refused, wait, generation, f"{namespace}/{name}")
     patch = status_patch(svc.get("status") or {}, plan.status)
     if patch is not None:
         await client.patch(names.API_VERSION, names.SERVING_KIND, namespace, name, {"status": patch},
@@ -235,7 +299,7 @@ async def reconcile_serving_once(rt: Runtime, namespace: str, name: str) -> floa
     ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in plan.status.get("conditions", []))
     rt.metrics.service_ready(key, ready)
     rt.metrics.reconcile_seconds.labels("GRRankingService").observe(time.perf_counter() - started)
-    return None
+    return wait
 
 
 async def fetch_stats(urls: list[str], timeout: float = 1.0) -> list[dict[str, Any]]:
@@ -433,6 +497,12 @@ def build_registry(config: OperatorConfig | None = None) -> tuple[kopf.OperatorR
     @kopf.on.delete(G, V, names.TRAINING_PLURAL, optional=True, registry=registry)
     def training_deleted(namespace: str | None, name: str, **_: Any) -> None:
         rt.metrics.job_state((_namespaced(namespace), name), None)
+
+    @kopf.on.event(kueue.GROUP, kueue.API_VERSION.rpartition("/")[2], kueue.WORKLOAD_PLURAL,
+                   labels={names.LABEL_JOB: kopf.PRESENT}, registry=registry)
+    def workload_event(labels: Mapping[str, str], namespace: str | None, **_: Any) -> None:
+        """Kueue admitted or evicted a job's Workload (watched once Kueue's CRDs exist)."""
+        rt.wake(("GRTrainingJob", _namespaced(namespace), labels[names.LABEL_JOB]))
 
     @kopf.on.event("pods", labels={names.LABEL_JOB: kopf.PRESENT}, registry=registry)
     def worker_event(labels: Mapping[str, str], namespace: str | None, **_: Any) -> None:

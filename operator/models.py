@@ -10,14 +10,35 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 from pydantic.alias_generators import to_camel
 
-# An int-or-string Kubernetes quantity ("500m", "4Gi", 2).
+from grstack.operator import names, policy, quantity
+
+# apimachinery's resource.Quantity grammar, as the CRD pattern (integers need none).
+QUANTITY_PATTERN = (r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|"
+                    r"([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
+
+
+def _quantity(value: int | str) -> int | str:
+    quantity.parse(value)  # ValueError names the bad value
+    return value
+
+
+# An int-or-string Kubernetes quantity ("500m", "4Gi", 2); compared by value with what the API server stores.
 Quantity = Annotated[
     int | str,
-    WithJsonSchema({"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True}),
+    AfterValidator(_quantity),
+    WithJsonSchema({"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True,
+                    "pattern": QUANTITY_PATTERN}),
 ]
+# An int-or-string count or percentage (a PodDisruptionBudget's maxUnavailable: 1, "25%").
+IntOrPercent = Annotated[
+    Annotated[int, Field(ge=0)] | Annotated[str, Field(pattern=r"^[0-9]+%$")],
+    WithJsonSchema({"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True,
+                    "pattern": r"^[0-9]+%$"}),
+]
+Replicas = Annotated[int, Field(ge=1, le=names.MAX_REPLICAS)]
 # A Kubernetes structure passed through to pods unchanged (tolerations, affinity); the API server checks it
 # when the pod is created.
 KubeObject = Annotated[dict[str, Any], WithJsonSchema({"type": "object", "x-kubernetes-preserve-unknown-fields": True})]
@@ -44,6 +65,14 @@ class Resources(_Model):
 
     requests: dict[str, Quantity] = Field(default_factory=dict)
     limits: dict[str, Quantity] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _request_within_limit(self) -> Resources:
+        for key, limit in self.limits.items():  # the API server refuses such a container
+            request = self.requests.get(key)
+            if request is not None and quantity.parse(request) > quantity.parse(limit):
+                raise ValueError(f"requests.{key} {request} is above limits.{key} {limit}")
+        return self
 
 
 class Scheduling(_Model):
@@ -115,11 +144,12 @@ class WorkerTemplate(_Model):
             raise ValueError(f"template sets what the operator sets: {', '.join(bad)} (image, command and "
                              f"args come from spec.image and the trainer config; reserved environment: "
                              f"{', '.join(RESERVED_WORKER_ENV)}; reserved volumes: {', '.join(RESERVED_VOLUMES)})")
+        policy.check_template(spec)  # host namespaces, hostPath, privileged, root, service account
         return self
 
 
 class Workers(_Model):
-    replicas: int = Field(1, ge=1, description="pods in the job (nodes); nprocPerNode ranks each")
+    replicas: Replicas = Field(1, description="pods in the job (nodes); nprocPerNode ranks each")
     nproc_per_node: int = Field(
         1, ge=1, description="ranks per pod (grstack train --nproc), one accelerator each: WORLD_SIZE = "
                              "replicas * nprocPerNode")
@@ -136,6 +166,7 @@ class Workers(_Model):
         if bad:
             raise ValueError(f"workers.env sets {', '.join(bad)}: the operator sets "
                              f"{', '.join(RESERVED_WORKER_ENV)} for every rank")
+        policy.check_replicas("workers.replicas", self.replicas)
         return self
 
 
@@ -164,8 +195,9 @@ class SchedulingPolicy(_Model):
                             "minMember = workers.replicas")
     queue: str | None = Field(None, description="Volcano queue of the PodGroup (gangScheduler Volcano)")
     kueue_queue_name: str | None = Field(
-        None, description="Kueue LocalQueue: pods get the kueue.x-k8s.io/queue-name label and form one Kueue "
-                          "pod group (default: the job's own kueue.x-k8s.io/queue-name label)")
+        None, description="Kueue LocalQueue: the operator queues the job through a kueue.x-k8s.io Workload and "
+                          "creates its pods once Kueue admits it (default: the job's own "
+                          "kueue.x-k8s.io/queue-name label)")
     schedule_timeout_seconds: int | None = Field(
         None, ge=1, description="a gang partly scheduled this long after its pods were created is released "
                                 "(pods deleted, condition GangScheduled False ScheduleTimeout) and recreated")
@@ -237,6 +269,18 @@ class Progress(_Model):
     update_time: str | None = None
 
 
+class ApiFailure(_Model):
+    """The last write of a child the API server refused (kept after it recovers; see condition ReplicaFailure)."""
+
+    time: str
+    operation: str = Field(description="create or patch")
+    kind: str
+    name: str
+    code: int = Field(description="the HTTP status of the refusal")
+    reason: str = Field(description="the API's reason (Forbidden, Invalid, ...)")
+    message: str = Field(description="the API's message")
+
+
 class GRTrainingJobStatus(_Model):
     state: TrainingState | None = None
     conditions: list[Condition] = Field(
@@ -244,6 +288,11 @@ class GRTrainingJobStatus(_Model):
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})
     workers: WorkerCounts = Field(default_factory=WorkerCounts)
     restarts: int = 0
+    disruptions: int = Field(0, description="gang restarts after a preemption, eviction or node drain "
+                                            "(DisruptionTarget; not counted against backoffLimit)")
+    retries: int | None = Field(None, description="consecutive reconcile passes whose writes the API refused")
+    next_retry_time: str | None = Field(None, description="when the operator retries a refused write")
+    last_failure: ApiFailure | None = None
     gang_attempt: int | None = Field(None, description="the attempt whose pods were all seen (a later gap is a loss)")
     gang_start_time: str | None = Field(None, description="when the current gang's pods were created")
     progress: Progress | None = None
@@ -303,7 +352,8 @@ class DisruptionBudget(_Model):
     """A PodDisruptionBudget for rankers and one for routers (voluntary evictions: drains, upgrades)."""
 
     enabled: bool = True
-    max_unavailable: Quantity = Field(1, description="pods of each component that may be evicted at once")
+    max_unavailable: IntOrPercent = Field(1, description="pods of each component that may be evicted at once: a "
+                                                         "count or a percentage")
 
 
 class Autoscaling(_Model):
@@ -312,8 +362,8 @@ class Autoscaling(_Model):
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
         {"rule": "self.maxReplicas >= self.minReplicas", "message": "maxReplicas must be >= minReplicas"}]})
 
-    min_replicas: int = Field(1, ge=1)
-    max_replicas: int = Field(ge=1)
+    min_replicas: Replicas = 1
+    max_replicas: Replicas
     target_cpu_utilization_percentage: int = Field(80, ge=1, le=100, alias="targetCPUUtilizationPercentage")
 
     @model_validator(mode="after")
@@ -331,7 +381,7 @@ class Ranker(_Model):
 
 
 class Router(_Model):
-    replicas: int = Field(1, ge=1)
+    replicas: Replicas = 1
     port: int = Field(8080, ge=1, le=65535)
     service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
     resources: Resources = Field(default_factory=Resources)
@@ -433,7 +483,7 @@ class GRRankingServiceSpec(_Model):
     image_pull_secrets: list[str] = Field(default_factory=list)
     checkpoint: Checkpoint
     storage: Storage = Field(default_factory=Storage)
-    replicas: int = Field(1, ge=1, description="ranker replicas (the scale subresource)")
+    replicas: Replicas = Field(1, description="ranker replicas (the scale subresource)")
     autoscaling: Autoscaling | None = None
     ranker: Ranker = Field(default_factory=Ranker)
     router: Router = Field(default_factory=Router)
@@ -449,6 +499,10 @@ class GRRankingServiceSpec(_Model):
 
     @model_validator(mode="after")
     def _etcd(self) -> GRRankingServiceSpec:
+        policy.check_replicas("replicas", self.replicas)
+        policy.check_replicas("router.replicas", self.router.replicas)
+        if self.autoscaling is not None:
+            policy.check_replicas("autoscaling.maxReplicas", self.autoscaling.max_replicas)
         if self.etcd.managed and self.etcd.endpoints:
             raise ValueError("etcd: set either managed or endpoints, not both")
         if not self.etcd.endpoints and (self.etcd.tls is not None or self.etcd.auth is not None):
@@ -486,4 +540,7 @@ class GRRankingServiceStatus(_Model):
                                                            "spec.hitRateWindowSeconds (all rankers)")
     updated_replicas: int = Field(0, description="ranker replicas at the current revision")
     selector: str | None = Field(None, description="ranker pod selector (scale subresource)")
+    retries: int | None = Field(None, description="consecutive reconcile passes whose writes the API refused")
+    next_retry_time: str | None = Field(None, description="when the operator retries a refused write")
+    last_failure: ApiFailure | None = None
     observed_generation: int | None = None

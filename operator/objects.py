@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from grstack.operator import names
+from grstack.operator import names, quantity
 from grstack.operator.models import EnvVar, Resources, Scheduling
 
 RUN_AS = 1000  # the image's non-root user (see Dockerfile)
@@ -113,13 +113,31 @@ def annotation(obj: dict[str, Any], key: str) -> str | None:
     return (obj.get("metadata", {}).get("annotations") or {}).get(key)
 
 
-def covers(desired: Any, live: Any) -> bool:
-    """Whether the live object already has every desired field (the API server adds defaults of its own)."""
+# Fields holding a quantity, and maps of quantities: the API server stores them canonicalised ("0.5" as
+# "500m"), so they compare by value.
+QUANTITY_FIELDS = ("sizeLimit",)
+QUANTITY_MAPS = ("requests", "limits")
+
+
+def covers(desired: Any, live: Any, _is_quantity: bool = False) -> bool:
+    """Whether the live object already has every desired field (the API server adds defaults of its own and
+    canonicalises quantities)."""
     if isinstance(desired, dict):
-        return isinstance(live, dict) and all(covers(v, live.get(k)) for k, v in desired.items())
+        if not isinstance(live, dict):
+            return False
+        if _is_quantity:  # a map of quantities (requests, limits)
+            return all(v is not None and quantity.equal(v, live.get(k)) for k, v in desired.items())
+        return all(covers(v, live.get(k), True) if k in QUANTITY_MAPS else _covers_field(k, v, live.get(k))
+                   for k, v in desired.items())
     if isinstance(desired, list):
         return isinstance(live, list) and len(desired) == len(live) and all(map(covers, desired, live))
     return desired == live or (desired is not None and live is not None and str(desired) == str(live))
+
+
+def _covers_field(key: str, desired: Any, live: Any) -> bool:
+    if key in QUANTITY_FIELDS and desired is not None and live is not None:
+        return quantity.equal(desired, live)
+    return covers(desired, live)
 
 
 def scheduled(pod: dict[str, Any]) -> bool:
@@ -192,8 +210,9 @@ def pod_security_context() -> dict[str, Any]:
 
 
 def container_security_context() -> dict[str, Any]:
-    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"]}}
+    """The Pod Security Standards' restricted profile, explicit on each container (and a read-only root)."""
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
 
 
 # A read-only root filesystem needs writable scratch space: /tmp (HOME, caches) and /dev/shm (DataLoader

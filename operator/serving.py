@@ -516,14 +516,6 @@ def _ready(obj: dict[str, Any] | None) -> int:
     return int(_status(obj).get("readyReplicas") or 0)
 
 
-def _covers(desired: Any, live: Any) -> bool:
-    if isinstance(desired, dict):
-        return isinstance(live, dict) and all(_covers(v, live.get(k)) for k, v in desired.items())
-    if isinstance(desired, list):
-        return isinstance(live, list) and len(desired) == len(live) and all(map(_covers, desired, live))
-    return desired == live or (desired is not None and live is not None and str(desired) == str(live))
-
-
 def rollout(desired: dict[str, Any], live: dict[str, Any] | None, want: int) -> tuple[bool, str]:
     """Whether a StatefulSet/Deployment has rolled out ``desired``: its live spec is the desired one, the
     controller has seen the current generation, and ``want`` replicas are updated and available with no old
@@ -531,7 +523,7 @@ def rollout(desired: dict[str, Any], live: dict[str, Any] | None, want: int) -> 
     kind = desired["kind"]
     if live is None:
         return False, f"{kind} not created yet"
-    if "spec" in live and not _covers(desired["spec"], live["spec"]):
+    if "spec" in live and not objects.covers(desired["spec"], live["spec"]):  # quantities by value
         return False, f"{kind} being updated"
     st = _status(live)
     generation = (live.get("metadata") or {}).get("generation")
@@ -560,8 +552,9 @@ def reconcile_serving(svc: dict[str, Any], observed: dict[tuple[str, str], dict[
     plan = ServingPlan(status=status)
     conds = status.get("conditions") or []
     try:
-        if len(name) > names.MAX_NAME_LENGTH:
-            raise ValueError(f"metadata.name: at most {names.MAX_NAME_LENGTH} characters")
+        problem = names.name_problem(name)  # the CRD's CEL rules, for API servers that skipped them
+        if problem:
+            raise ValueError(problem)
         spec = GRRankingServiceSpec.model_validate(svc.get("spec") or {})
     except (ValidationError, ValueError) as exc:
         message = objects.validation_message(exc)

@@ -5,15 +5,20 @@ tested with tables (``tests/operator/test_op_training.py``).
 
 Lifecycle (Kubeflow PyTorchJob semantics for a gang of ranks):
 
-- one Pod per rank (``restartPolicy: Never``), labelled with the *attempt* (= ``status.restarts``); a
-  headless Service gives rank 0 a stable DNS name for ``MASTER_ADDR``;
+- one Pod per rank (``restartPolicy: Never``), labelled with the *attempt* (= ``status.restarts`` +
+  ``status.disruptions``); a headless Service gives rank 0 a stable DNS name for ``MASTER_ADDR``;
 - rank 0 Succeeded -> Succeeded; a worker Failed -> the whole gang is deleted and recreated as the next
   attempt, which resumes from the last checkpoint on the checkpoint volume, until ``backoffLimit``;
-  exit status 2 is the trainer's "user error" and fails the job at once (retrying cannot help);
+  exit status 2 is the trainer's "user error" and fails the job at once (retrying cannot help); a worker
+  the cluster took away (``DisruptionTarget``: preemption, eviction, node drain) restarts the gang without
+  charging ``backoffLimit``;
 - ``activeDeadlineSeconds`` fails a job that runs too long, ``ttlSecondsAfterFinished`` deletes a finished
   job, ``cleanPodPolicy`` says which pods go when it ends, ``suspend`` deletes the pods and resuming
   recreates them (from the checkpoint);
 - a spec the models (or the trainer config model) reject -> Failed with reason ``InvalidSpec``.
+
+The pods' creation times (``startTime``, ``gangStartTime``) are written by ``record_created`` once the API
+server has created them; a refused write is surfaced by ``refusals``.
 """
 
 from __future__ import annotations
@@ -22,12 +27,13 @@ import datetime as dt
 import functools
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
 
-from grstack.operator import names, objects, trainconfig
+from grstack.operator import kueue, names, objects, policy, trainconfig
 from grstack.operator.models import RESERVED_WORKER_ENV, GRTrainingJobSpec
 
 # Gang scheduling (``spec.runPolicy.schedulingPolicy``).
@@ -36,9 +42,6 @@ COSCHEDULING_LABEL = "scheduling.x-k8s.io/pod-group"
 COSCHEDULING_SCHEDULER = "scheduler-plugins-scheduler"  # the scheduler-plugins chart's second scheduler
 VOLCANO_API = "scheduling.volcano.sh/v1beta1"
 VOLCANO_ANNOTATION = "scheduling.k8s.io/group-name"
-KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
-KUEUE_GROUP_LABEL = "kueue.x-k8s.io/pod-group-name"
-KUEUE_GROUP_COUNT = "kueue.x-k8s.io/pod-group-total-count"
 # Container waiting reasons that will not resolve by waiting (surfaced as condition WorkersWaiting).
 BLOCKING_REASONS = ("ImagePullBackOff", "ErrImagePull", "CrashLoopBackOff", "CreateContainerConfigError",
                     "CreateContainerError", "InvalidImageName")
@@ -46,6 +49,10 @@ BLOCKING_REASONS = ("ImagePullBackOff", "ErrImagePull", "CrashLoopBackOff", "Cre
 TERMINAL = ("Succeeded", "Failed")
 STATE_CONDITIONS = ("Running", "Restarting", "Succeeded", "Failed", "Suspended")
 USER_ERROR_EXIT = 2
+# Reasons a queued job is held that need someone to act (Warning Events); the rest are Kueue doing its job.
+KUEUE_PROBLEMS = ("KueueUnavailable", "AdmissionFailed", "WorkloadFinished")
+# status.reason of a pod the kubelet or scheduler took away (node-pressure eviction, preemption).
+DISRUPTION_REASONS = ("Evicted", "Preempted", "Preempting", "Terminated", "NodeShutdown")
 
 
 @dataclass
@@ -57,6 +64,8 @@ class TrainingPlan:
     delete_job: bool = False
     requeue_after: float | None = None
     events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
+    deadline_seconds: int | None = None  # activeDeadlineSeconds, counted once record_created sets startTime
+    kueue: kueue.KueueStep | None = None  # a queued job's Workload writes (operator/kueue.py)
 
 
 class InvalidSpec(ValueError):
@@ -66,9 +75,9 @@ class InvalidSpec(ValueError):
 def parse_spec(job: dict[str, Any]) -> GRTrainingJobSpec:
     """The validated spec, or InvalidSpec with a one-line message naming the field."""
     name = job["metadata"]["name"]
-    if len(name) > names.MAX_NAME_LENGTH:
-        raise InvalidSpec(f"metadata.name: at most {names.MAX_NAME_LENGTH} characters (pod and service names "
-                          f"are derived from it)")
+    problem = names.name_problem(name)  # the CRD's CEL rules, for API servers that skipped them
+    if problem:
+        raise InvalidSpec(problem)
     try:
         spec = GRTrainingJobSpec.model_validate(job.get("spec") or {})
     except ValidationError as exc:
@@ -141,11 +150,6 @@ def pod_groups(job: dict[str, Any], spec: GRTrainingJobSpec) -> list[dict[str, A
         return []
     return [{"apiVersion": api, "kind": "PodGroup", "metadata": objects.metadata(job, name, labels(name)),
              "spec": group_spec}]
-
-
-def kueue_queue(job: dict[str, Any], spec: GRTrainingJobSpec) -> str | None:
-    return (spec.run_policy.scheduling_policy.kueue_queue_name
-            or (job["metadata"].get("labels") or {}).get(KUEUE_QUEUE_LABEL))
 
 
 def run_dir(name: str, spec: GRTrainingJobSpec) -> str:
@@ -238,11 +242,6 @@ def worker_pod(job: dict[str, Any], spec: GRTrainingJobSpec, rank: int, attempt:
     elif gang == "Volcano":
         annotations[VOLCANO_ANNOTATION] = name
         pod_spec.setdefault("schedulerName", "volcano")
-    queue = kueue_queue(job, spec)
-    if queue:  # Kueue's plain-pod-group integration admits the gang as one workload
-        pod_labels[KUEUE_QUEUE_LABEL] = queue
-        pod_labels[KUEUE_GROUP_LABEL] = f"{name}-a{attempt}"
-        annotations[KUEUE_GROUP_COUNT] = str(spec.workers.replicas)
     # The hash covers what the pod runs: its spec, labels and annotations, and the trainer config it mounts. A pod of the current
     # attempt whose hash differs from the desired one was made from an older spec (see reconcile_training).
     digest = spec_hash({"spec": pod_spec, "labels": pod_labels, "annotations": annotations},
@@ -306,7 +305,9 @@ def overlay(pod_spec: dict[str, Any], template: dict[str, Any]) -> None:
     """Merges ``spec.workers.template.spec`` into a worker's pod spec, strategic-merge style: containers and
     the other keyed lists by their key (the ``trainer`` container is the operator's: its env, mounts, ports
     merged, other fields deep-merged), tolerations appended, maps deep-merged, other fields replaced. What the
-    operator must own (rank env, command, restartPolicy, its volumes) is refused by the models before this."""
+    operator must own (rank env, command, restartPolicy, its volumes) and what escapes the restricted pod
+    security profile (unless the cluster allows it) are refused by the models before this; every container,
+    sidecars and init containers included, then gets the restricted securityContext defaults."""
     for key, value in template.items():
         if key == "containers" and isinstance(value, list):
             containers = list(pod_spec["containers"])
@@ -326,6 +327,7 @@ def overlay(pod_spec: dict[str, Any], template: dict[str, Any]) -> None:
             pod_spec[key] = _deep_merge(pod_spec[key], value)
         else:
             pod_spec[key] = value
+    policy.restrict(pod_spec, template)
 
 
 ANNOTATION_SPEC_HASH = f"{names.GROUP}/spec-hash"
@@ -432,198 +434,444 @@ def _failure_message(pod: dict[str, Any]) -> tuple[int | None, str]:
     return code, text
 
 
-def reconcile_training(job: dict[str, Any], pods: list[dict[str, Any]], now: dt.datetime) -> TrainingPlan:
+# --------------------------------------------------------------------------------------------- reconcile
+#
+# reconcile_training dispatches on status.state to one handler per state (HANDLERS). A handler works on a
+# Pass (the job, its observed pods, the status being built, the plan) and returns the state to continue with
+# in the same pass (a resumed job goes on as Created), or None when the pass is decided. The active states
+# share one ordered list of steps (ACTIVE_STEPS): each is a small pure rule that either decides the pass
+# (returns True) or leaves it to the next. Pod creation times are not set here: the handlers write them
+# after the API server has created the pods (record_created).
+
+
+def attempt_of(status: dict[str, Any]) -> int:
+    """The gang's incarnation (the pods' attempt label): every gang restart, charged or not, starts a new one."""
+    return int(status.get("restarts") or 0) + int(status.get("disruptions") or 0)
+
+
+@dataclass
+class Pass:
+    """What one pass decides on: the job and its parsed spec, the pods observed, the time, and the plan (whose
+    ``status`` is the new status being built)."""
+
+    job: dict[str, Any]
+    spec: GRTrainingJobSpec
+    pods: list[dict[str, Any]]
+    now: dt.datetime
+    plan: TrainingPlan
+    kueue_view: kueue.KueueView | None = None
+
+    @property
+    def status(self) -> dict[str, Any]:
+        return self.plan.status
+
+    @property
+    def name(self) -> str:
+        return str(self.job["metadata"]["name"])
+
+    @property
+    def generation(self) -> int | None:
+        return self.job["metadata"].get("generation")
+
+    @property
+    def replicas(self) -> int:
+        return self.spec.workers.replicas
+
+    @functools.cached_property
+    def live(self) -> list[dict[str, Any]]:
+        return [p for p in self.pods if not objects.terminating(p)]
+
+    @functools.cached_property
+    def gang(self) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]]]:
+        """(rank -> live pod of the current attempt, every other live pod)."""
+        attempt = attempt_of(self.status)
+        current: dict[int, dict[str, Any]] = {}
+        stale: list[dict[str, Any]] = []
+        for pod in self.live:
+            rank = objects.label_int(pod, names.LABEL_RANK)
+            if objects.label_int(pod, names.LABEL_ATTEMPT) == attempt and 0 <= rank < self.replicas \
+                    and rank not in current:
+                current[rank] = pod
+            else:
+                stale.append(pod)
+        return current, stale
+
+    @property
+    def current(self) -> dict[int, dict[str, Any]]:
+        return self.gang[0]
+
+    @functools.cached_property
+    def gate(self) -> kueue.KueueStep | None:
+        """A queued job's Kueue step (None: not queued): whether its pods may run, and with what placement."""
+        if not kueue.queue_name(self.job):
+            return None
+        pod = worker_pod(self.job, self.spec, 0, attempt_of(self.status))
+        active = any(objects.phase(x) not in ("Succeeded", "Failed") for x in self.pods)
+        ready = sum(objects.ready(x) or objects.phase(x) == "Succeeded"
+                    for x in self.current.values()) >= self.replicas
+        return kueue.step(self.job, pod, self.replicas, self.spec.run_policy.suspend,
+                          self.kueue_view or kueue.KueueView(), active, self.now, ready)
+
+    @functools.cached_property
+    def desired(self) -> dict[int, dict[str, Any]]:
+        attempt = attempt_of(self.status)
+        pods = {r: worker_pod(self.job, self.spec, r, attempt) for r in range(self.replicas)}
+        info = self.gate.info if self.gate is not None else None
+        return {r: kueue.inject(pod, info) for r, pod in pods.items()} if info is not None else pods
+
+    def state(self, state: str, reason: str, message: str) -> None:
+        _set_state(self.status, state, reason, message, self.now, self.generation)
+
+    def condition(self, type_: str, value: bool, reason: str, message: str) -> None:
+        self.status["conditions"] = objects.set_condition(self.status.get("conditions") or [], type_, value,
+                                                          reason, message, self.now, self.generation)
+
+    def event(self, type_: str, reason: str, message: str) -> None:
+        self.plan.events.append((type_, reason, message))
+
+    def requeue(self, seconds: float) -> None:
+        self.plan.requeue_after = seconds if self.plan.requeue_after is None else min(self.plan.requeue_after,
+                                                                                      seconds)
+
+    def drop_gang(self) -> None:
+        """The current gang goes on purpose (restart, suspend, release): delete it, forget its start."""
+        self.plan.delete_pods += [p["metadata"]["name"] for p in self.current.values()
+                                  if p["metadata"]["name"] not in self.plan.delete_pods]
+        self.status.pop("gangAttempt", None)
+        self.status.pop("gangStartTime", None)
+        self.status["workers"] = {"active": 0, "succeeded": 0, "failed": 0}
+
+
+def reconcile_training(job: dict[str, Any], pods: list[dict[str, Any]], now: dt.datetime,
+                       kueue_view: kueue.KueueView | None = None) -> TrainingPlan:
+    """The plan for one pass: a pure function of the job, its observed pods, the time and, for a job queued
+    in Kueue, what was read of its Workload (None: nothing yet)."""
     meta = job["metadata"]
     name, generation = meta["name"], meta.get("generation")
     status: dict[str, Any] = json.loads(json.dumps(job.get("status") or {}))
     status.setdefault("restarts", 0)
     status["observedGeneration"] = generation
-    previous_state = status.get("state")
     plan = TrainingPlan(status=status)
-    live = [p for p in pods if not objects.terminating(p)]
-
     if not objects.condition(status.get("conditions") or [], "Created"):
         status["conditions"] = objects.set_condition(status.get("conditions") or [], "Created", True,
                                                      "JobCreated", f"GRTrainingJob {name} created", now,
                                                      generation)
-        status["state"] = previous_state = previous_state or "Created"
+        status["state"] = status.get("state") or "Created"
 
     try:
         spec = parse_spec(job)
     except InvalidSpec as exc:
-        if previous_state not in TERMINAL:
+        if status.get("state") not in TERMINAL:
             _set_state(status, "Failed", "InvalidSpec", str(exc), now, generation)
             status.setdefault("completionTime", objects.timestamp(now))
             plan.events.append(("Warning", "InvalidSpec", str(exc)))
-        plan.delete_pods = _cleanup(live, "Running", failed=True)
+        plan.delete_pods = _cleanup([p for p in pods if not objects.terminating(p)], "Running", failed=True)
+        if kueue.queue_name(job):
+            plan.kueue = kueue.finished(kueue_view or kueue.KueueView(), "Failed", str(exc), now)
         return plan
 
-    policy = spec.run_policy
-    status["workers"] = _counts([p for p in live if objects.label_int(p, names.LABEL_ATTEMPT) == status["restarts"]])
-    rank0 = next((p for p in pods if objects.label_int(p, names.LABEL_RANK) == 0
-                  and objects.label_int(p, names.LABEL_ATTEMPT) == status["restarts"]), None)
+    p = Pass(job=job, spec=spec, pods=pods, now=now, plan=plan, kueue_view=kueue_view)
+    attempt = attempt_of(status)
+    status["workers"] = _counts([x for x in p.live if objects.label_int(x, names.LABEL_ATTEMPT) == attempt])
+    rank0 = next((x for x in pods if objects.label_int(x, names.LABEL_RANK) == 0
+                  and objects.label_int(x, names.LABEL_ATTEMPT) == attempt), None)
     progress = progress_from(rank0, status.get("progress"))
     if progress is not None:
         status["progress"] = progress
+    if status["state"] not in TERMINAL:
+        plan.children = children(job, spec)
 
-    if previous_state in TERMINAL:
-        _finish(plan, live, spec, now, failed=previous_state == "Failed")
-        return plan
-
-    plan.children = children(job, spec)
-
-    if policy.suspend:
-        if previous_state != "Suspended":
-            _set_state(status, "Suspended", "JobSuspended", "runPolicy.suspend is true; pods deleted", now,
-                       generation)
-            plan.events.append(("Normal", "Suspended", "job suspended"))
-        plan.delete_pods = [p["metadata"]["name"] for p in live]
-        status["workers"] = {"active": 0, "succeeded": 0, "failed": 0}
-        status.pop("gangAttempt", None)  # the gang is gone on purpose: its absence is no lost worker
-        status.pop("gangStartTime", None)
-        _waiting_condition(plan, status, {}, now, generation)  # no pods, nothing waits
-        return plan
-    if previous_state == "Suspended":
-        status.pop("startTime", None)  # the deadline counts from the resume, as in Kubeflow
-        status.pop("gangAttempt", None)  # the resumed gang has not been seen whole yet
-        status["conditions"] = objects.set_condition(status["conditions"], "Suspended", False, "JobResumed",
-                                                     "runPolicy.suspend is false; pods recreated", now,
-                                                     generation)
-        status["state"] = "Created"
-        plan.events.append(("Normal", "Resumed", "job resumed from the last checkpoint"))
-
-    start = objects.parse_time(status.get("startTime"))
-    if start is not None and policy.active_deadline_seconds is not None:
-        deadline = start + dt.timedelta(seconds=policy.active_deadline_seconds)
-        if now >= deadline:
-            msg = f"job ran longer than activeDeadlineSeconds={policy.active_deadline_seconds}"
-            _set_state(status, "Failed", "DeadlineExceeded", msg, now, generation)
-            status["completionTime"] = objects.timestamp(now)
-            plan.events.append(("Warning", "DeadlineExceeded", msg))
-            _finish(plan, live, spec, now, failed=True)
-            return plan
-        plan.requeue_after = (deadline - now).total_seconds()
-
-    attempt = status["restarts"]
-    replicas = spec.workers.replicas
-    current: dict[int, dict[str, Any]] = {}
-    stale: list[dict[str, Any]] = []
-    for pod in live:
-        rank = objects.label_int(pod, names.LABEL_RANK)
-        if objects.label_int(pod, names.LABEL_ATTEMPT) == attempt and 0 <= rank < replicas and rank not in current:
-            current[rank] = pod
-        else:
-            stale.append(pod)
-    plan.delete_pods = [p["metadata"]["name"] for p in stale]
-
-    failed = [current[r] for r in sorted(current) if objects.phase(current[r]) == "Failed"]
-    if 0 in current and objects.phase(current[0]) == "Succeeded":
-        step = (status.get("progress") or {}).get("step")
-        msg = f"rank 0 finished{f' at step {step}' if step is not None else ''}"
-        _set_state(status, "Succeeded", "JobSucceeded", msg, now, generation)
-        status["completionTime"] = objects.timestamp(now)
-        plan.events.append(("Normal", "Succeeded", msg))
-        _finish(plan, live, spec, now, failed=False)
-        return plan
-
-    # A spec change that reaches the pods (image, env, resources, trainer config, replicas, ...): the gang is
-    # restarted on purpose from the last checkpoint, as one gang of the new spec. Not a failure: backoffLimit
-    # is not charged. (workers.replicas can only change while suspended or finished: a CEL rule in the CRD.)
-    # Only a change of the job's spec counts (its generation moved since the pod was made): a new operator
-    # version that builds pods a little differently does not restart the jobs already running.
-    desired = {r: worker_pod(job, spec, r, attempt) for r in range(replicas)}
-    outdated = {r: p for r, p in current.items()
-                if objects.annotation(p, ANNOTATION_SPEC_HASH) not in (None, objects.annotation(
-                    desired[r], ANNOTATION_SPEC_HASH))
-                and objects.annotation(p, ANNOTATION_GENERATION) not in (None, str(generation or 0))}
-    if outdated or (current and any(objects.label_int(p, names.LABEL_RANK) >= replicas for p in stale
-                                    if objects.label_int(p, names.LABEL_ATTEMPT) == attempt)):
-        rank = min(outdated) if outdated else min(current)
-        fields = _changed(desired[rank], outdated[rank]) if outdated else ["workers.replicas"]
-        msg = (f"spec changed (generation {generation}: {', '.join(fields)}); restarting all {replicas} workers "
-               f"from the last checkpoint")
-        _set_state(status, "Restarting", "SpecChanged", msg, now, generation)
-        plan.events.append(("Normal", "SpecChanged", msg))
-        plan.delete_pods += [p["metadata"]["name"] for p in current.values()]
-        status.pop("gangAttempt", None)  # the old gang goes on purpose
-        status.pop("gangStartTime", None)
-        status["workers"] = {"active": 0, "succeeded": 0, "failed": 0}
-        plan.requeue_after = min(plan.requeue_after or 1.0, 1.0)
-        return plan
-
-    # A rank that vanished (deleted, evicted) after the whole gang of this attempt was seen: its peers cannot
-    # go on without it, so that is a gang failure too. Other missing ranks were never created (see below).
-    lost = [r for r in range(replicas) if r not in current]
-    problem: tuple[int | None, str, str] | None = None  # (exit status, message, reason)
-    if failed:
-        problem = (*_failure_message(failed[0]), "WorkerFailed")
-    elif lost and replicas > 1 and status.get("gangAttempt") == attempt:
-        problem = (None, f"pod {names.worker_pod_name(name, lost[0])} disappeared while its peers were running",
-                   "WorkerLost")
-
-    if problem is not None:
-        code, msg, reason = problem
-        if code == USER_ERROR_EXIT:
-            _fail(plan, status, "UserError", msg + " (a user error: not retried)", live, spec, now, generation)
-        elif attempt < policy.backoff_limit:
-            status["restarts"] = attempt + 1
-            text = (f"{msg}; restarting all {replicas} workers from the last checkpoint "
-                    f"(restart {attempt + 1} of {policy.backoff_limit})")
-            _set_state(status, "Restarting", reason, text, now, generation)
-            plan.events.append(("Warning", "Restarting", text))
-            plan.delete_pods += [p["metadata"]["name"] for p in current.values()]
-            status["workers"] = {"active": 0, "succeeded": 0, "failed": 0}
-        else:
-            text = f"{msg}; backoffLimit={policy.backoff_limit} restarts used"
-            _fail(plan, status, "BackoffLimitExceeded", text, live, spec, now, generation)
-        return plan
-
-    _waiting_condition(plan, status, current, now, generation)
-    timeout = policy.scheduling_policy.schedule_timeout_seconds
-    begun = objects.parse_time(status.get("gangStartTime"))
-    if timeout is not None and begun is not None and current:
-        scheduled = [r for r, p in current.items() if objects.scheduled(p)]
-        if len(scheduled) < replicas:
-            due = begun + dt.timedelta(seconds=timeout)
-            if scheduled and now >= due:  # a partial gang holds its nodes' accelerators: release it
-                msg = (f"only {len(scheduled)}/{replicas} workers were scheduled within scheduleTimeoutSeconds="
-                       f"{timeout}; the gang is released (pods deleted) and recreated")
-                status["conditions"] = objects.set_condition(status["conditions"], "GangScheduled", False,
-                                                             "ScheduleTimeout", msg, now, generation)
-                plan.events.append(("Warning", "ScheduleTimeout", msg))
-                plan.delete_pods += [p["metadata"]["name"] for p in current.values()]
-                status.pop("gangAttempt", None)
-                status.pop("gangStartTime", None)
-                status["workers"] = {"active": 0, "succeeded": 0, "failed": 0}
-                plan.requeue_after = min(plan.requeue_after or 1.0, 1.0)
-                return plan
-            if now < due:
-                wait = (due - now).total_seconds()
-                plan.requeue_after = min(plan.requeue_after or wait, wait)
-        elif objects.condition(status["conditions"], "GangScheduled") is not None:
-            status["conditions"] = objects.set_condition(status["conditions"], "GangScheduled", True,
-                                                         "GangScheduled", f"{replicas}/{replicas} workers scheduled",
-                                                         now, generation)
-
-    if len(current) == replicas:
-        status["gangAttempt"] = attempt
-    blocked = {p["metadata"]["name"] for p in pods if p not in current.values()}
-    waiting = any(names.worker_pod_name(name, r) in blocked for r in lost)
-    if not waiting:  # the whole gang at once, once the previous attempt's pods have released the names
-        plan.create_pods = [desired[rank] for rank in lost]
-    if plan.create_pods:
-        status["gangStartTime"] = objects.timestamp(now)
-    if plan.create_pods and not status.get("startTime"):
-        status["startTime"] = objects.timestamp(now)
-        if policy.active_deadline_seconds is not None:
-            plan.requeue_after = float(policy.active_deadline_seconds)
-    if waiting:
-        plan.requeue_after = min(plan.requeue_after or 1.0, 1.0)
-
-    running = sum(objects.phase(p) == "Running" for p in current.values())
-    if running == replicas:
-        _set_state(status, "Running", "JobRunning", f"{running}/{replicas} workers running", now, generation)
+    state: str | None = status["state"]
+    for _ in range(len(HANDLERS)):  # a handler hands over at most once per state
+        if state is None:
+            break
+        state = HANDLERS.get(state, _on_active)(p)
+    if kueue.queue_name(job):
+        _kueue_writes(p)
     return plan
+
+
+def _kueue_writes(p: Pass) -> None:
+    """The Workload writes of the pass: the gate's (create, deactivate, release) while the job runs or waits,
+    Finished once it has ended."""
+    state = p.status.get("state")
+    if state in TERMINAL:
+        message = (objects.condition(p.status.get("conditions") or [], state) or {}).get("message") or state
+        p.plan.kueue = kueue.finished(p.kueue_view or kueue.KueueView(), state, message, p.now)
+    else:
+        p.plan.kueue = p.gate
+    if p.plan.kueue is not None:
+        p.plan.events += p.plan.kueue.events
+
+
+# ------------------------------------------------------------------------------------------ state handlers
+
+
+def _on_finished(p: Pass) -> str | None:
+    """Succeeded or Failed: only cleanup (cleanPodPolicy) and the TTL remain."""
+    _finish(p.plan, p.live, p.spec, p.now, failed=p.status["state"] == "Failed")
+    return None
+
+
+def _on_suspended(p: Pass) -> str | None:
+    """Suspended: no pods while runPolicy.suspend holds, or while Kueue has not admitted a queued job;
+    resuming (or the admission) goes on as a new gang (from the checkpoint)."""
+    if _suspend(p):
+        return None
+    p.status.pop("startTime", None)  # the deadline counts from the resume, as in Kubeflow
+    p.status.pop("gangAttempt", None)  # the resumed gang has not been seen whole yet
+    gate = p.gate
+    if gate is not None and gate.info is not None:
+        p.condition("Suspended", False, "JobResumed", f"Workload {gate.name} admitted by Kueue ClusterQueue "
+                    f"{gate.info.cluster_queue}; pods recreated")
+    else:
+        p.condition("Suspended", False, "JobResumed", "runPolicy.suspend is false; pods recreated")
+    p.status["state"] = "Created"
+    p.event("Normal", "Resumed", "job resumed from the last checkpoint")
+    return "Created"
+
+
+def _on_active(p: Pass) -> str | None:
+    """Created, Running, Restarting: a gang being made, running, or remade. The same rules hold whatever the
+    last reported state, in this order."""
+    for step in ACTIVE_STEPS:
+        if step(p):
+            return None
+    return None
+
+
+# --------------------------------------------------------------------------------- steps of active states
+
+
+def _suspend(p: Pass) -> bool:
+    """runPolicy.suspend (the user's pause button), or a queued job Kueue has not admitted (or has evicted):
+    delete every pod."""
+    if p.spec.run_policy.suspend:
+        reason, message = "JobSuspended", "runPolicy.suspend is true; pods deleted"
+    elif p.gate is not None and p.gate.hold is not None:
+        reason, message = p.gate.hold
+    else:
+        return False
+    held = objects.condition(p.status.get("conditions") or [], "Suspended") or {}
+    if p.status.get("state") != "Suspended" or held.get("reason") != reason:
+        p.state("Suspended", reason, message)
+        if reason == "JobSuspended":
+            p.event("Normal", "Suspended", "job suspended")
+        else:
+            p.event("Warning" if reason in KUEUE_PROBLEMS else "Normal", reason, message)
+    elif held.get("message") != message:  # the same wait, Kueue's reason for it updated
+        p.condition("Suspended", True, reason, message)
+    p.plan.delete_pods = [x["metadata"]["name"] for x in p.live]
+    p.status["workers"] = {"active": 0, "succeeded": 0, "failed": 0}
+    p.status.pop("gangAttempt", None)  # the gang is gone on purpose: its absence is no lost worker
+    p.status.pop("gangStartTime", None)
+    _waiting_condition(p.plan, p.status, {}, p.now, p.generation)  # no pods, nothing waits
+    return True
+
+
+def _deadline(p: Pass) -> bool:
+    """activeDeadlineSeconds, counted from startTime (the first pod created, or the resume)."""
+    policy = p.spec.run_policy
+    start = objects.parse_time(p.status.get("startTime"))
+    if start is None or policy.active_deadline_seconds is None:
+        return False
+    deadline = start + dt.timedelta(seconds=policy.active_deadline_seconds)
+    if p.now < deadline:
+        p.requeue((deadline - p.now).total_seconds())
+        return False
+    msg = f"job ran longer than activeDeadlineSeconds={policy.active_deadline_seconds}"
+    p.plan.requeue_after = None
+    _fail(p.plan, p.status, "DeadlineExceeded", msg, p.live, p.spec, p.now, p.generation)
+    return True
+
+
+def _observe(p: Pass) -> bool:
+    """Bookkeeping from what exists: pods of other attempts go; a gang created by an earlier pass whose status
+    write was lost gets its start times from the pods themselves."""
+    current, stale = p.gang
+    p.plan.delete_pods = [x["metadata"]["name"] for x in stale]
+    if current:
+        created = min((x["metadata"].get("creationTimestamp") or objects.timestamp(p.now)) for x in current.values())
+        p.status.setdefault("gangStartTime", created)
+        p.status.setdefault("startTime", created)
+    return False
+
+
+def _succeeded(p: Pass) -> bool:
+    """Rank 0 Succeeded: the job has."""
+    rank0 = p.current.get(0)
+    if rank0 is None or objects.phase(rank0) != "Succeeded":
+        return False
+    step = (p.status.get("progress") or {}).get("step")
+    msg = f"rank 0 finished{f' at step {step}' if step is not None else ''}"
+    p.state("Succeeded", "JobSucceeded", msg)
+    p.status["completionTime"] = objects.timestamp(p.now)
+    p.event("Normal", "Succeeded", msg)
+    _finish(p.plan, p.live, p.spec, p.now, failed=False)
+    return True
+
+
+def _spec_changed(p: Pass) -> bool:
+    """A spec change that reaches the pods (image, env, resources, trainer config, replicas, ...): the gang is
+    restarted on purpose from the last checkpoint, as one gang of the new spec; backoffLimit is not charged.
+    (workers.replicas can only change while suspended or finished: a CEL rule in the CRD.) Only a change of
+    the job's spec counts (its generation moved since the pod was made): a new operator version that builds
+    pods a little differently does not restart the jobs already running."""
+    current, stale = p.gang
+    attempt = attempt_of(p.status)
+    outdated = {r: x for r, x in current.items()
+                if objects.annotation(x, ANNOTATION_SPEC_HASH) not in (None, objects.annotation(
+                    p.desired[r], ANNOTATION_SPEC_HASH))
+                and objects.annotation(x, ANNOTATION_GENERATION) not in (None, str(p.generation or 0))}
+    shrunk = current and any(objects.label_int(x, names.LABEL_RANK) >= p.replicas for x in stale
+                             if objects.label_int(x, names.LABEL_ATTEMPT) == attempt)
+    if not outdated and not shrunk:
+        return False
+    rank = min(outdated) if outdated else min(current)
+    fields = _changed(p.desired[rank], outdated[rank]) if outdated else ["workers.replicas"]
+    msg = (f"spec changed (generation {p.generation}: {', '.join(fields)}); restarting all {p.replicas} workers "
+           f"from the last checkpoint")
+    p.state("Restarting", "SpecChanged", msg)
+    p.event("Normal", "SpecChanged", msg)
+    p.drop_gang()
+    p.requeue(1.0)
+    return True
+
+
+def disruption(pod: dict[str, Any]) -> str | None:
+    """Why a pod was taken away by the cluster rather than failed (preemption, eviction, node drain, node
+    pressure): its DisruptionTarget condition, or the kubelet's Evicted/Preempted reason; None otherwise."""
+    st = pod.get("status") or {}
+    for cond in st.get("conditions") or []:
+        if cond.get("type") == "DisruptionTarget" and cond.get("status") == "True":
+            why = str(cond.get("reason") or "DisruptionTarget")
+            return f"{why}: {cond['message'][:300]}" if cond.get("message") else why
+    if st.get("reason") in DISRUPTION_REASONS:
+        return f"{st['reason']}: {st['message'][:300]}" if st.get("message") else str(st["reason"])
+    return None
+
+
+def _failed(p: Pass) -> bool:
+    """A worker failed, was disrupted, or vanished after the whole gang was seen: the peers cannot go on
+    without it, so the gang restarts from the checkpoint. Exit status 2 (a user error) fails the job; a
+    disruption (preemption, eviction, drain) restarts without charging backoffLimit; the rest is charged."""
+    attempt = attempt_of(p.status)
+    current = p.current
+    failed = [current[r] for r in sorted(current) if objects.phase(current[r]) == "Failed"]
+    disrupted = [(x, why) for x in p.pods if objects.label_int(x, names.LABEL_ATTEMPT) == attempt
+                 and 0 <= objects.label_int(x, names.LABEL_RANK) < p.replicas and (why := disruption(x))]
+    user_errors = [x for x in failed if _failure_message(x)[0] == USER_ERROR_EXIT]
+    if user_errors:
+        msg = _failure_message(user_errors[0])[1]
+        _fail(p.plan, p.status, "UserError", msg + " (a user error: not retried)", p.live, p.spec, p.now,
+              p.generation)
+        return True
+    limit = p.spec.run_policy.backoff_limit
+    if disrupted:
+        pod, why = disrupted[0]
+        count = int(p.status.get("disruptions") or 0) + 1
+        p.status["disruptions"] = count
+        text = (f"pod {pod['metadata']['name']} was disrupted ({why}); restarting all {p.replicas} workers from "
+                f"the last checkpoint (disruption {count}: not counted against backoffLimit={limit})")
+        p.state("Restarting", "WorkerDisrupted", text)
+        p.event("Warning", "Restarting", text)
+        p.drop_gang()
+        p.requeue(1.0)
+        return True
+    lost = [r for r in range(p.replicas) if r not in current]
+    if failed:
+        msg, reason = _failure_message(failed[0])[1], "WorkerFailed"
+    elif lost and p.replicas > 1 and p.status.get("gangAttempt") == attempt:
+        msg = f"pod {names.worker_pod_name(p.name, lost[0])} disappeared while its peers were running"
+        reason = "WorkerLost"
+    else:
+        return False
+    restarts = int(p.status.get("restarts") or 0)
+    if restarts >= limit:
+        _fail(p.plan, p.status, "BackoffLimitExceeded", f"{msg}; backoffLimit={limit} restarts used", p.live,
+              p.spec, p.now, p.generation)
+        return True
+    p.status["restarts"] = restarts + 1
+    text = (f"{msg}; restarting all {p.replicas} workers from the last checkpoint "
+            f"(restart {restarts + 1} of {limit})")
+    p.state("Restarting", reason, text)
+    p.event("Warning", "Restarting", text)
+    p.drop_gang()
+    return True
+
+
+def _schedule_timeout(p: Pass) -> bool:
+    """WorkersWaiting, and schedulingPolicy.scheduleTimeoutSeconds: a partial gang holding its nodes'
+    accelerators past the timeout is released (deleted) and recreated."""
+    current = p.current
+    _waiting_condition(p.plan, p.status, current, p.now, p.generation)
+    timeout = p.spec.run_policy.scheduling_policy.schedule_timeout_seconds
+    begun = objects.parse_time(p.status.get("gangStartTime"))
+    if timeout is None or begun is None or not current:
+        return False
+    scheduled = [r for r, x in current.items() if objects.scheduled(x)]
+    if len(scheduled) == p.replicas:
+        if objects.condition(p.status["conditions"], "GangScheduled") is not None:
+            p.condition("GangScheduled", True, "GangScheduled", f"{p.replicas}/{p.replicas} workers scheduled")
+        return False
+    due = begun + dt.timedelta(seconds=timeout)
+    if p.now < due:
+        p.requeue((due - p.now).total_seconds())
+        return False
+    if not scheduled:
+        return False
+    msg = (f"only {len(scheduled)}/{p.replicas} workers were scheduled within scheduleTimeoutSeconds={timeout}; "
+           "the gang is released (pods deleted) and recreated")
+    p.condition("GangScheduled", False, "ScheduleTimeout", msg)
+    p.event("Warning", "ScheduleTimeout", msg)
+    p.drop_gang()
+    p.requeue(1.0)
+    return True
+
+
+def _start_gang(p: Pass) -> bool:
+    """Creates the missing ranks, the whole gang at once, once the previous attempt's pods have released
+    their names (a rank missing after the gang was seen whole is handled by _failed)."""
+    current = p.current
+    if len(current) == p.replicas:
+        p.status["gangAttempt"] = attempt_of(p.status)
+    missing = [r for r in range(p.replicas) if r not in current]
+    holders = {x["metadata"]["name"] for x in p.pods if x not in current.values()}
+    if any(names.worker_pod_name(p.name, r) in holders for r in missing):
+        p.requeue(1.0)
+        return False
+    p.plan.create_pods = [p.desired[r] for r in missing]
+    p.plan.deadline_seconds = p.spec.run_policy.active_deadline_seconds
+    return False
+
+
+def _running(p: Pass) -> bool:
+    running = sum(objects.phase(x) == "Running" for x in p.current.values())
+    if running == p.replicas:
+        p.state("Running", "JobRunning", f"{running}/{p.replicas} workers running")
+    return True
+
+
+ACTIVE_STEPS: tuple[Callable[[Pass], bool], ...] = (
+    _suspend, _deadline, _observe, _succeeded, _spec_changed, _failed, _schedule_timeout, _start_gang, _running)
+
+HANDLERS: dict[str, Callable[[Pass], str | None]] = {
+    "Created": _on_active, "Running": _on_active, "Restarting": _on_active,
+    "Suspended": _on_suspended, "Succeeded": _on_finished, "Failed": _on_finished,
+}
+
+
+def record_created(plan: TrainingPlan, created: int, now: dt.datetime) -> None:
+    """After the API server created ``created`` of the plan's pods: the gang (and, the first time, the job)
+    started now; the deadline counts from here."""
+    if not created:
+        return
+    plan.status["gangStartTime"] = objects.timestamp(now)
+    if not plan.status.get("startTime"):
+        plan.status["startTime"] = objects.timestamp(now)
+        if plan.deadline_seconds is not None:
+            wait = float(plan.deadline_seconds)
+            plan.requeue_after = wait if plan.requeue_after is None else min(plan.requeue_after, wait)
 
 
 def _waiting_condition(plan: TrainingPlan, status: dict[str, Any], current: dict[int, dict[str, Any]],

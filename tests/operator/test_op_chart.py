@@ -34,6 +34,8 @@ SCENARIOS: dict[str, dict[str, Any]] = {
                            "rankingService": {"enabled": True, "spec": {"checkpoint": "s3://models/hstu/model.pt",
                                                                         "storage": {"secretName": "s3"}}}},
     "single-operator": {"operator": {"leaderElection": {"enabled": False}}},
+    "privileged-pods-small-limit": {"operator": {"podSecurity": {"allowPrivileged": True},
+                                                 "limits": {"maxReplicas": 64}}},
     "serving-locked-down": {
         "operator": {"enabled": False}, "etcd": {"enabled": True, "serverTLS": {"secretName": "etcd-tls"}},
         "rankingService": {"enabled": True, "spec": {

@@ -14,7 +14,7 @@ import yaml
 from kubernetes_validate.utils import latest_version
 from opsim import REPO, admit_custom_resource
 
-from grstack.operator import crds
+from grstack.operator import crds, names
 from grstack.operator.models import GRRankingServiceSpec, GRTrainingJobSpec
 
 pytestmark = pytest.mark.unit
@@ -104,6 +104,25 @@ def test_field_rules() -> None:
     assert _prop(t, "spec.workers.accelerator")["enum"] == ["cpu", "nvidia", "ascend"]
 
 
+@pytest.mark.parametrize("resource", crds.RESOURCES, ids=lambda r: r.kind)
+def test_name_rules_fit_the_api_servers_metadata_restrictions(resource: crds.Resource) -> None:
+    """Under metadata only name and generateName may be declared (both, typed, so the API server's CEL
+    typing keeps name's maxLength and the rules' cost stays bounded); the rules are at the root."""
+    root = schema(resource)
+    meta = root["properties"]["metadata"]
+    assert set(meta) == {"type", "properties"} and set(meta["properties"]) == {"name", "generateName"}
+    assert meta["properties"]["name"] == {"type": "string", "maxLength": names.MAX_NAME_LENGTH}
+    rules = [r["rule"] for r in root["x-kubernetes-validations"]]
+    assert any(names.DNS_1035_PATTERN in r for r in rules) and any(str(names.MAX_NAME_LENGTH) in r for r in rules)
+
+
+def test_replica_fields_have_the_hard_maximum() -> None:
+    for resource, dotted in ((crds.TRAINING, "spec.workers.replicas"), (crds.SERVING, "spec.replicas"),
+                             (crds.SERVING, "spec.router.replicas"), (crds.SERVING, "spec.autoscaling.maxReplicas"),
+                             (crds.SERVING, "spec.autoscaling.minReplicas")):
+        assert _prop(resource, dotted)["maximum"] == names.MAX_REPLICAS, dotted
+
+
 def test_subresources_and_printer_columns() -> None:
     training = crds.crd(crds.TRAINING)["spec"]["versions"][0]
     serving = crds.crd(crds.SERVING)["spec"]["versions"][0]
@@ -143,6 +162,11 @@ INVALID = [
     (crds.SERVING, {"image": "x", "checkpoint": {"path": "/m"}, "replicas": 0}, "spec.replicas"),
     (crds.SERVING, {"image": "x", "checkpoint": {"path": "/m"},
                     "autoscaling": {"minReplicas": 3, "maxReplicas": 2}}, "maxReplicas must be >= minReplicas"),
+    (crds.TRAINING, {"image": "x", "workers": {"replicas": 100000}}, "spec.workers.replicas"),
+    (crds.TRAINING, {"image": "x", "workers": {"resources": {"requests": {"cpu": "lots"}}}}, "spec.workers.resources"),
+    (crds.SERVING, {"image": "x", "checkpoint": "s3://b/m.pt", "storage": {"sizeLimit": "1 Gi"}}, "spec.storage"),
+    (crds.SERVING, {"image": "x", "checkpoint": {"path": "/m"}, "disruptionBudget": {"maxUnavailable": "1"}},
+     "spec.disruptionBudget.maxUnavailable"),
 ]
 
 

@@ -271,33 +271,19 @@ def test_user_scheduler_name_wins_and_no_group_by_default() -> None:
 
 
 @pytest.mark.parametrize("where", ["field", "label"])
-def test_kueue_queue_label_and_pod_group(where: str) -> None:
+def test_a_kueue_queued_job_waits_for_its_workload(where: str) -> None:
+    """A job naming a Kueue LocalQueue is queued through the Workload the operator owns (the whole contract:
+    tests/operator/test_op_kueue.py): no pod before admission, and no pod-level Kueue label (Kueue's pod
+    integration would queue each pod again)."""
     spec = {"runPolicy": {"schedulingPolicy": {"kueueQueueName": "team-a"}}} if where == "field" else {}
     j = job(spec)
     if where == "label":
         j["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "team-a"}
     plan = reconcile_training(j, [], NOW)
-    for p in plan.create_pods:
-        assert p["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
-        assert p["metadata"]["labels"]["kueue.x-k8s.io/pod-group-name"] == "demo-a0"
-        assert p["metadata"]["annotations"]["kueue.x-k8s.io/pod-group-total-count"] == "2"
-
-
-def test_kueue_admission_through_suspend() -> None:
-    """Kueue's hook is spec.runPolicy.suspend: created suspended, no pods until it admits (unsuspends)."""
-    spec = {"runPolicy": {"suspend": True, "schedulingPolicy": {"kueueQueueName": "team-a"}}}
-    plan = reconcile_training(job(spec), [], NOW)
-    assert plan.status["state"] == "Suspended" and not plan.create_pods
-    admitted = {"runPolicy": {"suspend": False, "schedulingPolicy": {"kueueQueueName": "team-a"}}}
-    plan = reconcile_training(job(admitted, plan.status, 2), [], NOW)
-    assert plan.status["state"] == "Created" and len(plan.create_pods) == 2
-    # Kueue preempts: suspends again; the pods go, the resumed gang is not a lost worker
-    pods = as_live(plan.create_pods)
-    plan = reconcile_training(job(admitted, plan.status, 2), pods, NOW)
-    plan = reconcile_training(job(spec, plan.status, 3), pods, NOW)
-    assert plan.status["state"] == "Suspended" and len(plan.delete_pods) == 2
-    plan = reconcile_training(job(admitted, plan.status, 4), [], NOW)
-    assert len(plan.create_pods) == 2 and plan.status["restarts"] == 0
+    assert plan.create_pods == [] and plan.status["state"] == "Suspended"
+    assert plan.kueue is not None and plan.kueue.create is not None
+    assert plan.kueue.create["spec"]["queueName"] == "team-a"
+    assert plan.kueue.create["spec"]["podSets"][0]["count"] == 2
 
 
 def _pending(p: dict[str, Any]) -> dict[str, Any]:
@@ -311,6 +297,8 @@ def _pending(p: dict[str, Any]) -> dict[str, Any]:
 def test_schedule_timeout_releases_a_partial_gang() -> None:
     spec = {"runPolicy": {"schedulingPolicy": {"scheduleTimeoutSeconds": 60}}}
     plan = reconcile_training(job(spec), [], NOW)
+    assert "gangStartTime" not in plan.status  # written once the API server has created the pods
+    training.record_created(plan, len(plan.create_pods), NOW)
     assert plan.status["gangStartTime"] == "2026-01-01T12:00:00Z"
     pods = as_live(plan.create_pods)
     pods[1] = _pending(pods[1])

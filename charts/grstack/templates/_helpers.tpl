@@ -72,6 +72,14 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 - apiGroups: ["scheduling.x-k8s.io", "scheduling.volcano.sh"]
   resources: ["podgroups"]
   verbs: ["get", "list", "create", "patch", "delete"]
+# Kueue (a job naming a LocalQueue): the operator owns the job's Workload, marks it Finished and, after an
+# eviction, clears its admission (Kueue's contract for a job kind it has no integration for).
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads/status"]
+  verbs: ["get", "patch"]
 # Leader election (kopf peering): the replicas keep their heartbeats in the peering object's status.
 - apiGroups: ["kopf.dev"]
   resources: ["kopfpeerings"]
