@@ -36,6 +36,9 @@ def register(parser: argparse.ArgumentParser) -> None:
                              "with the highest --priority works, the others stand by (default: standalone)")
     parser.add_argument("--priority", type=int, default=None,
                         help="peering priority (default: random, so replicas never tie)")
+    parser.add_argument("--peering-lifetime-s", type=int, default=60, metavar="S",
+                        help="with --peering: a replica that has not renewed its peering entry for S seconds "
+                             "counts as dead and a standby takes over (>= 5; default 60)")
     parser.add_argument("--readiness-port", type=cli_args.port, default=0,
                         help="serve /readyz on this port: ready once the CRDs are served (0 = off)")
     parser.add_argument("--allow-privileged-pods", action="store_true",
@@ -61,6 +64,9 @@ def check_args(args: argparse.Namespace) -> None:
         for other, port2 in used[i + 1:]:
             if port == port2:
                 raise UserError(f"{flag} and {other} are both {port}")
+    if args.peering_lifetime_s < 5:
+        raise UserError(f"--peering-lifetime-s {args.peering_lifetime_s}: must be >= 5 (replicas renew "
+                        "their peering entry a few seconds before it lapses)")
     if not args.resync_seconds > 0:
         raise UserError(f"--resync-seconds {args.resync_seconds}: must be > 0")
     from grstack.operator.names import MAX_REPLICAS
@@ -111,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
     priority = args.priority if args.priority is not None else random.randint(1, 1 << 30)
     registry, rt = build_registry(OperatorConfig(
         server=args.server, resync_seconds=args.resync_seconds, peering=args.peering, priority=priority,
-        namespaced_peering=bool(args.namespace), peering_namespace=(args.namespace or [None])[0],
+        peering_lifetime_s=args.peering_lifetime_s, namespaced_peering=bool(args.namespace),
+        peering_namespace=(args.namespace or [None])[0],
         readiness_port=args.readiness_port))
     if args.metrics_port:
         try:

@@ -47,6 +47,7 @@ class OperatorConfig:
     # Leader election through kopf peering: the name of the (Cluster)KopfPeering object; None = standalone.
     peering: str | None = None
     priority: int = 0  # this replica's peering priority (the highest live one leads)
+    peering_lifetime_s: int = 60  # a peer silent this long counts as dead (how soon a standby takes over)
     namespaced_peering: bool = False  # KopfPeering in the watched namespaces instead of ClusterKopfPeering
     peering_namespace: str | None = None
     readiness_port: int = 0  # /readyz (CRDs found; leader or standby in the body); 0 = off
@@ -447,6 +448,7 @@ def build_registry(config: OperatorConfig | None = None) -> tuple[kopf.OperatorR
         if rt.config.peering:
             settings.peering.name = rt.config.peering
             settings.peering.priority = rt.config.priority
+            settings.peering.lifetime = rt.config.peering_lifetime_s
             settings.peering.mandatory = True
             settings.peering.standalone = False
             settings.peering.clusterwide = not rt.config.namespaced_peering

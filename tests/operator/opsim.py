@@ -47,7 +47,7 @@ import signal
 import socket
 import sys
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -1617,15 +1617,17 @@ class Cluster:
                     await asyncio.gather(*tasks, return_exceptions=True)
 
     @contextlib.asynccontextmanager
-    async def operator(self, resync_seconds: float = 1.0) -> AsyncIterator[OperatorProcess]:
+    async def operator(self, resync_seconds: float = 1.0, extra_args: Sequence[str] = (),
+                       log_name: str = "operator.log") -> AsyncIterator[OperatorProcess]:
         """``grstack operator`` as a process logged in to the emulator (kopf owns its event loop: it cancels
-        every task it did not start, so it cannot share the test's loop)."""
+        every task it did not start, so it cannot share the test's loop). Several may run at once (peering),
+        each with its own ``log_name``; ``self.op`` is the last one started."""
         liveness, metrics = free_port(), free_port()
-        log = self.root / "operator.log"
+        log = self.root / log_name
         with log.open("wb") as out:
             proc = await asyncio.create_subprocess_exec(
                 str(VENV_BIN / "grstack"), "operator", "--server", self.url, "--resync-seconds", str(resync_seconds),
-                "--liveness-port", str(liveness), "--metrics-port", str(metrics), "--all-namespaces",
+                "--liveness-port", str(liveness), "--metrics-port", str(metrics), "--all-namespaces", *extra_args,
                 stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
         op = OperatorProcess(proc, log, f"http://127.0.0.1:{liveness}/healthz", f"http://127.0.0.1:{metrics}/metrics")
         try:

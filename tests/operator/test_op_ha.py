@@ -86,14 +86,14 @@ def _startup(registry: kopf.OperatorRegistry, name: str) -> Any:
 
 @pytest.mark.unit
 def test_server_side_selectors_and_peering_settings() -> None:
-    registry, _ = build_registry(OperatorConfig(peering="grstack", priority=42))
+    registry, _ = build_registry(OperatorConfig(peering="grstack", priority=42, peering_lifetime_s=15))
     settings = kopf.OperatorSettings()
     _startup(registry, "configure")(settings=settings)
     selectors = {sel.any_name: value for sel, value in settings.watching.label_selectors.items()}
     assert selectors == {"pods": names.LABEL_JOB, "statefulsets": names.LABEL_SERVICE,
                          "deployments": names.LABEL_SERVICE}
     assert (settings.peering.name, settings.peering.priority, settings.peering.standalone,
-            settings.peering.clusterwide) == ("grstack", 42, False, True)
+            settings.peering.clusterwide, settings.peering.lifetime) == ("grstack", 42, False, True, 15)
     standalone, _ = build_registry(OperatorConfig())
     plain = kopf.OperatorSettings()
     _startup(standalone, "configure")(settings=plain)
