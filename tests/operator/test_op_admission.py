@@ -32,12 +32,7 @@ FAKE_TRAINER = [sys.executable, str(Path(__file__).with_name("fake_trainer.py"))
 async def emulated(tmp_path: Path) -> AsyncIterator[tuple[Cluster, Shell]]:
     async with Cluster.start(tmp_path, command_map={"grstack": FAKE_TRAINER}) as c:
         kubeconfig = tmp_path / "kubeconfig"
-        kubeconfig.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
-            "clusters": [{"name": "kmock", "cluster": {"server": c.url}}],
-            "users": [{"name": "kmock", "user": {"token": "kmock"}}],
-            "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock",
-                                                       "namespace": "default"}}]}))
+        c.write_kubeconfig(kubeconfig)
         sh = Shell(kubeconfig)
         await sh.run("kubectl apply -f crds/")
         yield c, sh
@@ -105,7 +100,9 @@ async def test_non_canonical_quantities_settle_and_reach_ready(emulated: tuple[C
                           ranker={"resources": CPU_MEMORY}, router={"resources": {"requests": {"cpu": "0.5"}}})
     await sh.run("kubectl apply -f -", stdin=yaml.safe_dump(svc))
     async with c.operator(resync_seconds=0.5):
-        await c.wait_for("StatefulSet", lambda: c.get(STATEFULSETS, "rank-ranker"))
+        # the operator writes the ranker StatefulSet before the router Deployment: wait for both
+        await c.wait_for("StatefulSet and Deployment", lambda: c.get(STATEFULSETS, "rank-ranker")
+                         and c.get("apps/v1/deployments", "rank-router"))
         pod = c.get(STATEFULSETS, "rank-ranker")["spec"]["template"]["spec"]
         ranker = next(x for x in pod["containers"] if x["name"] == "ranker")
         # stored as kube-apiserver stores them
