@@ -1637,6 +1637,18 @@ class Cluster:
         finally:
             await op.stop()
 
+    def write_kubeconfig(self, path: Path, namespace: str | None = "default") -> Path:
+        """A kubeconfig for the real kubectl (and clients) pointing at this emulator, written to ``path``."""
+        context: dict[str, Any] = {"cluster": "kmock", "user": "kmock"}
+        if namespace is not None:
+            context["namespace"] = namespace
+        path.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
+            "clusters": [{"name": "kmock", "cluster": {"server": self.url}}],
+            "users": [{"name": "kmock", "user": {"token": "kmock"}}],
+            "contexts": [{"name": "kmock", "context": context}]}))
+        return path
+
     # -- client helpers ---------------------------------------------------------------------------------
     async def request(self, method: str, path: str, body: Any = None) -> tuple[int, dict[str, Any]]:
         headers = {"Content-Type": "application/merge-patch+json"} if method == "PATCH" else {}
@@ -1704,11 +1716,7 @@ async def _serve(kubeconfig: Path) -> None:
     import tempfile
 
     async with Cluster.start(Path(tempfile.mkdtemp(prefix="grstack-kmock-"))) as c:
-        kubeconfig.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
-            "clusters": [{"name": "kmock", "cluster": {"server": c.url}}],
-            "users": [{"name": "kmock", "user": {"token": "kmock"}}],
-            "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock"}}]}))
+        c.write_kubeconfig(kubeconfig, namespace=None)
         print(f"emulated cluster at {c.url}; KUBECONFIG={kubeconfig}; pods run here under {c.root}", flush=True)
         await asyncio.Event().wait()
 

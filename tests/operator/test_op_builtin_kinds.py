@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from opsim import REPO, VENV_BIN, Cluster
 from opsim_builtin import canonical
 
@@ -67,12 +66,7 @@ class Kubectl:
 async def api(tmp_path: Path) -> AsyncIterator[tuple[Cluster, KubeClient, Path]]:
     async with Cluster.start(tmp_path, controllers=True) as c:
         kubeconfig = tmp_path / "kubeconfig"
-        kubeconfig.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
-            "clusters": [{"name": "kmock", "cluster": {"server": c.url}}],
-            "users": [{"name": "kmock", "user": {"token": "kmock"}}],
-            "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock",
-                                                       "namespace": "default"}}]}))
+        c.write_kubeconfig(kubeconfig)
         client = KubeClient(c.url)
         try:
             yield c, client, kubeconfig

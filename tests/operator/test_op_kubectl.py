@@ -136,12 +136,7 @@ class Shell:
 async def emulated(tmp_path: Path) -> AsyncIterator[tuple[Cluster, Shell]]:
     async with Cluster.start(tmp_path, command_map={"grstack": SLOW_TRAINER}) as c:
         kubeconfig = tmp_path / "kubeconfig"
-        kubeconfig.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
-            "clusters": [{"name": "kmock", "cluster": {"server": c.url}}],
-            "users": [{"name": "kmock", "user": {"token": "kmock"}}],
-            "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock",
-                                                       "namespace": "default"}}]}))
+        c.write_kubeconfig(kubeconfig)
         yield c, Shell(kubeconfig)
 
 
