@@ -54,6 +54,8 @@ class JaggedBatch:
         return JaggedBatch(**moved)
 
     def pin_memory(self) -> JaggedBatch:
+        """A copy in page-locked host memory, so that ``to(device, non_blocking=True)`` overlaps (from pageable
+        memory the driver stages the copy synchronously). Needs an accelerator (CUDA / Ascend)."""
         pinned = {}
         for f in fields(self):
             v = getattr(self, f.name)

@@ -20,13 +20,14 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import torch
 
 from grstack.runtime.data import JaggedBatch, LeaveOneOut, append_candidates, exposure_labels, ranges_index
+from grstack.runtime.device import set_current_device
 from grstack.runtime.embedding import LookupUnit, make_unit
 from grstack.runtime.errors import UserError
 from grstack.runtime.model import ItemFeatureMap, UserContextLayout, batch_keys
@@ -86,6 +87,42 @@ class PreparedBatch:
     rank_costs: np.ndarray  # per-rank cost under the split used
     count_costs: np.ndarray  # per-rank cost had every rank taken an equal count (the baseline)
     mb_unique_keys: list[int] = field(default_factory=list)
+
+
+def pins_batches(device: torch.device) -> bool:
+    """Whether batches bound for ``device`` are pinned: the step copies them with ``non_blocking=True``,
+    which from pageable host memory is staged by the driver and does not overlap; on CPU nothing is copied
+    (and pinning needs an accelerator)."""
+    return device.type in ("cuda", "npu")
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """``device`` with its index: the current one of this (the main) thread when it names none."""
+    if device.index is not None:
+        return device
+    backend = torch.cuda if device.type == "cuda" else torch.npu  # type: ignore[attr-defined]  # torch_npu
+    return torch.device(device.type, backend.current_device())
+
+
+def _pinned(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t.pin_memory() if t is not None else None
+
+
+def pin_batch(batch: PreparedBatch) -> PreparedBatch:
+    """``batch`` with the host tensors the step moves to the device (``Engine._forward``'s ``_dev`` and
+    ``full.to``) in pinned memory; routing keys (the lookup units) stay where they are."""
+    micro = []
+    for mb in batch.micro:
+        full = mb.full.pin_memory()
+        micro.append(replace(
+            mb, full=full, targets=full.targets if mb.targets is mb.full.targets else mb.targets.pin_memory(),
+            cand_ids=_pinned(mb.cand_ids), labels=_pinned(mb.labels), neg_ids=_pinned(mb.neg_ids),
+            neg_group=_pinned(mb.neg_group), inv_input=mb.inv_input.pin_memory(),
+            inv_target=mb.inv_target.pin_memory(), inv_neg=_pinned(mb.inv_neg),
+            share=[p.pin_memory() for p in mb.share], hist_index=_pinned(mb.hist_index),
+            cand_index=_pinned(mb.cand_index)))
+    return replace(batch, micro=micro, batch_neg_ids=_pinned(batch.batch_neg_ids),
+                   inv_batch_neg=_pinned(batch.inv_batch_neg))
 
 
 class Schedule:
@@ -313,13 +350,17 @@ class Preparer:
 
 
 class BatchStream:
-    """Prepared batches in order, produced ``depth`` steps ahead by a daemon thread (or inline)."""
+    """Prepared batches in order, produced ``depth`` steps ahead by a daemon thread (or inline); for an
+    accelerator ``device`` their host tensors are pinned there (``pin_batch``)."""
 
     _END = object()
 
     def __init__(self, positions: Iterator[tuple[int, int, int]], prepare: Preparer, depth: int,
-                 background: bool) -> None:
+                 background: bool, device: torch.device | None = None) -> None:
         self._positions, self._prepare = positions, prepare
+        # batches for an accelerator are pinned where they are prepared (the background thread)
+        self._pin = device is not None and pins_batches(device)
+        self._device = _indexed(device) if device is not None and self._pin else None
         self._ahead: list[PreparedBatch] = []
         self._done = False
         self._queue: queue.Queue | None = None
@@ -332,8 +373,10 @@ class BatchStream:
     def _produce(self) -> None:
         assert self._queue is not None
         try:
+            if self._device is not None:  # else pinning makes a context on device 0 (as DataLoader's pin thread)
+                set_current_device(self._device)
             for pos in self._positions:
-                item = self._prepare(*pos)
+                item = self._prepared(pos)
                 while not self._stop.is_set():
                     try:
                         self._queue.put(item, timeout=0.1)
@@ -346,6 +389,10 @@ class BatchStream:
         except BaseException as exc:  # handed to the consumer
             self._queue.put(exc)
 
+    def _prepared(self, pos: tuple[int, int, int]) -> PreparedBatch:
+        batch = self._prepare(*pos)
+        return pin_batch(batch) if self._pin else batch
+
     def _fetch(self) -> PreparedBatch | None:
         if self._done:
             return None
@@ -354,7 +401,7 @@ class BatchStream:
             if pos is None:
                 self._done = True
                 return None
-            return self._prepare(*pos)
+            return self._prepared(pos)
         item = self._queue.get()
         if item is self._END:
             self._done = True
