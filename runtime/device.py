@@ -62,8 +62,14 @@ def set_current_device(device: torch.device) -> None:
 def local_device(device: torch.device, local_rank: int) -> torch.device:
     """The accelerator of local rank ``local_rank`` when ``device`` names a kind without an index (several
     ranks per pod or machine, one accelerator each); a user error when there are fewer accelerators than
-    local ranks. CPU (and an explicit index) is returned as is."""
-    if device.type not in ("cuda", "npu") or device.index is not None:
+    local ranks. CPU is returned as is, and so is an explicit index for local rank 0; for another local rank
+    it is a user error (every rank would share that accelerator, which NCCL/HCCL refuse mid-start)."""
+    if device.type not in ("cuda", "npu"):
+        return device
+    if device.index is not None:
+        if local_rank > 0:
+            raise UserError(f"train.device={device} on LOCAL_RANK={local_rank}: each local rank takes its own "
+                            f"accelerator ({device.type}:<local rank>); use train.device={device.type}")
         return device
     count = torch.cuda.device_count() if device.type == "cuda" else torch.npu.device_count()
     if local_rank >= count:

@@ -7,7 +7,7 @@ Other packages import from here, never a submodule. Only ``train`` and ``bench``
 
 from __future__ import annotations
 
-from grstack.runtime.embedding.comm import Comm, CommEvent, CommLog, attach_log
+from grstack.runtime.embedding.comm import CollectiveError, Comm, CommEvent, CommLog, attach_log
 from grstack.runtime.embedding.optim import RowWiseAdagrad, make_sparse_optimizer
 from grstack.runtime.embedding.plan import ShardingPlan
 from grstack.runtime.embedding.sharded import (
@@ -22,6 +22,7 @@ from grstack.runtime.embedding.sharded import (
 
 __all__ = [
     "ActiveRows",
+    "CollectiveError",
     "Comm",
     "CommEvent",
     "CommLog",

@@ -6,7 +6,13 @@ stops making progress (a watchdog) prints one ``error:`` line naming its rank an
 3, without waiting for threads stuck in collectives; a user error exits with status 2 on every rank. The
 operator (or the local launcher) then restarts the gang, which resumes from the last complete checkpoint.
 
-``GRSTACK_FAULT_EXIT=RANK:STEP`` makes that rank die abruptly after that global step (tests of this path).
+The line names the rank, the collective and its group when a collective failed (``CollectiveError``),
+``distributed.timeout_s`` and the likely cause. On NCCL a timeout reaches Python as an exception (the rank's
+environment is set for it: ``grstack.runtime.train.context.failure_env``); where a backend only reports it
+and the rank hangs (HCCL), the Watchdog ends the rank after three timeouts without progress.
+
+``GRSTACK_FAULT_EXIT=RANK:STEP`` makes that rank die abruptly after that global step, and
+``GRSTACK_FAULT_STALL=RANK:STEP`` makes it stop making progress there, alive (tests of this path).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import Any, TypeVar
 from grstack.runtime.errors import UserError
 
 ENV_FAULT = "GRSTACK_FAULT_EXIT"
+ENV_STALL = "GRSTACK_FAULT_STALL"
 ENV_ERROR_FILE = "GRSTACK_ERROR_FILE"
 ENV_RESULT_FILE = "GRSTACK_RESULT_FILE"
 ENV_THREADS = "GRSTACK_RANK_THREADS"
@@ -48,19 +55,39 @@ class PeerFailure(UserError):
 def is_peer_failure(exc: BaseException) -> bool:
     import torch.distributed as dist
 
+    from grstack.runtime.embedding import CollectiveError
+
+    if isinstance(exc, CollectiveError):
+        exc = exc.cause
     if isinstance(exc, getattr(dist, "DistError", ())):
         return True
     text = str(exc).lower()
     return isinstance(exc, RuntimeError) and any(h in text for h in _PEER_HINTS)
 
 
+def peer_failure_message(rank: int, exc: BaseException, timeout_s: float | None = None) -> str:
+    """The one line of a rank that lost a peer: the collective and group that saw it (when one did), the
+    timeout, the likely cause and what happens next."""
+    from grstack.runtime.embedding import CollectiveError
+
+    cause = exc.cause if isinstance(exc, CollectiveError) else exc
+    lines = str(cause).strip().splitlines()
+    first = lines[0][:200] if lines else type(cause).__name__
+    where = f"{exc.op} on group {exc.group}: " if isinstance(exc, CollectiveError) else ""
+    limit = f" within distributed.timeout_s={timeout_s:g}" if timeout_s is not None else ""
+    return (f"rank {rank}: lost contact with a peer ({where}{first}); a peer likely died or stalled (a collective "
+            f"that does not complete{limit} fails); every rank exits so the job can be restarted from its last "
+            "checkpoint")
+
+
 class Watchdog:
     """Exits the process when no heartbeat arrives for ``limit_s`` (a hang that no collective timeout sees)."""
 
-    def __init__(self, rank: int, limit_s: float) -> None:
-        self.rank, self.limit_s = rank, limit_s
+    def __init__(self, rank: int, limit_s: float, timeout_s: float | None = None) -> None:
+        self.rank, self.limit_s, self.timeout_s = rank, limit_s, timeout_s
         self.last = time.monotonic()
         self.fault = _parse_fault(os.environ.get(ENV_FAULT, ""), rank)
+        self.stall = _parse_fault(os.environ.get(ENV_STALL, ""), rank)
         threading.Thread(target=self._watch, name="grstack-watchdog", daemon=True).start()
 
     def beat(self, step: int | None = None) -> None:
@@ -69,14 +96,22 @@ class Watchdog:
             print(f"grstack: fault injection: rank {self.rank} exits abruptly after step {step}", file=sys.stderr,
                   flush=True)
             os._exit(17)
+        if self.stall is not None and step is not None and step >= self.stall:
+            print(f"grstack: fault injection: rank {self.rank} stalls after step {step}", file=sys.stderr,
+                  flush=True)
+            while True:  # alive, silent, no progress: only the Watchdog (or a kill) ends it
+                time.sleep(3600)
 
     def _watch(self) -> None:
         while True:
             time.sleep(min(1.0, self.limit_s / 4))
             idle = time.monotonic() - self.last
             if idle > self.limit_s:
-                _die(EXIT_PEER, f"rank {self.rank}: no progress for {idle:.0f} s (a peer is stuck or dead); "
-                                "exiting so the job can be restarted from its last checkpoint")
+                t = self.timeout_s
+                limit = f" ({self.limit_s / t:g} x distributed.timeout_s={t:g})" if t is not None else ""
+                _die(EXIT_PEER, f"rank {self.rank}: no progress for {idle:.0f} s{limit}: a peer likely died or "
+                                "stalled, or a collective hangs; exiting so the job can be restarted from its last "
+                                "checkpoint")
 
 
 def _parse_fault(spec: str, rank: int) -> int | None:
@@ -96,8 +131,9 @@ def _die(code: int, message: str) -> None:
     os._exit(code)
 
 
-def guarded(rank: int, fn: Callable[[], T]) -> T:
-    """Runs ``fn``; any failure prints one line and ends the process with the policy's exit status."""
+def guarded(rank: int, fn: Callable[[], T], timeout_s: float | None = None) -> T:
+    """Runs ``fn``; any failure prints one line and ends the process with the policy's exit status
+    (``timeout_s``: the job's distributed.timeout_s, named in a lost peer's line)."""
     try:
         return fn()
     except PeerFailure as exc:
@@ -106,9 +142,7 @@ def guarded(rank: int, fn: Callable[[], T]) -> T:
         _die(EXIT_USER, f"rank {rank}: {exc}")
     except BaseException as exc:
         if is_peer_failure(exc):
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            _die(EXIT_PEER, f"rank {rank}: lost contact with a peer ({first[:200]}); every rank exits so the "
-                            "job can be restarted from its last checkpoint")
+            _die(EXIT_PEER, peer_failure_message(rank, exc, timeout_s))
         traceback.print_exc()
         _die(EXIT_CRASH, f"rank {rank}: {type(exc).__name__}: {exc}")
     raise AssertionError("unreachable")
@@ -135,11 +169,11 @@ def run_rank(cfg: Any, run_dir: str | Path, env: Any, *, progress: bool = True,
 
         ctx = DistContext(env, rank_device(cfg, env), cfg.distributed.sparse_group_size,
                           cfg.distributed.timeout_s)
-        watchdog = Watchdog(env.rank, 3 * cfg.distributed.timeout_s)
+        watchdog = Watchdog(env.rank, 3 * cfg.distributed.timeout_s, cfg.distributed.timeout_s)
         return Trainer(cfg, run_dir, ctx, progress=progress, stop_after=stop_after,
                        heartbeat=watchdog.beat).run()
 
-    result = guarded(env.rank, train)
+    result = guarded(env.rank, train, cfg.distributed.timeout_s)
     path = os.environ.get(ENV_RESULT_FILE)
     if path and env.local_rank == 0:  # the local gang's first rank (global rank 0 when alone)
         Path(path).write_text(json.dumps(result))
@@ -275,6 +309,7 @@ def preflight(cfg: Any, nproc: int, world: int | None = None) -> None:
     if cfg.balance.token_budget is None and cfg.train.batch_size < nproc:
         raise UserError(f"train.batch_size={cfg.train.batch_size} is the global batch: it must be at least the "
                         f"number of ranks ({nproc})")
+    check_device_index(cfg.train.device, local)
     device = resolve_device(cfg.train.device)
     check_precision(device, cfg.train.precision)
     local_device(device, local - 1)  # every local rank needs an accelerator of its own
@@ -286,6 +321,15 @@ def preflight(cfg: Any, nproc: int, world: int | None = None) -> None:
         from grstack.runtime.data import deal, list_pieces
 
         deal(list_pieces(cfg.data.source, nproc), nproc)
+
+
+def check_device_index(name: str, local_ranks: int) -> None:
+    """An accelerator index (``cuda:0``, ``npu:1``) with several local ranks would put them all on that one
+    accelerator: a user error, told from the config string alone (no device needed to check it)."""
+    kind, sep, _ = name.partition(":")
+    if sep and kind in ("cuda", "npu") and local_ranks > 1:
+        raise UserError(f"train.device={name} with --nproc {local_ranks}: each local rank takes its own "
+                        f"accelerator (local rank i uses {kind}:i); use train.device={kind}")
 
 
 def train_distributed(cfg: Any, run_dir: str | Path, nproc: int = 2, progress: bool = True,

@@ -81,15 +81,16 @@ def sharded_eval_ranks(model: nn.Module, table: ShardedEmbedding, ctx: DistConte
         else:
             q = items.new_zeros((0, d))
         info = torch.stack([targets.long(), torch.from_numpy(np.diff(hoff)).long()], dim=1)  # [B, 2]: target, history length
-        qs = comm.all_gather_v(q)
-        infos = comm.all_gather_v(info.to(ctx.comm_device))
-        hists = comm.all_gather_v(torch.from_numpy(hist).long().to(ctx.comm_device))
+        qs = comm.all_gather_v(q)  # query vectors: device data, on the device group
+        # targets, history lengths and histories are host data the host indexes with: on the gloo twin
+        infos = comm.meta.all_gather_v(info.cpu())
+        hists = comm.meta.all_gather_v(torch.from_numpy(hist).long())
         sizes = [x.shape[0] for x in infos]
         mine = sum(sizes[: comm.index])
         Q = _concat(qs, q).to(device)
-        info_all = _concat(infos, info).cpu()
+        info_all = _concat(infos, info)
         T, lengths = info_all[:, 0], info_all[:, 1]
-        H = _concat(hists, torch.zeros(0, dtype=torch.int64)).cpu()
+        H = _concat(hists, torch.zeros(0, dtype=torch.int64))
         scores = score_items(Q, items)  # [M, own rows]
         M = scores.shape[0]
         if s == 0:
@@ -104,11 +105,10 @@ def sharded_eval_ranks(model: nn.Module, table: ShardedEmbedding, ctx: DistConte
         here = torch.eq(H % G, s)
         scores[row_of[here].to(device), (H[here] // G).to(device)] = -torch.inf
         scores[owned_dev, local_t] = keep
-        target_scores = torch.zeros(M, dtype=scores.dtype, device=device)
+        target_scores = torch.zeros(M, dtype=scores.dtype, device=device)  # device == comm.device
         target_scores[owned_dev] = keep
-        target_scores = target_scores.to(ctx.comm_device)
         comm.all_reduce(target_scores)  # one owner per target, zeros elsewhere: the owner's score exactly
-        ahead = (scores >= target_scores.to(device)[:, None]).sum(dim=1).to(ctx.comm_device)
+        ahead = (scores >= target_scores[:, None]).sum(dim=1)
         comm.all_reduce(ahead)
         out.append((ahead[mine : mine + len(chunk)] - 1).cpu().numpy())
         if tick is not None:

@@ -97,7 +97,7 @@ def test_a_shard_limit_is_checked_against_a_parquet_datasets_metadata(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_cuda_on_a_machine_without_it():
     _refused(_cfg("train.device=cuda"), 1, r"^device 'cuda' requested but CUDA is not available$")
-    _refused(_cfg("train.device=cuda:0"), 2, r"device 'cuda:0' requested but CUDA is not available")
+    _refused(_cfg("train.device=cuda:0"), 1, r"device 'cuda:0' requested but CUDA is not available")
 
 
 def test_more_local_ranks_than_gpus(fake_cuda):
@@ -157,3 +157,30 @@ def test_more_negatives_than_items(tmp_path):
     assert preflight(_cfg(*over, "loss.negatives=60"), 2) is None
     assert preflight(_cfg(*over, "loss.negatives=61", "loss.full_softmax=true",
                           "loss.sharing=batch"), 2) is None
+
+
+@pytest.mark.parametrize("device", ["cuda:0", "npu:1", "cuda:3"])
+def test_an_accelerator_index_with_several_local_ranks(device):
+    """Told from the config string alone: no accelerator is needed here to refuse it."""
+    kind = device.split(":")[0]
+    msg = _refused(_cfg(f"train.device={device}"), 2,
+                   rf"^train\.device={device} with --nproc 2: each local rank takes its own accelerator "
+                   rf"\(local rank i uses {kind}:i\); use train\.device={kind}$")
+    assert "error" not in msg
+    _refused(_cfg(f"train.device={device}"), 8, rf"train\.device={device} with --nproc 8")
+
+
+def test_an_accelerator_index_with_one_local_rank_is_that_accelerator(fake_cuda):
+    assert preflight(_cfg("train.device=cuda:0"), 1) is None
+    # a pod of a multi-pod job running one local rank: its index is fine too
+    assert preflight(_cfg("train.device=cuda:0"), 1, world=4) is None
+
+
+def test_the_cli_refuses_an_accelerator_index_with_nproc_2(tmp_path, capsys):
+    run = tmp_path / "run"
+    code = main(["train", "--config", str(CONFIG), "--out", str(run), "--nproc", "2", "--no-progress",
+                 *set_args([*SMALL, "train.device=cuda:0"])])
+    _, err = capsys.readouterr()
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: ")
+    assert "train.device=cuda:0 with --nproc 2" in err and "use train.device=cuda" in err
+    assert not run.exists()
