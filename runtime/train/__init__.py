@@ -3,8 +3,8 @@
 
 Other packages import from here, never a submodule: ``train`` and ``train_distributed`` (a run),
 ``format_summary`` (its one-paragraph report), ``call_ranks`` (a function on N local ranks), the batch
-``Schedule`` / ``Preparer``, ``DistContext``, ``imbalance`` / ``measured_balance`` and the benchmark
-harness's ``with_overrides`` / ``max_abs_diff``, ``cluster_time_per_batch`` (the clustering's host cost), and ``build_engine`` (the engine of a rank, for benchmarks
+``Schedule`` / ``Preparer``, ``DistContext``, ``audit_collectives`` (the cross-rank order of collectives),
+``imbalance`` / ``measured_balance`` and the benchmark harness's ``with_overrides`` / ``max_abs_diff``, ``cluster_time_per_batch`` (the clustering's host cost), and ``build_engine`` (the engine of a rank, for benchmarks
 that time its steps). Exports load lazily, so importing this package (as ``grstack --help`` does, through
 ``train.cli``) never imports torch.
 """
@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from grstack.runtime.train.balance import imbalance, measured_balance
     from grstack.runtime.train.batching import Preparer, Schedule
     from grstack.runtime.train.cli import format_summary
+    from grstack.runtime.train.collective_audit import audit_collectives
     from grstack.runtime.train.context import DistContext
     from grstack.runtime.train.harness import max_abs_diff, with_overrides
     from grstack.runtime.train.launch import call_ranks, train_distributed
@@ -29,6 +30,7 @@ _EXPORTS = {
     "measured_balance": "grstack.runtime.train.balance",
     "Preparer": "grstack.runtime.train.batching",
     "Schedule": "grstack.runtime.train.batching",
+    "audit_collectives": "grstack.runtime.train.collective_audit",
     "format_summary": "grstack.runtime.train.cli",
     "DistContext": "grstack.runtime.train.context",
     "max_abs_diff": "grstack.runtime.train.harness",
@@ -44,6 +46,7 @@ __all__ = [
     "DistContext",
     "Preparer",
     "Schedule",
+    "audit_collectives",
     "build_engine",
     "call_ranks",
     "cluster_time_per_batch",
