@@ -15,9 +15,11 @@ from grstack.kernels.attention import (
     prefix_layout,
     select_backend,
     tuned_configs,
+    uses_plan,
 )
 from grstack.kernels.bias import TIME_BUCKET_DIV, time_buckets
 from grstack.kernels.fuxi import bias_channel_attention, bias_channel_attention_with_prefix
+from grstack.kernels.inputs import AttentionInputs
 from grstack.kernels.jagged import (
     jagged_to_padded,
     lengths_to_offsets,
@@ -41,6 +43,7 @@ __all__ = [
     "HEAD_MAJOR",
     "TIME_BUCKET_DIV",
     "TOKEN_MAJOR",
+    "AttentionInputs",
     "JaggedPlan",
     "PrefixLayout",
     "PrefixPlan",
@@ -62,4 +65,5 @@ __all__ = [
     "select_backend",
     "time_buckets",
     "tuned_configs",
+    "uses_plan",
 ]

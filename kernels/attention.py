@@ -4,7 +4,9 @@ Models call only these: :func:`hstu_attention` (training and full inference), :f
 (serving: new tokens against a cached prefix), :func:`layer_norm_mul`, :func:`embedding_gather`, and
 :func:`causal_softmax_attention` (the SASRec baseline). The backend is chosen by argument, else by the
 ``GRSTACK_KERNEL_BACKEND`` environment variable, else by device: ``triton`` on CUDA when it imports,
-``npu`` when torch_npu imports and the tensors are on an NPU, ``reference`` (torch) otherwise.
+``npu`` when torch_npu imports and the tensors are on an NPU, ``reference`` (torch) otherwise. The attention
+ops hand every backend one :class:`grstack.kernels.inputs.AttentionInputs` (the tensors and batch facts of the
+call) instead of repeating them in each backend's signature.
 
 Every backend implements both attention ops:
 
@@ -25,6 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
+from grstack.kernels.inputs import AttentionInputs, check_query_timestamps
 from grstack.kernels.plan import (
     HEAD_MAJOR,
     TOKEN_MAJOR,
@@ -72,6 +75,13 @@ def select_backend(device: torch.device, requested: str | None = None) -> str:
     return "reference"
 
 
+def uses_plan(device: torch.device, backend: str | None = None) -> bool:
+    """Whether the attention ops on ``device`` (``backend`` as :func:`select_backend`) read a
+    :class:`JaggedPlan`: the grouped torch engines (``reference``, ``npu``) do; the fused Triton kernels and
+    the padded oracle do not, so a model need not build one (a host read of the offsets) for them."""
+    return select_backend(device, backend) in ("reference", "npu")
+
+
 def hstu_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -94,33 +104,20 @@ def hstu_attention(
     ``timestamps``): each query token's time in the time bias, ``bucket(query_timestamps[i] - timestamps[j])``
     (e.g. the time of the event after token i, Meta's convention); None: the token's own timestamp.
     """
-    _check_query_timestamps(query_timestamps, timestamps)
-    kwargs = dict(max_seq_len=max_seq_len, timestamps=timestamps, pos_weight=pos_weight,
-                  time_weight=time_weight, num_targets=num_targets)
-    if query_timestamps is not None:
-        kwargs["query_timestamps"] = query_timestamps
+    inputs = AttentionInputs(q, k, v, offsets, max_seq_len, timestamps=timestamps, pos_weight=pos_weight,
+                             time_weight=time_weight, num_targets=num_targets, query_timestamps=query_timestamps)
     name = select_backend(q.device, backend)
     if name == "padded":
-        return hstu_attention_padded(q, k, v, offsets, **kwargs)
+        return hstu_attention_padded(inputs)
     if name == "triton":
         from grstack.kernels import triton_hstu
 
-        return triton_hstu.hstu_attention_triton(q, k, v, offsets, **kwargs)
+        return triton_hstu.hstu_attention_triton(inputs)
     if name == "npu":
         from grstack.kernels import npu
 
-        return npu.hstu_attention_npu(q, k, v, offsets, plan=plan, **kwargs)
-    return hstu_attention_reference(q, k, v, offsets, plan=plan, **kwargs)
-
-
-def _check_query_timestamps(query_timestamps: torch.Tensor | None, timestamps: torch.Tensor | None) -> None:
-    if query_timestamps is None:
-        return
-    if timestamps is None:
-        raise ValueError("query_timestamps need timestamps (the keys' times)")
-    if query_timestamps.shape != timestamps.shape:
-        raise ValueError(f"query_timestamps {tuple(query_timestamps.shape)} must be laid out like timestamps "
-                         f"{tuple(timestamps.shape)}")
+        return npu.hstu_attention_npu(inputs, plan)
+    return hstu_attention_reference(inputs, plan)
 
 
 def prefix_layout(device: torch.device, backend: str | None = None) -> PrefixLayout:
@@ -171,25 +168,25 @@ def hstu_attention_with_prefix(
         raise ValueError(f"{len(k_prefix)} prefix keys and {len(v_prefix)} prefix values for {batch} sequences")
     if time_weight is not None and timestamps is not None and prefix_timestamps is None:
         raise ValueError("prefix_timestamps are required with timestamps and time_weight")
-    _check_query_timestamps(query_timestamps, timestamps)
+    check_query_timestamps(query_timestamps, timestamps)
     if plan is None:
         layout = _PREFIX_LAYOUTS[name]
         plan = make_prefix_plan(offsets, [layout.length(kp) for kp in k_prefix])
     if batch == 0 or q.shape[0] == 0:
         return v.new_zeros(v.shape)
-    kwargs = dict(max_seq_len=max_seq_len, timestamps=timestamps, prefix_timestamps=prefix_timestamps,
-                  pos_weight=pos_weight, time_weight=time_weight, num_targets=num_targets)
-    if query_timestamps is not None:
-        kwargs["query_timestamps"] = query_timestamps
+    inputs = AttentionInputs(q, k, v, offsets, max_seq_len, timestamps=timestamps, pos_weight=pos_weight,
+                             time_weight=time_weight, num_targets=num_targets, query_timestamps=query_timestamps)
     if name == "triton":
-        return _prefix_triton(q, k, v, offsets, k_prefix, v_prefix, plan, **kwargs)
+        return _prefix_triton(inputs, k_prefix, v_prefix, plan, prefix_timestamps)
     if name == "padded":
-        return hstu_attention_with_prefix_reference(q, k, v, offsets, k_prefix, v_prefix, plan=plan, **kwargs)
+        return hstu_attention_with_prefix_reference(inputs, k_prefix, v_prefix, prefix_timestamps=prefix_timestamps,
+                                                    plan=plan)
     if name == "npu":
         from grstack.kernels import npu
 
-        return npu.hstu_attention_with_prefix_npu(q, k, v, offsets, k_prefix, v_prefix, plan=plan, **kwargs)
-    return hstu_attention_with_prefix_cpu(q, k, v, offsets, k_prefix, v_prefix, plan=plan, **kwargs)
+        return npu.hstu_attention_with_prefix_npu(inputs, k_prefix, v_prefix, prefix_timestamps=prefix_timestamps,
+                                                  plan=plan)
+    return hstu_attention_with_prefix_cpu(inputs, k_prefix, v_prefix, prefix_timestamps=prefix_timestamps, plan=plan)
 
 
 def shared_base(parts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]] | None:
@@ -214,13 +211,15 @@ def shared_base(parts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]]
     return base, [(p.storage_offset() - lo) // stride[0] if p.shape[0] else 0 for p in parts]
 
 
-def _prefix_triton(q, k, v, offsets, k_prefix, v_prefix, plan: PrefixPlan, *, prefix_timestamps, **kwargs):
+def _prefix_triton(inputs: AttentionInputs, k_prefix: Sequence[torch.Tensor], v_prefix: Sequence[torch.Tensor],
+                   plan: PrefixPlan, prefix_timestamps: Sequence[torch.Tensor] | None) -> torch.Tensor:
     """The fused kernel reads each sequence's prefix from a start row and a length in one [T, H, d] tensor
     per layer. When the per-sequence tensors are views of one KV arena (and the timestamps of its timestamp
     row, at the same rows) they are read in place: no copy. Otherwise they are concatenated per layer (the
     prefix offsets and timestamps once per plan)."""
     from grstack.kernels import triton_hstu
 
+    device = inputs.q.device
     arena = [shared_base(k_prefix), shared_base(v_prefix)]
     if prefix_timestamps is not None:
         arena.append(shared_base(prefix_timestamps))
@@ -230,28 +229,27 @@ def _prefix_triton(q, k, v, offsets, k_prefix, v_prefix, plan: PrefixPlan, *, pr
         def arena_addressing() -> tuple[torch.Tensor, torch.Tensor]:
             starts = torch.tensor(starts_list, dtype=torch.int64)
             lengths = torch.tensor(plan.prefix_lengths, dtype=torch.int64)
-            return starts.to(q.device), lengths.to(q.device)
+            return starts.to(device), lengths.to(device)
 
-        starts, lengths = cached(plan, ("triton_prefix_arena", q.device, tuple(starts_list)), arena_addressing)
+        starts, lengths = cached(plan, ("triton_prefix_arena", device, tuple(starts_list)), arena_addressing)
         pts = arena[2][0] if prefix_timestamps is not None else None
         return triton_hstu.hstu_attention_with_prefix_triton(
-            q, k, v, offsets, arena[0][0], arena[1][0], prefix_starts=starts, prefix_lengths=lengths,
-            prefix_timestamps=pts, **kwargs)
+            inputs, arena[0][0], arena[1][0], prefix_starts=starts, prefix_lengths=lengths, prefix_timestamps=pts)
 
     def join(parts: Sequence[torch.Tensor]) -> torch.Tensor:
         return parts[0] if len(parts) == 1 else torch.cat(list(parts))
 
     def prefix_offsets() -> torch.Tensor:
         lengths = torch.tensor(plan.prefix_lengths, dtype=torch.int64)
-        return torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(q.device)
+        return torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(device)
 
-    poffsets = cached(plan, ("triton_prefix_offsets", q.device), prefix_offsets)
+    poffsets = cached(plan, ("triton_prefix_offsets", device), prefix_offsets)
     pts = None
     if prefix_timestamps is not None:
         pts = cached(plan, ("triton_prefix_timestamps", *(tensor_key(t) for t in prefix_timestamps)),
                      lambda: join(prefix_timestamps), keep_alive=list(prefix_timestamps))
-    return triton_hstu.hstu_attention_with_prefix_triton(q, k, v, offsets, join(k_prefix), join(v_prefix), poffsets,
-                                                         prefix_timestamps=pts, **kwargs)
+    return triton_hstu.hstu_attention_with_prefix_triton(inputs, join(k_prefix), join(v_prefix), poffsets,
+                                                         prefix_timestamps=pts)
 
 
 def layer_norm_mul(x: torch.Tensor, u: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,

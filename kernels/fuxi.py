@@ -32,6 +32,7 @@ import torch
 
 from grstack.kernels.attention import prefix_layout, select_backend
 from grstack.kernels.bias import time_buckets
+from grstack.kernels.inputs import AttentionInputs
 from grstack.kernels.jagged import jagged_to_padded, padded_to_jagged
 from grstack.kernels.plan import (
     JaggedPlan,
@@ -87,22 +88,13 @@ def _sizes(pos_weight, time_weight, timestamps) -> tuple[int | None, int | None]
     return num_pos, num_tb
 
 
-def bias_channel_attention_reference(
-    v: torch.Tensor,
-    offsets: torch.Tensor,
-    *,
-    max_seq_len: int,
-    pos_weight: torch.Tensor | None = None,
-    time_weight: torch.Tensor | None = None,
-    timestamps: torch.Tensor | None = None,
-    num_targets: torch.Tensor | None = None,
-    plan: JaggedPlan | None = None,
-    query_timestamps: torch.Tensor | None = None,
-) -> torch.Tensor:
+def bias_channel_attention_reference(inputs: AttentionInputs, plan: JaggedPlan | None = None) -> torch.Tensor:
     """Jagged [sum_L, H, dv] in and out, per length group of ``plan`` (never padded to L_max); the masks and
     bias indices are built once per plan and reused by every layer."""
+    v, pos_weight, time_weight, timestamps = inputs.v, inputs.pos_weight, inputs.time_weight, inputs.timestamps
+    num_targets, query_timestamps = inputs.num_targets, inputs.query_timestamps
     _check(pos_weight, time_weight)
-    plan = plan if plan is not None else make_plan(offsets)
+    plan = plan if plan is not None else make_plan(inputs.offsets)
     if not plan.groups:
         return v.new_zeros(v.shape)
     num_pos, num_tb = _sizes(pos_weight, time_weight, timestamps)
@@ -128,18 +120,10 @@ def bias_channel_attention_reference(
     return scatter_groups(outs, plan)
 
 
-def bias_channel_attention_padded(
-    v: torch.Tensor,
-    offsets: torch.Tensor,
-    *,
-    max_seq_len: int,
-    pos_weight: torch.Tensor | None = None,
-    time_weight: torch.Tensor | None = None,
-    timestamps: torch.Tensor | None = None,
-    num_targets: torch.Tensor | None = None,
-    query_timestamps: torch.Tensor | None = None,
-) -> torch.Tensor:
+def bias_channel_attention_padded(inputs: AttentionInputs) -> torch.Tensor:
     """The dense padded formulation ([B, L_max, L_max] weights): the oracle of the grouped one."""
+    v, offsets, pos_weight, time_weight = inputs.v, inputs.offsets, inputs.pos_weight, inputs.time_weight
+    timestamps, num_targets, query_timestamps = inputs.timestamps, inputs.num_targets, inputs.query_timestamps
     _check(pos_weight, time_weight)
     if v.shape[0] == 0:
         return v.new_zeros(v.shape)
@@ -177,24 +161,20 @@ def bias_channel_attention(
     at, as :func:`grstack.kernels.hstu_attention`'s (the bucket of ``query_timestamps[i] - timestamps[j]``;
     FuXi-α's code uses the next event's time); None: the token's own timestamp.
     """
-    if query_timestamps is not None and (timestamps is None or query_timestamps.shape != timestamps.shape):
-        raise ValueError("query_timestamps needs timestamps of the same shape")
-    kwargs = dict(max_seq_len=max_seq_len, pos_weight=pos_weight, time_weight=time_weight, timestamps=timestamps,
-                  num_targets=num_targets, query_timestamps=query_timestamps)
+    inputs = AttentionInputs.channel(v, offsets, max_seq_len=max_seq_len, pos_weight=pos_weight,
+                                     time_weight=time_weight, timestamps=timestamps, num_targets=num_targets,
+                                     query_timestamps=query_timestamps)
     name = select_backend(v.device, backend)
     if name == "padded":
-        return bias_channel_attention_padded(v, offsets, **kwargs)
+        return bias_channel_attention_padded(inputs)
     if name == "triton":
         from grstack.kernels import triton_hstu
 
         _check(pos_weight, time_weight)
-        use_time = time_weight is not None and timestamps is not None
-        return triton_hstu.bias_channel_triton(v, offsets, max_seq_len=max_seq_len, pos_weight=pos_weight,
-                                               time_weight=time_weight if use_time else None,
-                                               timestamps=timestamps if use_time else None,
-                                               num_targets=num_targets,
-                                               query_timestamps=query_timestamps if use_time else None)
-    return bias_channel_attention_reference(v, offsets, plan=plan, **kwargs)
+        if not inputs.uses_time:  # the kernel's time bias needs both the table and the times
+            inputs = inputs.replace(time_weight=None, timestamps=None, query_timestamps=None)
+        return triton_hstu.bias_channel_triton(inputs)
+    return bias_channel_attention_reference(inputs, plan)
 
 
 def bias_channel_attention_with_prefix(
@@ -234,12 +214,13 @@ def bias_channel_attention_with_prefix(
         plens = torch.tensor(plan.prefix_lengths, dtype=torch.int64)
         poffsets = torch.zeros(batch + 1, dtype=torch.int64)
         poffsets[1:] = torch.cumsum(plens, 0)
+        use_time = num_tb is not None
+        inputs = AttentionInputs.channel(v, offsets, max_seq_len=max_seq_len, pos_weight=pos_weight,
+                                         time_weight=time_weight if use_time else None,
+                                         timestamps=timestamps if use_time else None, num_targets=num_targets)
         return triton_hstu.bias_channel_with_prefix_triton(
-            v, offsets, torch.cat([layout.to_tokens(vp) for vp in v_prefix]), poffsets.to(v.device),
-            max_seq_len=max_seq_len, pos_weight=pos_weight, time_weight=time_weight if num_tb is not None else None,
-            timestamps=timestamps if num_tb is not None else None,
-            prefix_timestamps=torch.cat(list(prefix_timestamps)) if num_tb is not None else None,
-            num_targets=num_targets)
+            inputs, torch.cat([layout.to_tokens(vp) for vp in v_prefix]), poffsets.to(v.device),
+            torch.cat(list(prefix_timestamps)) if use_time else None)
     out = v.new_zeros(v.shape)
     offs = plan.offsets
     for b in range(batch):

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from grstack.kernels.bias import time_buckets
+from grstack.kernels.inputs import AttentionInputs
 from grstack.kernels.plan import JaggedPlan, cached, tensor_key
 
 # A chunk's [H, G, rows, keys] tile holds about this many elements (cache-sized; ~4 MB in fp32).
@@ -63,11 +64,14 @@ def _layout(plan: JaggedPlan, heads: int) -> _Layout:
             groups.append((start, g.index.shape[0], g.max_len))
             start += heads * g.index.numel()
         rows = torch.cat(parts)
-        valid = rows < plan.num_tokens * heads
+        real = plan.num_tokens * heads
+        valid = rows < real
         slots = torch.arange(start, device=rows.device)
-        token_rows = torch.empty(plan.num_tokens * heads, dtype=torch.int64, device=rows.device)
-        token_rows[rows[valid]] = slots[valid]
-        return _Layout(torch.where(valid, rows, 0), slots[~valid], token_rows, tuple(groups), heads)
+        # sizes the host knows (real rows, start - real pad slots): no bool-mask indexing, so no host sync
+        token_rows = torch.empty(real + 1, dtype=torch.int64, device=rows.device)
+        token_rows.scatter_(0, torch.where(valid, rows, real), slots)  # pad slots all land on the dropped row
+        pad_rows = torch.argsort(valid.to(torch.int8), stable=True)[:start - real]
+        return _Layout(torch.where(valid, rows, 0), pad_rows, token_rows[:real], tuple(groups), heads)
 
     return cached(plan, ("layout", heads), build)
 
@@ -218,17 +222,15 @@ class _GroupedHSTU(torch.autograd.Function):
                 None, None, None, None)
 
 
-def grouped_hstu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: JaggedPlan, *,
-                           max_seq_len: int, timestamps: torch.Tensor | None, pos_weight: torch.Tensor | None,
-                           time_weight: torch.Tensor | None, num_targets: torch.Tensor | None,
-                           query_timestamps: torch.Tensor | None = None) -> torch.Tensor:
+def grouped_hstu_attention(inputs: AttentionInputs, plan: JaggedPlan) -> torch.Tensor:
     """[sum_L, H, d] q, k and [sum_L, H, dv] v -> [sum_L, H, dv] over the plan's length groups
     (``query_timestamps``: the query rows' times in the time bias, None: their own timestamps)."""
+    q, k, v, pos_weight, time_weight = inputs.q, inputs.k, inputs.v, inputs.pos_weight, inputs.time_weight
     has_pos = pos_weight is not None
-    has_time = time_weight is not None and timestamps is not None
+    has_time = inputs.uses_time
     layout = _layout(plan, q.shape[1])
-    chunks = _chunks(plan, q.shape[1], max_seq_len, q.dtype, pos_weight.numel() if has_pos else None,
-                     time_weight.numel() - 1 if has_time else None, timestamps if has_time else None,
-                     num_targets, query_timestamps if has_time else None)
+    chunks = _chunks(plan, q.shape[1], inputs.max_seq_len, q.dtype, pos_weight.numel() if has_pos else None,
+                     time_weight.numel() - 1 if has_time else None, inputs.timestamps if has_time else None,
+                     inputs.num_targets, inputs.query_timestamps if has_time else None)
     return _GroupedHSTU.apply(q, k, v, pos_weight, time_weight if has_time else None, layout, chunks, has_pos,
                               has_time)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from grstack.kernels.inputs import AttentionInputs
 from grstack.kernels.plan import JaggedPlan, PrefixPlan
 from grstack.kernels.prefix_cpu import hstu_attention_with_prefix_cpu
 from grstack.kernels.reference import hstu_attention_reference
@@ -25,48 +26,21 @@ def _require_torch_npu() -> None:
             from exc
 
 
-def hstu_attention_npu(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    offsets: torch.Tensor,
-    *,
-    max_seq_len: int,
-    timestamps: torch.Tensor | None = None,
-    pos_weight: torch.Tensor | None = None,
-    time_weight: torch.Tensor | None = None,
-    num_targets: torch.Tensor | None = None,
-    plan: JaggedPlan | None = None,
-    query_timestamps: torch.Tensor | None = None,
-) -> torch.Tensor:
+def hstu_attention_npu(inputs: AttentionInputs, plan: JaggedPlan | None = None) -> torch.Tensor:
     """Jagged HSTU attention on an NPU; same signature and math as the reference."""
     _require_torch_npu()
-    return hstu_attention_reference(q, k, v, offsets, max_seq_len=max_seq_len, timestamps=timestamps,
-                                    pos_weight=pos_weight, time_weight=time_weight, num_targets=num_targets,
-                                    plan=plan, query_timestamps=query_timestamps)
+    return hstu_attention_reference(inputs, plan)
 
 
 def hstu_attention_with_prefix_npu(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    offsets: torch.Tensor,
+    inputs: AttentionInputs,
     k_prefix: Sequence[torch.Tensor],
     v_prefix: Sequence[torch.Tensor],
     *,
-    max_seq_len: int,
-    timestamps: torch.Tensor | None = None,
     prefix_timestamps: Sequence[torch.Tensor] | None = None,
-    pos_weight: torch.Tensor | None = None,
-    time_weight: torch.Tensor | None = None,
-    num_targets: torch.Tensor | None = None,
     plan: PrefixPlan | None = None,
-    query_timestamps: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Cached-prefix attention on an NPU (head-major prefix K/V, like the CPU path)."""
     _require_torch_npu()
-    return hstu_attention_with_prefix_cpu(q, k, v, offsets, k_prefix, v_prefix, max_seq_len=max_seq_len,
-                                          timestamps=timestamps, prefix_timestamps=prefix_timestamps,
-                                          pos_weight=pos_weight, time_weight=time_weight,
-                                          num_targets=num_targets, plan=plan,
-                                          query_timestamps=query_timestamps)
+    return hstu_attention_with_prefix_cpu(inputs, k_prefix, v_prefix, prefix_timestamps=prefix_timestamps,
+                                          plan=plan)

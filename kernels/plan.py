@@ -32,6 +32,9 @@ class Group:
     valid: torch.Tensor  # [G * Lg] bool, slots holding real tokens
     lengths: torch.Tensor  # [G]
     max_len: int
+    # [sum of the group's lengths] the slots holding real tokens, in order (``valid``'s positions: selecting
+    # them needs no data-dependent size, so no host sync on a device)
+    slots: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -82,44 +85,64 @@ def make_plan(offsets: torch.Tensor, steps_per_octave: int = 4, group_overhead: 
 
     ``group_overhead`` (in attention elements per head, see :func:`_merge_classes`) trades padding for fewer
     groups; 0 keeps one group per length class. ``lengths``: the sequences' lengths on the host, as the batch
-    builder knows them; given, the plan never reads ``offsets`` back from the device (no host sync).
+    builder knows them; given, the plan never reads ``offsets`` back from the device (no host sync). Built on
+    the host and moved to the offsets' device in one copy (non-blocking on CUDA).
     """
     if lengths is None:
-        offs = offsets.to("cpu", torch.int64)
-        lengths = (offs[1:] - offs[:-1]).tolist()
+        lengths = (offsets[1:] - offsets[:-1]).to("cpu", torch.int64).tolist()  # the one host read
     else:
         lengths = [int(n) for n in lengths]
         if len(lengths) != offsets.numel() - 1:
             raise ValueError(f"{len(lengths)} lengths for {offsets.numel() - 1} sequences")
-        offs = torch.zeros(len(lengths) + 1, dtype=torch.int64)
-        offs[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
-    device = offsets.device
+    starts_host = [0]
+    for n in lengths:
+        starts_host.append(starts_host[-1] + n)
     by_class: dict[int, list[int]] = {}
     for b, length in enumerate(lengths):
         if length > 0:
             by_class.setdefault(_length_class(length, steps_per_octave), []).append(b)
-    num_tokens = int(offs[-1])
-    groups = []
+    num_tokens = starts_host[-1]
+    host: list[tuple[torch.Tensor, ...]] = []
     order = []
     for seqs in _merge_classes(by_class, lengths, group_overhead):
-        lens = torch.tensor([lengths[b] for b in seqs], dtype=torch.int64)
-        max_len = int(lens.max())
-        starts = offs[torch.tensor(seqs)]
+        lens_list = [lengths[b] for b in seqs]
+        lens = torch.tensor(lens_list, dtype=torch.int64)
+        max_len = max(lens_list)
+        starts = torch.tensor([starts_host[b] for b in seqs], dtype=torch.int64)
         ar = torch.arange(max_len, dtype=torch.int64)
         valid2d = ar[None, :] < lens[:, None]
         index = torch.where(valid2d, starts[:, None] + ar[None, :], torch.full_like(valid2d, num_tokens,
                                                                                  dtype=torch.int64))
-        valid = valid2d.reshape(-1)
-        order.append(index.reshape(-1)[valid])
-        groups.append(Group(seq=torch.tensor(seqs, device=device), index=index.to(device),
-                            valid=valid.to(device), lengths=lens.to(device), max_len=max_len))
+        slots = torch.cat([torch.arange(i * max_len, i * max_len + n, dtype=torch.int64)
+                           for i, n in enumerate(lens_list)])
+        order.append(index.reshape(-1)[slots])
+        host.append((torch.tensor(seqs, dtype=torch.int64), index, valid2d.reshape(-1).to(torch.int64), lens,
+                     slots))
+    inverse = torch.zeros(0, dtype=torch.int64)
     if order:
-        cat = torch.cat(order)
         inverse = torch.empty(num_tokens, dtype=torch.int64)
-        inverse[cat] = torch.arange(num_tokens, dtype=torch.int64)
-    else:
-        inverse = torch.zeros(0, dtype=torch.int64)
-    return JaggedPlan(num_tokens=num_tokens, groups=tuple(groups), inverse=inverse.to(device))
+        inverse[torch.cat(order)] = torch.arange(num_tokens, dtype=torch.int64)
+    moved = _to_device([t for parts in host for t in parts] + [inverse], offsets.device)
+    groups = []
+    for i, parts in enumerate(host):
+        seq, index, valid, lens, slots = moved[5 * i:5 * i + 5]
+        groups.append(Group(seq=seq, index=index, valid=valid.bool(), lengths=lens,
+                            max_len=int(parts[1].shape[1]), slots=slots))
+    return JaggedPlan(num_tokens=num_tokens, groups=tuple(groups), inverse=moved[-1])
+
+
+def _to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """int64 host tensors -> views of one buffer on ``device``: one copy for the whole plan, from pinned
+    memory without blocking the host on CUDA (the caching host allocator keeps the buffer until it is done)."""
+    if device.type == "cpu":
+        return tensors
+    flat = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0, dtype=torch.int64)
+    flat = flat.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else flat.to(device)
+    out, at = [], 0
+    for t in tensors:
+        out.append(flat[at:at + t.numel()].view(t.shape))
+        at += t.numel()
+    return out
 
 
 def gather_groups(x: torch.Tensor, plan: JaggedPlan) -> list[torch.Tensor]:
@@ -130,7 +153,8 @@ def gather_groups(x: torch.Tensor, plan: JaggedPlan) -> list[torch.Tensor]:
 
 def scatter_groups(blocks: list[torch.Tensor], plan: JaggedPlan) -> torch.Tensor:
     """Inverse of ``gather_groups``: per group [G, Lg, *D] -> [sum_L, *D] (pad slots dropped)."""
-    parts = [blk.reshape(-1, *blk.shape[2:])[g.valid] for blk, g in zip(blocks, plan.groups, strict=True)]
+    parts = [blk.reshape(-1, *blk.shape[2:]).index_select(0, g.slots) for blk, g in zip(blocks, plan.groups,
+                                                                                          strict=True)]
     if not parts:
         return blocks[0].new_zeros((0,)) if blocks else torch.zeros(0)
     return torch.cat(parts, dim=0)[plan.inverse]

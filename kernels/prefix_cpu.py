@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from grstack.kernels.bias import time_buckets
+from grstack.kernels.inputs import AttentionInputs
 from grstack.kernels.plan import PrefixPlan, cached, make_prefix_plan, tensor_key
 
 
@@ -91,26 +92,20 @@ def _bias(pos_w: torch.Tensor | None, time_w: torch.Tensor | None, pos: torch.Te
 
 
 def hstu_attention_with_prefix_cpu(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    offsets: torch.Tensor,
+    inputs: AttentionInputs,
     k_prefix: Sequence[torch.Tensor],
     v_prefix: Sequence[torch.Tensor],
     *,
-    max_seq_len: int,
-    timestamps: torch.Tensor | None = None,
     prefix_timestamps: Sequence[torch.Tensor] | None = None,
-    pos_weight: torch.Tensor | None = None,
-    time_weight: torch.Tensor | None = None,
-    num_targets: torch.Tensor | None = None,
     plan: PrefixPlan | None = None,
-    query_timestamps: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q, k: [sum_S, H, dqk]; v: [sum_S, H, dv]; per sequence ``k_prefix[b]`` [H, P_b, dqk] and
     ``v_prefix[b]`` [H, P_b, dv] (head-major). Returns [sum_S, H, dv]: the new tokens' rows of the
     full-sequence attention. ``query_timestamps`` [sum_S]: the new tokens' query times in the time bias
     (None: their own timestamps)."""
+    q, k, v, offsets, timestamps = inputs.q, inputs.k, inputs.v, inputs.offsets, inputs.timestamps
+    pos_weight, time_weight, num_targets = inputs.pos_weight, inputs.time_weight, inputs.num_targets
+    max_seq_len, query_timestamps = inputs.max_seq_len, inputs.query_timestamps
     if plan is None:
         plan = make_prefix_plan(offsets, [kp.shape[1] for kp in k_prefix])
     has_time = time_weight is not None and timestamps is not None

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from grstack.kernels.bias import time_buckets
 from grstack.kernels.grouped import grouped_hstu_attention
+from grstack.kernels.inputs import AttentionInputs
 from grstack.kernels.jagged import jagged_to_padded, padded_to_jagged
 from grstack.kernels.plan import (
     JaggedPlan,
@@ -75,74 +76,42 @@ def _dense_block(
     return out.permute(0, 2, 1, 3)
 
 
-def hstu_attention_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    offsets: torch.Tensor,
-    *,
-    max_seq_len: int,
-    timestamps: torch.Tensor | None = None,
-    pos_weight: torch.Tensor | None = None,
-    time_weight: torch.Tensor | None = None,
-    num_targets: torch.Tensor | None = None,
-    plan: JaggedPlan | None = None,
-    query_timestamps: torch.Tensor | None = None,
-) -> torch.Tensor:
+def hstu_attention_reference(inputs: AttentionInputs, plan: JaggedPlan | None = None) -> torch.Tensor:
     """Jagged [sum_L, H, d] in, [sum_L, H, dv] out; computed per length group, never padded to L_max.
 
     The work is done by :mod:`grstack.kernels.grouped` (batch constants cached on ``plan``, causal chunks,
     hand-written backward); :func:`hstu_attention_padded` is the plain-autograd formulation it is tested
     against.
     """
-    plan = plan if plan is not None else make_plan(offsets)
+    plan = plan if plan is not None else make_plan(inputs.offsets)
     if not plan.groups:
+        q, v = inputs.q, inputs.v
         return v.new_zeros((q.shape[0], q.shape[1], v.shape[-1]))
-    return grouped_hstu_attention(q, k, v, plan, max_seq_len=max_seq_len, timestamps=timestamps,
-                                  pos_weight=pos_weight, time_weight=time_weight, num_targets=num_targets,
-                                  query_timestamps=query_timestamps)
+    return grouped_hstu_attention(inputs, plan)
 
 
-def hstu_attention_padded(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    offsets: torch.Tensor,
-    *,
-    max_seq_len: int,
-    timestamps: torch.Tensor | None = None,
-    pos_weight: torch.Tensor | None = None,
-    time_weight: torch.Tensor | None = None,
-    num_targets: torch.Tensor | None = None,
-    query_timestamps: torch.Tensor | None = None,
-) -> torch.Tensor:
+def hstu_attention_padded(inputs: AttentionInputs) -> torch.Tensor:
     """The dense padded implementation of the same math ([B, L_max, L_max] bias): baseline and oracle."""
+    q, k, v, offsets, timestamps = inputs.q, inputs.k, inputs.v, inputs.offsets, inputs.timestamps
+    query_timestamps = inputs.query_timestamps
     lengths = offsets[1:] - offsets[:-1]
     if q.shape[0] == 0:
         return v.new_zeros(v.shape)
     qp, kp, vp = (jagged_to_padded(t, offsets) for t in (q, k, v))
     tp = jagged_to_padded(timestamps, offsets) if timestamps is not None else None
     qtp = jagged_to_padded(query_timestamps, offsets) if query_timestamps is not None else None
-    out = _dense_block(qp, kp, vp, lengths, tp, qtp, num_targets, pos_weight, time_weight, max_seq_len)
+    out = _dense_block(qp, kp, vp, lengths, tp, qtp, inputs.num_targets, inputs.pos_weight, inputs.time_weight,
+                       inputs.max_seq_len)
     return padded_to_jagged(out, offsets)
 
 
 def hstu_attention_with_prefix_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    offsets: torch.Tensor,
+    inputs: AttentionInputs,
     k_prefix: Sequence[torch.Tensor],
     v_prefix: Sequence[torch.Tensor],
     *,
-    max_seq_len: int,
-    timestamps: torch.Tensor | None = None,
     prefix_timestamps: Sequence[torch.Tensor] | None = None,
-    pos_weight: torch.Tensor | None = None,
-    time_weight: torch.Tensor | None = None,
-    num_targets: torch.Tensor | None = None,
     plan: PrefixPlan | None = None,
-    query_timestamps: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The plain formulation of the cached-prefix op (the oracle of its fast paths).
 
@@ -153,6 +122,9 @@ def hstu_attention_with_prefix_reference(
     full-sequence attention's rows for the new tokens. Computed directly on the [S_b, P_b + S_b] rectangle of
     each sequence (prefix and new K/V concatenated, one mask).
     """
+    q, k, v, offsets, timestamps = inputs.q, inputs.k, inputs.v, inputs.offsets, inputs.timestamps
+    pos_weight, time_weight, num_targets = inputs.pos_weight, inputs.time_weight, inputs.num_targets
+    max_seq_len, query_timestamps = inputs.max_seq_len, inputs.query_timestamps
     plan = plan if plan is not None else make_prefix_plan(offsets, [kp.shape[0] for kp in k_prefix])
     offs = plan.offsets
     out = v.new_zeros(v.shape)

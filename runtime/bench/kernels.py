@@ -7,8 +7,9 @@ indices built once per batch, the position bias one gathered [L, L] table broadc
 bias-table gradients reduced by ``bincount`` instead of an advanced-index backward over B·L² elements —
 and ``padded_naive`` (``padded_naive_ms``) is the kernels' ``padded`` backend with plain autograd, which
 rebuilds int64 [B, L, L] bucket tensors on every call. ``speedup`` is against the good one. Each case also
-counts the host-synchronising calls (``.cpu()``, ``.item()``, ``.tolist()``) one jagged forward+backward
-makes (``host_syncs``). Prints one JSON object on stdout; progress on stderr.
+counts the calls one jagged forward+backward makes that would block the host on an accelerator
+(``host_syncs``; how, in ``host_syncs_counter``: :mod:`grstack.kernels.host_syncs`; on CUDA also CUDA's sync
+debug mode, ``host_syncs_cuda_sync_debug``). Prints one JSON object on stdout; progress on stderr.
 """
 
 from __future__ import annotations
@@ -210,28 +211,26 @@ def _step(impl: str, inp: dict, plan=None, variant: Variant = FULL):
     return out.detach()
 
 
-def count_host_syncs(fn) -> int:
-    """Calls of ``Tensor.cpu``, ``.item`` and ``.tolist`` while ``fn`` runs (each blocks the host on an
-    accelerator; on CPU they are counted all the same, so the figure carries over)."""
+def count_host_syncs(fn, device: str = "cpu") -> int:
+    """The calls in ``fn`` that block the host on an accelerator, by :mod:`grstack.kernels.host_syncs` (its
+    ``METHOD`` is the JSON's ``host_syncs_counter``): scalar reads (``.item``, ``int(t)``, ``bool(t)``...),
+    data-dependent shapes (``nonzero``, bool-mask indexing, ``unique``...), blocking cross-device copies and
+    ``.cpu``/``.tolist``/``.numpy``, on tensors of ``device``."""
+    from grstack.kernels.host_syncs import count_host_syncs as count
+
+    return count(fn, device)
+
+
+def _cuda_sync_debug_count(fn) -> int | None:
+    """What CUDA's sync debug mode reports for ``fn`` (the exact figure on CUDA)."""
     import torch
 
-    calls = [0]
-    saved = {name: getattr(torch.Tensor, name) for name in ("cpu", "item", "tolist")}
+    from grstack.runtime.device import HostSyncCounter
 
-    def counting(orig):
-        def wrapper(self, *args, **kwargs):
-            calls[0] += 1
-            return orig(self, *args, **kwargs)
-        return wrapper
-
-    try:
-        for name, orig in saved.items():
-            setattr(torch.Tensor, name, counting(orig))
+    torch.cuda.synchronize()
+    with HostSyncCounter(torch.device("cuda")) as counter:
         fn()
-    finally:
-        for name, orig in saved.items():
-            setattr(torch.Tensor, name, orig)
-    return calls[0]
+    return counter.count
 
 
 def _time_ms(fn, reps: int, cuda: bool) -> float:
@@ -348,7 +347,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(compile_report(args.arch, args.quick, args.workers)))
         return 0
 
-    from grstack.kernels import make_plan, select_backend
+    from grstack.kernels import host_syncs, make_plan, select_backend
 
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
@@ -390,7 +389,7 @@ def run(args: argparse.Namespace) -> int:
         peak = _cuda_peak_bytes if cuda else _cpu_peak_bytes
         jagged_peak = peak(lambda inp=inp: _step("jagged", inp))
         padded_peak = peak(lambda inp=inp: _step("padded", inp))
-        syncs = count_host_syncs(lambda inp=inp: _step("jagged", inp))
+        syncs = count_host_syncs(lambda inp=inp: _step("jagged", inp), args.device)
         case = {
             "name": name, "device": args.device, "backend": backend, "d": d,
             "lengths": {"batch": len(lengths), "tokens": sum(lengths), "mean": round(sum(lengths) / len(lengths), 1),
@@ -399,6 +398,8 @@ def run(args: argparse.Namespace) -> int:
             "padded_naive_ms": round(naive_ms, 3),
             "speedup": round(padded_ms / jagged_ms, 3), "speedup_vs_naive": round(naive_ms / jagged_ms, 3),
             "host_syncs": syncs,
+            **({"host_syncs_cuda_sync_debug": _cuda_sync_debug_count(lambda inp=inp: _step("jagged", inp))}
+               if cuda else {}),
             "jagged_peak_bytes": jagged_peak, "padded_peak_bytes": padded_peak,
             "memory_ratio": round(padded_peak / max(1, jagged_peak), 3),
             "padded_over_jagged_pairs": round(len(lengths) * max(lengths) ** 2 / sum(n * n for n in lengths), 3),
@@ -433,6 +434,8 @@ def run(args: argparse.Namespace) -> int:
                           "bias, or the backward; CPU jagged_ms includes building the plan for the batch, "
                           "jagged_ms_plan_reused is a later layer reusing it" + (
                               "; CUDA synchronized around each rep" if cuda else "")),
+        "host_syncs_counter": host_syncs.METHOD + ("; host_syncs_cuda_sync_debug: CUDA's sync debug mode" if cuda
+                                                   else ""),
         "memory_method": ("torch.cuda.max_memory_allocated above the bytes allocated before the step" if cuda else
                           "torch profiler (profile_memory=True): peak of the running sum of CPU allocator "
                           "alloc/free events during one forward+backward, above what was live before it"),

@@ -141,11 +141,12 @@ class FuXiAlpha(HSTU):
 
     def encode(self, batch: JaggedBatch, item_rows: torch.Tensor | None = None,
                context_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """[sum_L, d] outputs for every token. Unlike HSTU, the plan is made on every device: the positional and
-        temporal channels run per length group everywhere, and one plan per batch (one host read of the
-        offsets) serves every layer and channel."""
+        """[sum_L, d] outputs for every token. The plan (one host read of the offsets, then one copy) is made
+        only where the kernels read it (:func:`grstack.kernels.uses_plan`: the grouped torch engines, where the
+        positional and temporal channels run per length group too); one plan per batch serves every layer and
+        channel. The fused Triton kernels need none: no host read on that path."""
         x, offsets, ts, keep = self.embed_batch(batch, item_rows, context_rows)
-        plan = kernels.make_plan(offsets)
+        plan = kernels.make_plan(offsets) if kernels.uses_plan(offsets.device) else None
         ts = ts if self._uses_time() else None
         qts = next_event_timestamps(ts, offsets, batch.num_targets) if ts is not None and \
             self.time_bias_query == "next" else None

@@ -38,6 +38,7 @@ def test_bench_prints_one_json_object(monkeypatch, capsys):
         (True, False, True), (False, False, True), (True, False, False), (False, False, False)]
     assert all(v["jagged_ms"] > 0 and v["padded_ms"] > 0 for v in variants)
     assert "memory_method" in result and result["quick"] is True
+    assert "TorchDispatchMode" in result["host_syncs_counter"]  # the figure says how it was counted
 
 
 def test_padded_memory_exceeds_jagged_on_a_skewed_batch(monkeypatch, capsys):
@@ -87,4 +88,6 @@ def test_the_good_padded_baseline_has_the_naive_ones_gradients():
 def test_host_syncs_are_counted_and_the_methods_restored():
     before = torch.Tensor.tolist
     assert bench.count_host_syncs(lambda: (torch.ones(2).tolist(), torch.ones(1).item(), torch.ones(1).cpu())) == 3
+    t = torch.arange(4)
+    assert bench.count_host_syncs(lambda: (int(t[0]), t[t > 1], t.nonzero())) == 3  # the implicit ones too
     assert torch.Tensor.tolist is before

@@ -90,8 +90,8 @@ def test_arena_addressed_prefix_equals_full_attention(case) -> None:
               time_weight=None if time_w is None else dev(time_w), num_targets=dev(nts))
     # 1. the kernel, addressed directly
     out = triton_hstu.hstu_attention_with_prefix_triton(
-        *args, ka, va, prefix_starts=dev(torch.tensor(starts)), prefix_lengths=dev(torch.tensor([p for p, *_ in seqs])),
-        prefix_timestamps=tsa, **kw)
+        kernels.AttentionInputs(*args, **kw), ka, va, prefix_starts=dev(torch.tensor(starts)),
+        prefix_lengths=dev(torch.tensor([p for p, *_ in seqs])), prefix_timestamps=tsa)
     _close(out.cpu(), full[new_t], 2e-5, "direct")
     # 2. through the dispatcher, with per-sequence views of the arena: read in place (no concatenation)
     real = triton_hstu.hstu_attention_with_prefix_triton
@@ -104,8 +104,8 @@ def test_arena_addressed_prefix_equals_full_attention(case) -> None:
     live = [b for b, (_, p) in enumerate(pre) if p]
     if live:  # the kernel got the arena's own memory (views), not a concatenated copy
         base_start = min(pre[b][0] for b in live)
-        assert call.args[4].data_ptr() == ka[base_start:].data_ptr()
-        assert call.args[5].data_ptr() == va[base_start:].data_ptr()
+        assert call.args[1].data_ptr() == ka[base_start:].data_ptr()
+        assert call.args[2].data_ptr() == va[base_start:].data_ptr()
         assert [call.kwargs["prefix_starts"].tolist()[b] for b in live] == [pre[b][0] - base_start for b in live]
     _close(out2.cpu(), full[new_t], 2e-5, "dispatched")
 
@@ -118,8 +118,9 @@ def test_jagged_offsets_call_still_works(jagged_case, device) -> None:
                                   pos_weight=case.pos_weight.cpu(), backend="padded")
     pre_t, new_t = torch.tensor(pre, device=device), torch.tensor(new, device=device)
     out = triton_hstu.hstu_attention_with_prefix_triton(
-        case.q[new_t], case.k[new_t], case.v[new_t], torch.tensor([0, 3, 8], device=device), case.k[pre_t],
-        case.v[pre_t], torch.tensor([0, 3, 7], device=device), max_seq_len=64, pos_weight=case.pos_weight)
+        kernels.AttentionInputs(case.q[new_t], case.k[new_t], case.v[new_t], torch.tensor([0, 3, 8], device=device),
+                                max_seq_len=64, pos_weight=case.pos_weight),
+        case.k[pre_t], case.v[pre_t], torch.tensor([0, 3, 7], device=device))
     _close(out.cpu(), full[torch.tensor(new)], 2e-5, "jagged")
 
 
@@ -160,7 +161,7 @@ def test_serving_engine_on_triton_writes_and_reads_a_token_major_arena(device) -
     with mock.patch.object(triton_hstu, "hstu_attention_with_prefix_triton", wraps=real) as spy:
         got = eng.rank_cached(views[::-1], reqs[::-1])
     assert spy.call_count == 2 and all(c.kwargs.get("prefix_starts") is not None for c in spy.call_args_list)
-    assert all(c.args[4].data_ptr() == arena.keys[i].data_ptr() + 5 * arena.keys[i].stride(0) * 4
+    assert all(c.args[1].data_ptr() == arena.keys[i].data_ptr() + 5 * arena.keys[i].stride(0) * 4
                for i, c in enumerate(spy.call_args_list))  # read in place, from the first range (row 5)
     want = eng.rank_cached(plain[::-1], reqs[::-1])
     for g, w in zip(got, want, strict=True):

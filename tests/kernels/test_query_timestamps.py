@@ -7,7 +7,6 @@ split at a random prefix length; the prefix's tokens are keys only, the new toke
 
 from __future__ import annotations
 
-import inspect
 import math
 from unittest import mock
 
@@ -137,20 +136,9 @@ def test_query_timestamps_need_timestamps_laid_out_alike() -> None:
                                query_timestamps=torch.zeros(2, dtype=torch.int64))
 
 
-def _triton_takes_query_timestamps() -> bool:
-    try:
-        from grstack.kernels import triton_hstu
-    except ImportError:
-        return False
-    return all("query_timestamps" in inspect.signature(f).parameters
-               for f in (triton_hstu.hstu_attention_triton, triton_hstu.hstu_attention_with_prefix_triton))
-
-
 @_settings(10)
 @given(c=cases(max_len=24))
 def test_triton_equals_padded_forward_backward(c: dict) -> None:
-    if not _triton_takes_query_timestamps():
-        pytest.skip("the Triton kernels do not take query_timestamps yet")
     f32 = {n: (x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x) for n, x in c.items()}
     got, got_grads = _attention(f32, "triton", c["query_timestamps"])
     want, want_grads = _attention(c, "padded", c["query_timestamps"])
@@ -164,8 +152,6 @@ def test_triton_equals_padded_forward_backward(c: dict) -> None:
 def test_prefix_op_equals_full_attention(backend: str, c: dict, data) -> None:
     """Cached-prefix attention with the new tokens' query times equals their rows of full attention (the
     prefix's tokens' query times play no part: they are keys only)."""
-    if backend == "triton" and not _triton_takes_query_timestamps():
-        pytest.skip("the Triton kernels do not take query_timestamps yet")
     lengths = c["lengths"]
     nts = c["num_targets"].tolist() if c["num_targets"] is not None else [0] * len(lengths)
     prefix = [data.draw(st.integers(0, n - m)) for n, m in zip(lengths, nts, strict=True)]

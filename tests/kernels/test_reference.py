@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grstack.kernels import make_plan
+from grstack.kernels import AttentionInputs, make_plan
 from grstack.kernels.reference import hstu_attention_padded, hstu_attention_reference
 
 pytestmark = pytest.mark.unit
@@ -21,9 +21,8 @@ def _grads(fn, case, dtype, use_pos, use_time, use_targets, plan=None):
     tw = case.time_weight.clone().requires_grad_() if use_time else None
     kw = dict(max_seq_len=case.max_seq_len, timestamps=case.timestamps if use_time else None, pos_weight=pw,
               time_weight=tw, num_targets=case.num_targets if use_targets else None)
-    if plan is not None:
-        kw["plan"] = plan
-    out = fn(q, k, v, case.offsets, **kw)
+    inputs = AttentionInputs(q, k, v, case.offsets, **kw)
+    out = fn(inputs, plan) if plan is not None else fn(inputs)
     leaves = [t for t in (q, k, v, pw, tw) if t is not None]
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(dtype)
     return [out.detach(), *torch.autograd.grad(out, leaves, g)]
@@ -43,23 +42,26 @@ def test_plan_constants_are_reused_and_keyed_by_inputs(jagged_case):
     case = jagged_case([5, 9, 3], 2, 8, 8, seed=4)
     plan = make_plan(case.offsets)
     kw = dict(max_seq_len=64, pos_weight=case.pos_weight, time_weight=case.time_weight)
-    a = hstu_attention_reference(case.q, case.k, case.v, case.offsets, plan=plan, timestamps=case.timestamps, **kw)
+    def inputs(ts):
+        return AttentionInputs(case.q, case.k, case.v, case.offsets, timestamps=ts, **kw)
+
+    a = hstu_attention_reference(inputs(case.timestamps), plan)
     entries = len(plan.cache)
-    b = hstu_attention_reference(case.q, case.k, case.v, case.offsets, plan=plan, timestamps=case.timestamps, **kw)
+    b = hstu_attention_reference(inputs(case.timestamps), plan)
     assert len(plan.cache) == entries and torch.equal(a, b)
     shifted = case.timestamps * 1000  # other timestamps: other buckets, not a stale cache hit
-    c = hstu_attention_reference(case.q, case.k, case.v, case.offsets, plan=plan, timestamps=shifted, **kw)
-    d = hstu_attention_reference(case.q, case.k, case.v, case.offsets, timestamps=shifted, **kw)
+    c = hstu_attention_reference(inputs(shifted), plan)
+    d = hstu_attention_reference(inputs(shifted))
     assert torch.equal(c, d) and not torch.equal(a, c)
 
 
 def test_no_grad_inference_and_empty_batch():
     with torch.no_grad():
-        out = hstu_attention_reference(torch.randn(4, 1, 8), torch.randn(4, 1, 8), torch.randn(4, 1, 8),
-                                       torch.tensor([0, 4]), max_seq_len=8)
+        out = hstu_attention_reference(AttentionInputs(torch.randn(4, 1, 8), torch.randn(4, 1, 8),
+                                                       torch.randn(4, 1, 8), torch.tensor([0, 4]), max_seq_len=8))
     assert out.shape == (4, 1, 8)
-    empty = hstu_attention_reference(torch.zeros(0, 2, 8), torch.zeros(0, 2, 8), torch.zeros(0, 2, 4),
-                                     torch.tensor([0, 0, 0]), max_seq_len=8)
+    empty = hstu_attention_reference(AttentionInputs(torch.zeros(0, 2, 8), torch.zeros(0, 2, 8),
+                                                     torch.zeros(0, 2, 4), torch.tensor([0, 0, 0]), max_seq_len=8))
     assert empty.shape == (0, 2, 4)
 
 

@@ -4,7 +4,7 @@ plan coverage. (Equality with the dense padded implementation, fwd and bwd: test
 import pytest
 import torch
 
-from grstack.kernels import make_plan
+from grstack.kernels import AttentionInputs, make_plan
 from grstack.kernels.reference import hstu_attention_reference
 
 pytestmark = pytest.mark.unit
@@ -29,10 +29,10 @@ def _case(lengths, heads=2, dqk=8, dv=4, seed=0, with_targets=False):
 def test_causality_prefix_outputs_do_not_depend_on_appended_tokens():
     """What relay inference relies on: appending tokens leaves the prefix's outputs unchanged."""
     q, k, v, _, ts, pos_w, time_w, _ = _case([12])
-    full = hstu_attention_reference(q, k, v, torch.tensor([0, 12]), max_seq_len=64, timestamps=ts,
-                                    pos_weight=pos_w, time_weight=time_w)
-    prefix = hstu_attention_reference(q[:7], k[:7], v[:7], torch.tensor([0, 7]), max_seq_len=64,
-                                      timestamps=ts[:7], pos_weight=pos_w, time_weight=time_w)
+    full = hstu_attention_reference(AttentionInputs(q, k, v, torch.tensor([0, 12]), max_seq_len=64, timestamps=ts,
+                                                    pos_weight=pos_w, time_weight=time_w))
+    prefix = hstu_attention_reference(AttentionInputs(q[:7], k[:7], v[:7], torch.tensor([0, 7]), max_seq_len=64,
+                                                      timestamps=ts[:7], pos_weight=pos_w, time_weight=time_w))
     torch.testing.assert_close(full[:7], prefix)
 
 
@@ -40,10 +40,10 @@ def test_candidates_see_history_and_themselves_only():
     q, k, v, _, ts, pos_w, time_w, _ = _case([8])
     nt = torch.tensor([3])
     kw = dict(max_seq_len=64, timestamps=ts, pos_weight=pos_w, time_weight=time_w, num_targets=nt)
-    base = hstu_attention_reference(q, k, v, torch.tensor([0, 8]), **kw)
+    base = hstu_attention_reference(AttentionInputs(q, k, v, torch.tensor([0, 8]), **kw))
     v2 = v.detach().clone()
     v2[6] += 100.0  # perturb one candidate: other candidates must not move, nor the history
-    moved = hstu_attention_reference(q, k, v2, torch.tensor([0, 8]), **kw)
+    moved = hstu_attention_reference(AttentionInputs(q, k, v2, torch.tensor([0, 8]), **kw))
     changed = (moved - base).abs().amax(dim=(1, 2)) > 1e-9
     assert changed.tolist() == [False] * 6 + [True, False]
 

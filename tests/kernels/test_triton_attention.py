@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grstack.kernels import triton_hstu
+from grstack.kernels import AttentionInputs, triton_hstu
 from grstack.kernels.reference import hstu_attention_reference
 
 pytestmark = pytest.mark.unit
@@ -31,10 +31,10 @@ def test_all_candidates_and_single_tokens(jagged_case, device):
     nt = (case.offsets[1:] - case.offsets[:-1]).clone()
     q, k, v = (t.clone().requires_grad_() for t in (case.q, case.k, case.v))
     pos = case.pos_weight.clone().requires_grad_()
-    out = triton_hstu.hstu_attention_triton(q, k, v, case.offsets, max_seq_len=64, pos_weight=pos,
-                                            num_targets=nt)
-    ref = hstu_attention_reference(case.q, case.k, case.v, case.offsets, max_seq_len=64,
-                                   pos_weight=case.pos_weight, num_targets=nt)
+    out = triton_hstu.hstu_attention_triton(AttentionInputs(q, k, v, case.offsets, max_seq_len=64, pos_weight=pos,
+                                            num_targets=nt))
+    ref = hstu_attention_reference(AttentionInputs(case.q, case.k, case.v, case.offsets, max_seq_len=64,
+                                   pos_weight=case.pos_weight, num_targets=nt))
     _close(out, ref, 2e-5, "out")
     # every token attends only to itself: out_i = silu(q_i.k_i + pos_w[0]) / N * v_i
     s = (case.q * case.k).sum(-1, keepdim=True) + case.pos_weight[0]
@@ -46,7 +46,7 @@ def test_all_candidates_and_single_tokens(jagged_case, device):
 def test_empty_batch(device):
     q = torch.zeros(0, 2, 16, device=device, requires_grad=True)
     offsets = torch.zeros(3, dtype=torch.int64, device=device)
-    out = triton_hstu.hstu_attention_triton(q, q, q, offsets, max_seq_len=8)
+    out = triton_hstu.hstu_attention_triton(AttentionInputs(q, q, q, offsets, max_seq_len=8))
     assert out.shape == (0, 2, 16)
     out.sum().backward()
     assert q.grad is not None and q.grad.shape == q.shape
@@ -57,11 +57,12 @@ def test_non_contiguous_views(jagged_case, device):
     case = jagged_case([5, 0, 18], 2, 16, 16, seed=12, device=device)
     fused = torch.cat([case.q, case.k, case.v], dim=-1).requires_grad_()
     q, k, v = fused[..., :16], fused[..., 16:32], fused[..., 32:]
-    out = triton_hstu.hstu_attention_triton(q, k, v, case.offsets, max_seq_len=64, pos_weight=case.pos_weight)
+    out = triton_hstu.hstu_attention_triton(AttentionInputs(q, k, v, case.offsets, max_seq_len=64,
+                                                            pos_weight=case.pos_weight))
     (out * out).sum().backward()
     fused_ref = torch.cat([case.q, case.k, case.v], dim=-1).requires_grad_()
-    ref = hstu_attention_reference(fused_ref[..., :16], fused_ref[..., 16:32], fused_ref[..., 32:],
-                                   case.offsets, max_seq_len=64, pos_weight=case.pos_weight)
+    ref = hstu_attention_reference(AttentionInputs(fused_ref[..., :16], fused_ref[..., 16:32], fused_ref[..., 32:],
+                                   case.offsets, max_seq_len=64, pos_weight=case.pos_weight))
     (ref * ref).sum().backward()
     _close(out, ref, 2e-5, "out")
     _close(fused.grad, fused_ref.grad, 2e-5, "grad")

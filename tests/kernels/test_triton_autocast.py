@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grstack.kernels import triton_embedding, triton_hstu, triton_norm
+from grstack.kernels import AttentionInputs, triton_embedding, triton_hstu, triton_norm
 from grstack.kernels.reference import hstu_attention_reference
 
 pytestmark = pytest.mark.unit
@@ -37,7 +37,8 @@ def test_attention_under_autocast_matches_fp32(cuda):
     def run(fn, autocast: bool):
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             q, k, v = proj(x).view(n, 2, 96).split(32, dim=-1)
-            out = fn(q, k, v, offsets, max_seq_len=512, timestamps=ts, pos_weight=pos_w, time_weight=time_w)
+            out = fn(AttentionInputs(q, k, v, offsets, max_seq_len=512, timestamps=ts, pos_weight=pos_w,
+                                     time_weight=time_w))
         loss = out.float().square().mean()
         grads = torch.autograd.grad(loss, [proj.weight, pos_w, time_w])
         return out, grads

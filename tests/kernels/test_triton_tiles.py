@@ -11,7 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grstack.kernels import triton_hstu, triton_tuning
+from grstack.kernels import AttentionInputs, triton_hstu, triton_tuning
+from grstack.kernels.fuxi import bias_channel_attention_reference
+from grstack.kernels.host_syncs import HostSyncCount
 from grstack.kernels.reference import hstu_attention_reference
 from grstack.kernels.triton_util import jagged_tiles
 
@@ -40,8 +42,9 @@ def _batch(lengths, targets, seed=0, heads=2, d=16, device="cpu"):
 
 def _grads(fn, b):
     leaves = {n: b[n].clone().requires_grad_() for n in ("q", "k", "v", "pos_weight", "time_weight")}
-    out = fn(leaves["q"], leaves["k"], leaves["v"], b["offsets"], max_seq_len=50, timestamps=b["timestamps"],
-             pos_weight=leaves["pos_weight"], time_weight=leaves["time_weight"], num_targets=b["num_targets"])
+    out = fn(AttentionInputs(leaves["q"], leaves["k"], leaves["v"], b["offsets"], max_seq_len=50,
+                             timestamps=b["timestamps"], pos_weight=leaves["pos_weight"],
+                             time_weight=leaves["time_weight"], num_targets=b["num_targets"]))
     out.backward(torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape))
     return out.detach(), {n: t.grad for n, t in leaves.items()}
 
@@ -72,33 +75,68 @@ def test_prefix_forward_at_tile_shape(shape, monkeypatch, device):
     pre = torch.cat(prefix_rows)
     new_off = torch.tensor([0, len(q_rows[0]), len(new)])
     pre_off = torch.tensor([0, split[0], sum(split)])
-    kw = dict(max_seq_len=50, timestamps=b["timestamps"][new], prefix_timestamps=b["timestamps"][pre],
-              pos_weight=b["pos_weight"], time_weight=b["time_weight"], num_targets=b["num_targets"])
-    out = triton_hstu.hstu_attention_with_prefix_triton(b["q"][new], b["k"][new], b["v"][new], new_off,
-                                                        b["k"][pre], b["v"][pre], pre_off, **kw)
-    full = hstu_attention_reference(b["q"], b["k"], b["v"], b["offsets"], max_seq_len=50,
+    inputs = AttentionInputs(b["q"][new], b["k"][new], b["v"][new], new_off, max_seq_len=50,
+                             timestamps=b["timestamps"][new], pos_weight=b["pos_weight"],
+                             time_weight=b["time_weight"], num_targets=b["num_targets"])
+    out = triton_hstu.hstu_attention_with_prefix_triton(inputs, b["k"][pre], b["v"][pre], pre_off,
+                                                        prefix_timestamps=b["timestamps"][pre])
+    full = hstu_attention_reference(AttentionInputs(b["q"], b["k"], b["v"], b["offsets"], max_seq_len=50,
                                     timestamps=b["timestamps"], pos_weight=b["pos_weight"],
-                                    time_weight=b["time_weight"], num_targets=b["num_targets"])
+                                    time_weight=b["time_weight"], num_targets=b["num_targets"]))
     torch.testing.assert_close(out, full[new], atol=2e-5, rtol=1e-4)
 
 
-def test_forward_backward_make_no_host_sync(monkeypatch, device):
-    """No ``.cpu()``, ``.item()`` or ``.tolist()`` in a forward+backward (each would block on a GPU)."""
+@pytest.mark.parametrize("programs", [1, 2], ids=lambda p: f"{p}-programs-per-head")
+def test_bounded_table_gradient_partials(programs, monkeypatch, device):
+    """The dK/dV kernel's bias-table partials are one row per program, not per (key tile, head): with fewer
+    programs than key tiles each program loops over several tiles (read-modify-write of its own row), and
+    the gradients still match the reference, for HSTU attention and the bias-only channel."""
+    heads = 3
+    monkeypatch.setattr(triton_hstu, "PARTIAL_PROGRAMS", programs * heads)
+    b = _batch([45, 1, 0, 33, 17, 60], [3, 1, 0, 0, 17, 2], seed=5, heads=heads, device=device)
+    num_tiles = jagged_tiles(b["offsets"], int(b["offsets"][-1]), 16)[0].numel()
+    assert triton_hstu.partial_programs(num_tiles, heads, True) == programs < num_tiles
+    out, grads = _grads(triton_hstu.hstu_attention_triton, b)
+    ref_out, ref_grads = _grads(hstu_attention_reference, b)
+    torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=1e-4)
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], atol=2e-5, rtol=1e-4, msg=name)
+    again = _grads(triton_hstu.hstu_attention_triton, b)[1]
+    assert all(torch.equal(again[n], grads[n]) for n in ("pos_weight", "time_weight"))  # fixed order, no atomics
+
+    for tables in (dict(pos_weight="pos_weight"), dict(time_weight="time_weight", timestamps="timestamps")):
+        def channel(fn, tables=tables):
+            leaves = {n: b[n].clone().requires_grad_() for n in ("v", *[t for t in tables if t != "timestamps"])}
+            kw = {k: leaves[k] if k in leaves else b[v] for k, v in tables.items()}
+            o = fn(AttentionInputs.channel(leaves["v"], b["offsets"], max_seq_len=50, num_targets=b["num_targets"],
+                                           **kw))
+            o.backward(torch.linspace(-1, 1, o.numel(), dtype=o.dtype).reshape(o.shape))
+            return o.detach(), {n: t.grad for n, t in leaves.items()}
+
+        got, got_grads = channel(triton_hstu.bias_channel_triton)
+        want, want_grads = channel(bias_channel_attention_reference)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+        for name in got_grads:
+            torch.testing.assert_close(got_grads[name], want_grads[name], atol=2e-5, rtol=1e-4, msg=name)
+
+
+def test_partial_bytes_do_not_grow_with_tiles():
+    """At the 0.2B config's shape (8 heads, a 4,097-entry position table, 129 time buckets) the partials stay
+    under ``PARTIAL_PROGRAMS`` rows however many key tiles a batch has."""
+    heads, num_pos, num_tb = 8, 4097, 128
+    sizes = [triton_hstu.partial_bytes(triton_hstu.partial_programs(tiles, heads, True), heads, num_pos, num_tb,
+                                       True, True) for tiles in (200, 1_631, 100_000)]
+    assert sizes[1] == sizes[2] <= triton_hstu.PARTIAL_PROGRAMS * 4 * (3 * num_pos + 2 + 256)
+    assert triton_hstu.partial_programs(1_631, heads, False) == 1_631  # no partials: one program per tile
+
+
+def test_forward_backward_make_no_host_sync(device):
+    """Nothing in a forward+backward blocks the host: no ``.cpu()/.item()/.tolist()``, and no implicit sync
+    either (``int(t)``, bool masks, ``nonzero``...: :mod:`grstack.kernels.host_syncs`)."""
     b = _batch([20, 3, 9], [2, 0, 1], device=device)
-    calls = []
-    def counting(name):
-        orig = getattr(torch.Tensor, name)
-
-        def wrapper(self, *args, **kwargs):
-            calls.append(name)
-            return orig(self, *args, **kwargs)
-        return wrapper
-
-    for name in ("cpu", "item", "tolist"):
-        monkeypatch.setattr(torch.Tensor, name, counting(name))
-    _grads(triton_hstu.hstu_attention_triton, b)
-    monkeypatch.undo()
-    assert calls == []
+    with HostSyncCount(device) as counter:
+        _grads(triton_hstu.hstu_attention_triton, b)
+    assert counter.count == 0, dict(counter.by_kind)
 
 
 def test_tile_list_covers_every_token_once():

@@ -175,3 +175,57 @@ def test_next_time_bias_reaches_the_temporal_channel_only():
         assert all(q is None for _, q in seen)
     assert (nxt - own).abs().max() > 1e-4
     assert not model("next").cached_prefix_exact and model("self").cached_prefix_exact
+
+
+
+_TRITON_PATH_CHECK = """
+import json
+import os
+import torch
+from grstack import kernels
+from grstack.kernels.host_syncs import HostSyncCount
+from grstack.runtime.data.jagged import JaggedBatch
+from grstack.runtime.model import FuXiAlpha
+
+g = torch.Generator().manual_seed(0)
+offsets = kernels.lengths_to_offsets(torch.tensor([5, 1, 12, 3, 0, 17]))
+n = int(offsets[-1])
+batch = JaggedBatch(item_ids=torch.randint(1, 51, (n,), generator=g), offsets=offsets,
+                    timestamps=torch.randint(0, 10**6, (n,), generator=g).sort().values)
+model = FuXiAlpha(50, max_len=40, d_model=16, num_blocks=2, num_heads=2, dqk=8, dv=4, dropout=0.0,
+                  input_dropout=0.0).eval()
+with torch.no_grad():
+    for layer in model.layers:
+        layer.pos_weight.normal_(0.0, 0.5)
+        layer.time_weight.normal_(0.0, 0.5)
+built = []
+make_plan = kernels.make_plan
+kernels.make_plan = lambda *a, **k: built.append(1) or make_plan(*a, **k)
+out = {}
+with torch.no_grad():
+    for backend in ("reference", "triton"):
+        os.environ[kernels.ENV_VAR] = backend
+        with HostSyncCount("cpu") as syncs:
+            y = model.encode(batch)
+        out[backend] = {"plans": len(built), "syncs": dict(syncs.by_kind), "y": y.tolist()}
+print(json.dumps(out))
+"""
+
+
+def test_the_triton_path_builds_no_plan_and_reads_nothing_back():
+    """The fused kernels need no length-group plan: FuXi-α builds none there (no host read of the offsets,
+    no copies) and its outputs equal the grouped engine's, which builds one (one read). In a subprocess:
+    the kernels must be interpreted from their first import (``TRITON_INTERPRET=1``)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-P", "-c", _TRITON_PATH_CHECK], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert out["reference"]["plans"] == 1 and out["reference"]["syncs"] == {"tolist": 1}
+    assert out["triton"]["plans"] == 1 and out["triton"]["syncs"] == {}  # no new plan, nothing read back
+    torch.testing.assert_close(torch.tensor(out["triton"]["y"]), torch.tensor(out["reference"]["y"]),
+                               atol=1e-5, rtol=1e-4)

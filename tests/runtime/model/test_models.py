@@ -120,3 +120,15 @@ def test_encode_with_prefix_equals_encode_on_the_whole_sequences(backend):
                                              kernels.lengths_to_offsets(new_lengths), keys, values, pts,
                                              num_targets=full.num_targets, backend=backend)
     torch.testing.assert_close(got, want[new_rows], rtol=1e-5, atol=1e-5)
+
+
+def test_sasrec_reads_the_offsets_back_once_per_forward():
+    """SASRec's attention runs per length group on every device, so it builds the plan: once per forward for
+    all blocks, with one host read of the offsets (what the host-sync counter sees) and nothing per block."""
+    from grstack.kernels.host_syncs import HostSyncCount
+
+    model = SASRec(20, max_len=16, d_model=8, num_blocks=3, num_heads=2, dropout=0.0, input_dropout=0.0).eval()
+    batch = _batch([3, 9, 1, 6], num_items=20)
+    with torch.no_grad(), HostSyncCount("cpu") as syncs:
+        model.encode(batch)
+    assert dict(syncs.by_kind) == {"tolist": 1}
