@@ -16,14 +16,15 @@ def append_candidates(batch: JaggedBatch, cand_ids: torch.Tensor, cand_ts: torch
 
     cand_ids: [B, M]; cand_ts: [B] (the request time every candidate carries). Item ids, timestamps,
     offsets, the user context and the tokens' own actions are carried over (candidates' actions are -1:
-    unknown, they are what the ranking head predicts); ``num_targets`` is set to M for every sequence.
+    unknown, they are what the ranking head predicts); ``num_targets`` is set to M for every sequence. Nothing
+    is read back from the device (the host lengths grow by M).
     """
     B, M = cand_ids.shape
     lengths = batch.lengths
     device = batch.item_ids.device
     new_offsets = batch.offsets + M * torch.arange(B + 1, device=device)
-    total = int(new_offsets[-1])
-    seg = segment_ids(batch.offsets)
+    total = batch.num_tokens + B * M  # from the shapes: no read of the offsets
+    seg = segment_ids(batch.offsets, batch.num_tokens)
     hist_pos = torch.arange(batch.num_tokens, device=device) + M * seg
     cand_pos = (new_offsets[:-1] + lengths)[:, None] + torch.arange(M, device=device)[None, :]
     item_ids = torch.empty(total, dtype=batch.item_ids.dtype, device=device)
@@ -40,7 +41,8 @@ def append_candidates(batch: JaggedBatch, cand_ids: torch.Tensor, cand_ts: torch
         input_actions[hist_pos] = batch.input_actions
     out = JaggedBatch(item_ids=item_ids, offsets=new_offsets, timestamps=timestamps,
                       num_targets=torch.full((B,), M, dtype=torch.int64, device=device),
-                      user_index=batch.user_index, input_actions=input_actions, context=batch.context)
+                      user_index=batch.user_index, input_actions=input_actions, context=batch.context,
+                      host_lengths=None if batch.host_lengths is None else tuple(n + M for n in batch.host_lengths))
     return out, is_hist
 
 

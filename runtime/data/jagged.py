@@ -6,7 +6,7 @@ The primitives on offsets (``lengths_to_offsets``, ``segment_ids``, ``positions`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -22,6 +22,14 @@ class JaggedBatch:
     *own* action bits, what a model with action inputs reads (-1 on candidates: their actions are the labels).
     ``context`` ([B, C, W]) holds each sequence's user-feature value ids per field (0 = none), what a model
     with user context turns into contextual tokens.
+
+    ``host_lengths`` (B ints, host memory): the sequences' lengths as the host knows them, so a model on a
+    device builds its per-batch plan without reading ``offsets`` back (a host sync per forward). Derived from
+    ``offsets`` when they are on the CPU and none are given (every batch the data pipeline builds), carried
+    as they are by :meth:`to` and :meth:`pin_memory`. Given ones are checked against the shapes only (the
+    offsets are not read), so a batch made from another with new offsets (``dataclasses.replace``) must pass
+    ``host_lengths=None`` or the new lengths. A batch built on a device without them has None, and a consumer
+    reads the offsets instead.
     """
 
     item_ids: torch.Tensor
@@ -33,6 +41,25 @@ class JaggedBatch:
     user_index: torch.Tensor | None = None
     input_actions: torch.Tensor | None = None
     context: torch.Tensor | None = None
+    host_lengths: tuple[int, ...] | None = field(default=None, kw_only=True, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.host_lengths is None:
+            if self.offsets.device.type == "cpu":  # host memory: no sync, and once per batch
+                self.host_lengths = tuple((self.offsets[1:] - self.offsets[:-1]).tolist())
+            return
+        given = tuple(int(n) for n in self.host_lengths)
+        if len(given) != self.batch_size or sum(given) != self.num_tokens:
+            raise ValueError(f"host_lengths: {len(given)} sequences of {sum(given)} tokens for a batch of "
+                             f"{self.batch_size} sequences of {self.num_tokens} tokens")
+        self.host_lengths = given
+
+    def host_lengths_with_context(self, num_context: int) -> tuple[int, ...] | None:
+        """Host lengths of the sequences with ``num_context`` contextual tokens heading each (what a model with
+        user context runs its layers on); None when the batch has no host lengths."""
+        if self.host_lengths is None or not num_context:
+            return self.host_lengths
+        return tuple(n + num_context for n in self.host_lengths)
 
     @property
     def batch_size(self) -> int:

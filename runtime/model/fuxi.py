@@ -141,12 +141,13 @@ class FuXiAlpha(HSTU):
 
     def encode(self, batch: JaggedBatch, item_rows: torch.Tensor | None = None,
                context_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """[sum_L, d] outputs for every token. The plan (one host read of the offsets, then one copy) is made
-        only where the kernels read it (:func:`grstack.kernels.uses_plan`: the grouped torch engines, where the
+        """[sum_L, d] outputs for every token. The plan (from the batch's host lengths, then one copy; a read
+        of the offsets only for a batch built on a device without them) is made only where the kernels read it (:func:`grstack.kernels.uses_plan`: the grouped torch engines, where the
         positional and temporal channels run per length group too); one plan per batch serves every layer and
         channel. The fused Triton kernels need none: no host read on that path."""
         x, offsets, ts, keep = self.embed_batch(batch, item_rows, context_rows)
-        plan = kernels.make_plan(offsets) if kernels.uses_plan(offsets.device) else None
+        plan = (kernels.make_plan(offsets, lengths=batch.host_lengths_with_context(self.num_context))
+                if kernels.uses_plan(offsets.device) else None)
         ts = ts if self._uses_time() else None
         qts = next_event_timestamps(ts, offsets, batch.num_targets) if ts is not None and \
             self.time_bias_query == "next" else None

@@ -248,7 +248,8 @@ class HSTU(ItemTokens):
                context_rows: torch.Tensor | None = None) -> torch.Tensor:
         """[sum_L, d] outputs for every token (history and candidates; contextual tokens are dropped)."""
         x, offsets, ts, keep = self.embed_batch(batch, item_rows, context_rows)
-        plan = kernels.make_plan(offsets) if kernels.uses_plan(offsets.device) else None
+        plan = (kernels.make_plan(offsets, lengths=batch.host_lengths_with_context(self.num_context))
+                if kernels.uses_plan(offsets.device) else None)
         ts = ts if self._uses_time() else None
         qts = None
         if ts is not None and self.time_bias_query == "next":

@@ -85,8 +85,8 @@ class SASRec(ItemTokens):
             ctx = F.dropout(context_rows * math.sqrt(self.d_model), self.input_dropout, self.training)
             x, offsets, _, keep = self.with_context(x, offsets, batch.timestamps, ctx)
         # the softmax attention runs per length group on every device, so it needs the plan: one per forward
-        # for every block, one host read of the offsets and one copy of the plan's index tensors
-        plan = kernels.make_plan(offsets)
+        # for every block, built from the batch's host lengths (no read of the offsets) and moved in one copy
+        plan = kernels.make_plan(offsets, lengths=batch.host_lengths_with_context(self.num_context))
         for block in self.blocks:
             x = block(x, offsets, plan)
         x = self.norm(x)

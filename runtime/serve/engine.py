@@ -445,7 +445,7 @@ class RelayEngine:
         batch = JaggedBatch(item_ids=self._tensor(np.concatenate(hist)),
                             offsets=kernels.lengths_to_offsets(lengths).to(self.device),
                             timestamps=self._tensor(np.concatenate(hts)), input_actions=input_actions,
-                            context=context)
+                            context=context, host_lengths=tuple(len(h) for h in hist))
         cands = self._tensor(np.stack([r.candidates for r in reqs]))
         cts = self._tensor([r.request_ts for r in reqs])
         full, is_hist = append_candidates(batch, cands, cts)

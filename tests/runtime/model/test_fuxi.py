@@ -214,7 +214,8 @@ print(json.dumps(out))
 
 def test_the_triton_path_builds_no_plan_and_reads_nothing_back():
     """The fused kernels need no length-group plan: FuXi-α builds none there (no host read of the offsets,
-    no copies) and its outputs equal the grouped engine's, which builds one (one read). In a subprocess:
+    no copies) and its outputs equal the grouped engine's, which builds one (from the batch's host lengths:
+    no read either). In a subprocess:
     the kernels must be interpreted from their first import (``TRITON_INTERPRET=1``)."""
     import os
     import subprocess
@@ -225,7 +226,7 @@ def test_the_triton_path_builds_no_plan_and_reads_nothing_back():
                           env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
-    assert out["reference"]["plans"] == 1 and out["reference"]["syncs"] == {"tolist": 1}
+    assert out["reference"]["plans"] == 1 and out["reference"]["syncs"] == {}
     assert out["triton"]["plans"] == 1 and out["triton"]["syncs"] == {}  # no new plan, nothing read back
     torch.testing.assert_close(torch.tensor(out["triton"]["y"]), torch.tensor(out["reference"]["y"]),
                                atol=1e-5, rtol=1e-4)

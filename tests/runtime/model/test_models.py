@@ -122,13 +122,33 @@ def test_encode_with_prefix_equals_encode_on_the_whole_sequences(backend):
     torch.testing.assert_close(got, want[new_rows], rtol=1e-5, atol=1e-5)
 
 
-def test_sasrec_reads_the_offsets_back_once_per_forward():
-    """SASRec's attention runs per length group on every device, so it builds the plan: once per forward for
-    all blocks, with one host read of the offsets (what the host-sync counter sees) and nothing per block."""
+def test_sasrec_builds_its_plan_from_the_host_lengths_without_reading_the_offsets():
+    """SASRec's attention runs per length group on every device, so it builds the plan once per forward for
+    all blocks: from the batch's host lengths, with no read of the offsets (nothing the host-sync counter
+    sees); a batch without them (built on a device) costs the one read of the offsets."""
     from grstack.kernels.host_syncs import HostSyncCount
 
     model = SASRec(20, max_len=16, d_model=8, num_blocks=3, num_heads=2, dropout=0.0, input_dropout=0.0).eval()
     batch = _batch([3, 9, 1, 6], num_items=20)
+    assert batch.host_lengths == (3, 9, 1, 6)
     with torch.no_grad(), HostSyncCount("cpu") as syncs:
-        model.encode(batch)
+        out = model.encode(batch)
+    assert dict(syncs.by_kind) == {}
+    batch.host_lengths = None  # what a batch built on a device without them has
+    with torch.no_grad(), HostSyncCount("cpu") as syncs:
+        read = model.encode(batch)
     assert dict(syncs.by_kind) == {"tolist": 1}
+    assert torch.equal(out, read)
+
+
+def test_sasrec_encodes_a_device_batch_with_host_lengths_and_reads_no_data():
+    """On ``meta`` (shapes, no data: any read of the offsets raises, as it would sync on an accelerator) the
+    forward runs from the host lengths alone; without them the plan's read of the offsets is what fails."""
+    model = SASRec(20, max_len=16, d_model=8, num_blocks=2, num_heads=2, dropout=0.0,
+                   input_dropout=0.0).eval().to("meta")
+    batch = _batch([3, 9, 0, 6], num_items=20).to("meta")
+    with torch.no_grad():
+        assert model.encode(batch).shape == (18, 8)
+        batch.host_lengths = None
+        with pytest.raises(NotImplementedError, match="meta"):
+            model.encode(batch)

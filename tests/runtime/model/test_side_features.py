@@ -226,3 +226,24 @@ def test_side_file_paths_resolve_like_the_source(tmp_path, monkeypatch):
     assert cfg.data.user_features_file == "auto"
     cli = load_config(cfg_file, ["data.item_features_file=other.item"])
     assert cli.data.item_features_file == str(tmp_path / "other.item")
+
+
+@pytest.mark.parametrize("kind", ["hstu", "fuxi", "sasrec"])
+def test_the_plan_from_host_lengths_counts_the_contextual_tokens(kind):
+    """With user context the layers run on C more tokens per sequence: the plan built from the batch's host
+    lengths (plus C) gives the outputs the plan read from the offsets does, and reads nothing back."""
+    from grstack.kernels.host_syncs import HostSyncCount
+
+    ds = with_user_context(cyclic_dataset(num_users=6, num_items=12))
+    batch, _ = LeaveOneOut(ds).eval_batch("test", np.arange(4), max_len=50)
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(type=kind, d_model=8, num_blocks=2, num_heads=2, dqk=4, dv=4, dropout=0.0,
+                                    input_dropout=0.0), 12, 50, num_tasks=2,
+                        user_features=ds.user_features.sizes).eval()
+    assert model.num_context == 2
+    with torch.no_grad(), HostSyncCount("cpu") as syncs:
+        out = model.encode(batch)
+    assert dict(syncs.by_kind) == {}
+    batch.host_lengths = None
+    with torch.no_grad():
+        assert torch.equal(model.encode(batch), out)
