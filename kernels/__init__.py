@@ -19,6 +19,8 @@ from grstack.kernels.attention import (
 )
 from grstack.kernels.bias import TIME_BUCKET_DIV, time_buckets
 from grstack.kernels.fuxi import bias_channel_attention, bias_channel_attention_with_prefix
+from grstack.kernels.host_syncs import METHOD as HOST_SYNC_METHOD
+from grstack.kernels.host_syncs import HostSyncCount, count_host_syncs
 from grstack.kernels.inputs import AttentionInputs
 from grstack.kernels.jagged import (
     jagged_to_padded,
@@ -41,15 +43,18 @@ __all__ = [
     "BACKENDS",
     "ENV_VAR",
     "HEAD_MAJOR",
+    "HOST_SYNC_METHOD",
     "TIME_BUCKET_DIV",
     "TOKEN_MAJOR",
     "AttentionInputs",
+    "HostSyncCount",
     "JaggedPlan",
     "PrefixLayout",
     "PrefixPlan",
     "bias_channel_attention",
     "bias_channel_attention_with_prefix",
     "causal_softmax_attention",
+    "count_host_syncs",
     "embedding_gather",
     "hstu_attention",
     "hstu_attention_with_prefix",

@@ -213,10 +213,10 @@ def _step(impl: str, inp: dict, plan=None, variant: Variant = FULL):
 
 def count_host_syncs(fn, device: str = "cpu") -> int:
     """The calls in ``fn`` that block the host on an accelerator, by :mod:`grstack.kernels.host_syncs` (its
-    ``METHOD`` is the JSON's ``host_syncs_counter``): scalar reads (``.item``, ``int(t)``, ``bool(t)``...),
+    ``HOST_SYNC_METHOD`` is the JSON's ``host_syncs_counter``): scalar reads (``.item``, ``int(t)``, ``bool(t)``...),
     data-dependent shapes (``nonzero``, bool-mask indexing, ``unique``...), blocking cross-device copies and
     ``.cpu``/``.tolist``/``.numpy``, on tensors of ``device``."""
-    from grstack.kernels.host_syncs import count_host_syncs as count
+    from grstack.kernels import count_host_syncs as count
 
     return count(fn, device)
 
@@ -347,7 +347,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(compile_report(args.arch, args.quick, args.workers)))
         return 0
 
-    from grstack.kernels import host_syncs, make_plan, select_backend
+    from grstack.kernels import HOST_SYNC_METHOD, make_plan, select_backend
 
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
@@ -434,7 +434,7 @@ def run(args: argparse.Namespace) -> int:
                           "bias, or the backward; CPU jagged_ms includes building the plan for the batch, "
                           "jagged_ms_plan_reused is a later layer reusing it" + (
                               "; CUDA synchronized around each rep" if cuda else "")),
-        "host_syncs_counter": host_syncs.METHOD + ("; host_syncs_cuda_sync_debug: CUDA's sync debug mode" if cuda
+        "host_syncs_counter": HOST_SYNC_METHOD + ("; host_syncs_cuda_sync_debug: CUDA's sync debug mode" if cuda
                                                    else ""),
         "memory_method": ("torch.cuda.max_memory_allocated above the bytes allocated before the step" if cuda else
                           "torch profiler (profile_memory=True): peak of the running sum of CPU allocator "

@@ -4,11 +4,14 @@ router.
 Modules: ``engine`` (relay inference on HSTU), ``cache`` (device LRU + DRAM expander), ``scheduler``
 (batched compute loop), ``ranker`` / ``router`` (HTTP services), ``trigger`` (sequence-aware trigger),
 ``ring`` (consistent hashing with bounded load), ``placement`` / ``etcd_store`` (placement stores),
-``local`` (router + ranker processes on one machine), ``loadgen`` (open-loop load), ``demo``.
+``local`` (router + ranker processes on one machine), ``loadgen`` (open-loop load), ``demo``; the seams
+a simulation replaces: ``clock`` (injected time), ``transport`` / ``transport_local`` (how the router reaches
+rankers), ``backend`` (the tensor math the compute loop calls).
 
 Other packages import from here, never a submodule: the model artefact's loaders, ``RelayEngine``,
 ``KVArena``, the router (``Router``, ``RouterConfig``, ``start_router``, ``TriggerConfig``), ``spawn_ranker``, the load
-generator and ``serve_demo``. Exports load lazily, so importing this package (as ``grstack --help`` does,
+generator, ``serve_demo``, and the seams (``Clock``, ``SystemClock``, ``ManualClock``, ``ComputeBackend``,
+``RankerTransport``, ``HttpTransport``, ``InProcessTransport``). Exports load lazily, so importing this package (as ``grstack --help`` does,
 through ``serve.cli``) stays light.
 """
 
@@ -19,6 +22,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from grstack.runtime.serve.artifact import load_ranking_model, load_serving_model, write_untrained_model
+    from grstack.runtime.serve.backend import ComputeBackend
+    from grstack.runtime.serve.clock import Clock, ManualClock, SystemClock
     from grstack.runtime.serve.demo import serve_demo
     from grstack.runtime.serve.engine import RelayEngine
     from grstack.runtime.serve.gc_pauses import frozen_heap, recorded_gc_pauses
@@ -33,12 +38,21 @@ if TYPE_CHECKING:
     )
     from grstack.runtime.serve.local import spawn_ranker
     from grstack.runtime.serve.router import Router, RouterConfig, start_router
+    from grstack.runtime.serve.transport import HttpTransport, RankerTransport
+    from grstack.runtime.serve.transport_local import InProcessTransport
     from grstack.runtime.serve.trigger import TriggerConfig
 
 _EXPORTS = {
     "load_ranking_model": "grstack.runtime.serve.artifact",
     "load_serving_model": "grstack.runtime.serve.artifact",
     "write_untrained_model": "grstack.runtime.serve.artifact",
+    "ComputeBackend": "grstack.runtime.serve.backend",
+    "Clock": "grstack.runtime.serve.clock",
+    "ManualClock": "grstack.runtime.serve.clock",
+    "SystemClock": "grstack.runtime.serve.clock",
+    "HttpTransport": "grstack.runtime.serve.transport",
+    "RankerTransport": "grstack.runtime.serve.transport",
+    "InProcessTransport": "grstack.runtime.serve.transport_local",
     "serve_demo": "grstack.runtime.serve.demo",
     "RelayEngine": "grstack.runtime.serve.engine",
     "frozen_heap": "grstack.runtime.serve.gc_pauses",
@@ -58,12 +72,19 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "Clock",
+    "ComputeBackend",
     "GiveUp",
+    "HttpTransport",
+    "InProcessTransport",
     "KVArena",
+    "ManualClock",
+    "RankerTransport",
     "RelayEngine",
     "Request",
     "Router",
     "RouterConfig",
+    "SystemClock",
     "TriggerConfig",
     "frozen_heap",
     "latency_summary",

@@ -15,7 +15,6 @@ range.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from typing import Literal
 
 import numpy as np
 
+from grstack.runtime.serve.clock import Now, SystemClock
 from grstack.runtime.serve.engine import PrefixKV
 from grstack.runtime.serve.kv_arena import ArenaKV, KVArena
 from grstack.runtime.serve.prefix import prefix_hash
@@ -59,7 +59,7 @@ class TieredKVCache:
     dram_ttl_s: float
     to_host: Callable[[PrefixKV], PrefixKV] = lambda kv: kv
     to_device: Callable[[PrefixKV], Awaitable[PrefixKV]] | None = None
-    clock: Callable[[], float] = time.monotonic
+    clock: Now = field(default_factory=SystemClock)  # DRAM TTLs; the ranker passes its own
     stats: CacheStats = field(default_factory=CacheStats)
     arena: KVArena | None = None  # the device tier's storage (device_bytes should be its capacity_bytes)
     head: int = 0  # contextual tokens at the start of every prefix (a model with user context), not events

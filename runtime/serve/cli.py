@@ -314,6 +314,7 @@ async def _serve_until_signal(stop_cb: Any) -> None:
 
 def run_ranker(args: argparse.Namespace) -> int:
     from grstack.runtime.serve.artifact import load_serving_model
+    from grstack.runtime.serve.clock import SystemClock
     from grstack.runtime.serve.ranker import RankerService, start_ranker
     from grstack.runtime.serve.security_cli import server_security
 
@@ -330,7 +331,7 @@ def run_ranker(args: argparse.Namespace) -> int:
             from grstack.runtime.serve.etcd_store import EtcdPlacementStore
 
             store = EtcdPlacementStore(args.etcd, args.etcd_root, auth=auth)
-        service = RankerService(model, tasks, cfg, store=store, user_vocab=user_vocab)
+        service = RankerService(model, tasks, cfg, store=store, user_vocab=user_vocab, clock=SystemClock())
         from grstack.runtime.serve.http import start_site
         from grstack.runtime.serve.ranker import make_ranker_app
 
@@ -355,8 +356,10 @@ def run_ranker(args: argparse.Namespace) -> int:
 
 
 def run_router(args: argparse.Namespace) -> int:
+    from grstack.runtime.serve.clock import SystemClock
     from grstack.runtime.serve.router import Router, start_router
     from grstack.runtime.serve.security_cli import client_security, server_security
+    from grstack.runtime.serve.transport import HttpTransport
 
     _logging(args.log_level)
     cli_args.check_bindable(args.host, args.port)  # in use, or not this machine's: one line, before any work
@@ -371,7 +374,7 @@ def run_router(args: argparse.Namespace) -> int:
             from grstack.runtime.serve.etcd_store import EtcdPlacementStore
 
             store = EtcdPlacementStore(args.etcd, args.etcd_root, auth=auth)
-        router = Router(cfg, store, client)
+        router = Router(cfg, store, client, transport=HttpTransport(client), clock=SystemClock())
         try:
             runner, url = await start_router(router, args.host, args.port, security)
         except BaseException:

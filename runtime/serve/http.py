@@ -87,7 +87,11 @@ def format_validation(exc: ValidationError, limit: int = 5) -> str:
 
 
 async def parse_body(request: web.Request, model: type[M]) -> M:
-    body = await request.read()  # raises 413 over client_max_size
+    return parse_json(await request.read(), model)  # read() raises 413 over client_max_size
+
+
+def parse_json(body: bytes, model: type[M]) -> M:
+    """A request body as ``model``, or the :class:`RequestError` (400/422) the client is answered."""
     if not body:
         raise RequestError(400, "empty request body; expected a JSON object")
     try:

@@ -21,6 +21,7 @@ from typing import IO, Any
 from aiohttp import web
 
 from grstack.runtime.errors import UserError
+from grstack.runtime.serve.clock import SystemClock
 from grstack.runtime.serve.router import Router, RouterConfig, start_router
 
 
@@ -140,7 +141,7 @@ class LocalCluster:
             self.rankers = list(await asyncio.gather(*(
                 spawn_ranker(self.checkpoint, self.ranker_args, stderr=self.stderr) for _ in range(self.replicas))))
             cfg = replace(self.router_config, rankers=tuple(r.url for r in self.rankers))
-            self.router = Router(cfg)
+            self.router = Router(cfg, clock=SystemClock())
             self._runner, self.url = await start_router(self.router, self.host, self.port)
         except BaseException:
             await self.stop()

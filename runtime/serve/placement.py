@@ -21,10 +21,11 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Literal
+
+from grstack.runtime.serve.clock import Now, SystemClock, sleeper
 
 
 @dataclass(frozen=True)
@@ -96,10 +97,11 @@ class PlacementStore(abc.ABC):
 
 
 class MemoryPlacementStore(PlacementStore):
-    """Embedded mode: the same semantics in one process (leases expire on a monotonic clock)."""
+    """Embedded mode: the same semantics in one process (leases expire on ``clock``, the system's by default)."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic, sweep_s: float = 0.2) -> None:
-        self._clock = clock
+    def __init__(self, clock: Now | None = None, sweep_s: float = 0.2) -> None:
+        self._clock: Now = clock if clock is not None else SystemClock()
+        self._sleep = sleeper(self._clock)
         self._sweep_s = sweep_s
         self._replicas: dict[str, tuple[Replica, float, float]] = {}  # id -> (replica, ttl, expires)
         self._placements: dict[str, Placement] = {}
@@ -120,7 +122,7 @@ class MemoryPlacementStore(PlacementStore):
 
     async def _sweep_loop(self) -> None:
         while True:
-            await asyncio.sleep(self._sweep_s)
+            await self._sleep(self._sweep_s)
             self.expire()
 
     def expire(self) -> None:
@@ -162,7 +164,7 @@ class MemoryPlacementStore(PlacementStore):
 
     async def _keep(self, rid: str, ttl_s: float) -> None:
         while rid in self._replicas:
-            await asyncio.sleep(ttl_s / 3)
+            await self._sleep(ttl_s / 3)
             if rid in self._replicas:
                 r, ttl, _ = self._replicas[rid]
                 self._replicas[rid] = (r, ttl, self._clock() + ttl)

@@ -27,7 +27,6 @@ import contextlib
 import functools
 import logging
 import os
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -38,7 +37,9 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from grstack.runtime.device import synchronize
+from grstack.runtime.serve.backend import ComputeBackend
 from grstack.runtime.serve.cache import TieredKVCache
+from grstack.runtime.serve.clock import Clock, SystemClock, wait_for
 from grstack.runtime.serve.engine import PrefixKV, RankItem, RelayEngine, prefix_hash
 from grstack.runtime.serve.gc_pauses import GcPauseMetric
 from grstack.runtime.serve.http import (
@@ -187,8 +188,12 @@ class RankerService:
 
     def __init__(self, model: HSTU, tasks: list[str], config: RankerConfig | None = None,
                  store: PlacementStore | None = None, user_vocab: dict[str, list[str]] | None = None,
-                 action_names: Sequence[str] | None = None) -> None:
+                 action_names: Sequence[str] | None = None, clock: Clock | None = None,
+                 backend: ComputeBackend | None = None) -> None:
+        """``clock``: the time of TTLs, deadlines and latencies (the system's when None); ``backend``: the tensor
+        math the scheduler and the profiler call (the engine when None; a stand-in keeps everything else real)."""
         self.config = cfg = config or RankerConfig()
+        self.clock: Clock = clock if clock is not None else SystemClock()
         self.tasks = list(tasks)
         self.num_items = int(model.num_items)
         device = torch.device(cfg.device)
@@ -196,6 +201,7 @@ class RankerService:
             # One replica per core: more threads than cores makes small ops spin (10-100x slower under load).
             torch.set_num_threads(cfg.num_threads)
         self.engine = RelayEngine(model, device=device, max_suffix=cfg.max_suffix, chunk=cfg.chunk)
+        self.backend: ComputeBackend = backend if backend is not None else self.engine
         bits = self.engine.action_bits
         names = list(action_names) if action_names is not None else [t for t in tasks if t != "next"]
         if bits and len(names) != bits:
@@ -225,9 +231,9 @@ class RankerService:
                       if use_arena else None)
         self.cache = TieredKVCache(cfg.device_cache_bytes, cfg.dram_cache_bytes, cfg.dram_ttl_s, to_host=to_host,
                                    to_device=self._to_device if device.type != "cpu" else None, arena=self.arena,
-                                   head=self.engine.head)
+                                   head=self.engine.head, clock=self.clock)
         self.metrics = _Metrics(self)
-        self.scheduler = ComputeScheduler(self.engine, max_batch=cfg.max_batch,
+        self.scheduler = ComputeScheduler(self.backend, max_batch=cfg.max_batch, clock=self.clock,
                                           on_batch=self.metrics.batch.observe, max_queue=cfg.max_queue,
                                           max_prefill_queue=cfg.max_prefill_queue,
                                           retry_after_s=cfg.retry_after_s, max_step_tokens=cfg.max_step_tokens,
@@ -354,20 +360,21 @@ class RankerService:
                 break
             length = min(2 * length, eng.max_prefix)
         def timed(fn: Any) -> tuple[float, Any, float]:
-            t0 = time.perf_counter()
+            t0 = self.clock()
             out = fn()
             synchronize(eng.device)  # accelerators run asynchronously
-            return t0, out, time.perf_counter()
+            return t0, out, self.clock()
 
-        eng.rank_full([self._synthetic(lengths[0], rng)])  # warm-up
+        math = self.backend  # what the scheduler will run: the profile is of it
+        math.rank_full([self._synthetic(lengths[0], rng)])  # warm-up
         out_l, full, cached, prefill = [], [], [], []
         for length in lengths:
             item = self._synthetic(length, rng)
             reps: dict[str, list[float]] = {"full": [], "prefill": [], "cached": []}
             for _ in range(3):  # medians: one stall of a shared machine must not skew the model
-                t0, _, t1 = timed(lambda item=item: eng.rank_full([item]))
-                t2, kv, t3 = timed(lambda item=item: eng.prefill_tokens(eng.item_tokens(item)))
-                t4, _, t5 = timed(lambda kv=kv, item=item: eng.rank_cached([kv], [item]))
+                t0, _, t1 = timed(lambda item=item: math.rank_full([item]))
+                t2, kv, t3 = timed(lambda item=item: math.prefill_tokens(math.item_tokens(item)))
+                t4, _, t5 = timed(lambda kv=kv, item=item: math.rank_cached([kv], [item]))
                 reps["full"].append(t1 - t0)
                 reps["prefill"].append(t3 - t2)
                 reps["cached"].append(t5 - t4)
@@ -443,7 +450,7 @@ class RankerService:
         for name, items in (("long_term.items", req.long_term.items), ("short_term.items", req.short_term.items),
                             ("candidates", req.candidates)):
             _check_items(name, items, self.num_items)
-        t0 = time.perf_counter()
+        t0 = self.clock()
         eng = self.engine
         context, ckey = self._user_context(req.user_features)
         item = eng.canonical(req.long_term.items, req.long_term.timestamps, req.short_term.items,
@@ -465,9 +472,9 @@ class RankerService:
                     self.scheduler.check_join(job, deadline)
                     self.scheduler.boost(job)
                 timeout = None if deadline is None else max(0.0, deadline - self.scheduler.clock())
-                waited = time.perf_counter()
+                waited = self.clock()
                 try:
-                    kv, _, _ = await asyncio.wait_for(asyncio.shield(task), timeout)
+                    kv, _, _ = await wait_for(self.clock, asyncio.shield(task), timeout)
                 except TimeoutError:
                     self.metrics.shed.labels("deadline").inc()
                     raise DeadlineExceeded("deadline passed while waiting for the in-flight prefill") from None
@@ -475,7 +482,7 @@ class RankerService:
                     kv = None
                 tier = "device" if kv is not None else None
                 joined = kv is not None
-                joined_ms = (time.perf_counter() - waited) * 1e3
+                joined_ms = (self.clock() - waited) * 1e3
         if kv is not None and not kv.live:  # evicted after its prefill and its arena range freed: a miss
             kv, tier, joined = None, None, False
         self.metrics.lookups.labels("joined" if joined else (tier or "miss")).inc()
@@ -499,7 +506,7 @@ class RankerService:
         self.metrics.queue_wait.labels("hit" if kv is not None else "miss").observe(timing.queue_ms / 1e3)
         self._ranks += 1
         cache = tier or "miss"
-        self.metrics.latency.labels(cache).observe(time.perf_counter() - t0)
+        self.metrics.latency.labels(cache).observe(self.clock() - t0)
         return RankResponse(user_id=req.user_id, replica=self.replica_id, tasks=self.tasks,
                             scores=logits.cpu().tolist(), cache=cache, prefix_hash=version,
                             prefix_len=len(item.long_items), short_len=len(item.short_items), truncated=truncated,

@@ -27,6 +27,12 @@ of this router's in-flight rank requests and the ranker's reported rank queue (p
 left out). A placed user whose replica is over its load cap (``overload_min_load``, ``load_factor`` x the
 mean) is routed where the bounded-load ring says (``X-Grstack-Route: moved``), and a prefill whose replica's
 budget is spent is admitted on the ring's next choice, placed there through the same placement path.
+
+The router is a composition of parts with one job each: :class:`ReplicaHealth` (down and ejected replicas,
+router_health.py), :class:`LoadView` (in-flight and reported queues, router_load.py), :class:`PlacementBook`
+(the placement view and its write-back, router_placement.py), :class:`Forwarder` (rank attempts and retries,
+router_forward.py) and :class:`DnsDiscovery` (router_dns.py), over one :class:`RankerTransport` (HTTP, or in
+process) and one injected clock.
 """
 
 from __future__ import annotations
@@ -36,24 +42,19 @@ import contextlib
 import dataclasses
 import logging
 import random
-import socket
-import statistics
-import time
-from collections import deque
-from dataclasses import dataclass, field
+import time  # noqa: F401 -- not read here (the clock reads it); tests patch router.time.monotonic
 from typing import Any
 
-import aiohttp
 import numpy as np
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from grstack.runtime.serve.clock import Clock, SystemClock, wait_for
 from grstack.runtime.serve.gc_pauses import GcPauseMetric
 from grstack.runtime.serve.http import (
     DEADLINE_HEADER,
     MAX_BODY,
     RequestError,
-    error_response,
     json_errors,
     metrics_handler,
     model_response,
@@ -74,8 +75,13 @@ from grstack.runtime.serve.placement import (
 )
 from grstack.runtime.serve.prefix import context_key, prefix_hash, truncate_prefix
 from grstack.runtime.serve.ring import HashRing
+from grstack.runtime.serve.router_config import RouterConfig
+from grstack.runtime.serve.router_dns import DnsDiscovery
+from grstack.runtime.serve.router_forward import Forwarder, RetryBudget
+from grstack.runtime.serve.router_health import ReplicaHealth
+from grstack.runtime.serve.router_load import LoadView
+from grstack.runtime.serve.router_placement import HOME, LOCAL, PlacementBook
 from grstack.runtime.serve.schemas import (
-    MAX_BODY_BYTES,
     Health,
     PrefillRequest,
     PrefillResponse,
@@ -85,92 +91,12 @@ from grstack.runtime.serve.schemas import (
     RouterPrefillResponse,
 )
 from grstack.runtime.serve.security import ClientSecurity, ServerSecurity, guard
-from grstack.runtime.serve.trigger import LatencyModel, SequenceAwareTrigger, TriggerConfig
+from grstack.runtime.serve.transport import HttpTransport, RankerTransport, TransportError
+from grstack.runtime.serve.trigger import LatencyModel, SequenceAwareTrigger
+
+__all__ = ["HOME", "LOCAL", "RetryBudget", "Router", "RouterConfig", "make_router_app", "start_router"]
 
 log = logging.getLogger(__name__)
-LOCAL = -1  # revision of a placement known only to this router (written while the store was down)
-HOME = 0  # revision of a placement on the user's ring home: derived, never stored (exceptions-only)
-
-
-@dataclass
-class RouterConfig:
-    rankers: tuple[str, ...] = ()  # static replicas (embedded mode); empty: discover them in the store
-    # "HOST:PORT" of a headless Service: its A/AAAA records (the ready rankers) are the replicas, re-resolved
-    # every dns_interval_s, so the ranker count is not baked into the router's arguments.
-    rankers_dns: str | None = None
-    dns_interval_s: float = 5.0
-    # Admitted-prefix footprint per up replica (the trigger's cache budget follows the ranker count); None
-    # keeps trigger.cache_budget_bytes as given.
-    cache_budget_per_replica_bytes: int | None = None
-    relay: bool = True  # False: prefill signals are ignored (the baseline)
-    # False: every rank and prefill goes to a uniformly random up replica, placements are ignored (an ablation
-    # that measures what cache affinity is worth; a prefix is then found only by chance)
-    affinity: bool = True
-    trigger: TriggerConfig = field(default_factory=TriggerConfig)
-    prefill_budget_per_replica_ms: float = 500.0  # predicted pre-infer ms per replica per second
-    # -- rankers' load reports (GET /v1/stats): per-ranker trigger budgets, users moved off overloaded replicas
-    # GET /v1/stats of every up ranker this often (0: never; the trigger's budgets then stay router-wide)
-    load_poll_interval_s: float = 1.0
-    # a replica is over its load cap when its requests (this router's in flight, or the queue the ranker
-    # reports if longer) exceed load_factor x the mean over up replicas and number at least this many: a
-    # placed user then goes where the bounded-load ring says (a cache hit on a short queue beats a miss elsewhere)
-    overload_min_load: int = 4
-    rank_timeout_s: float = 2.0
-    prefill_timeout_s: float = 120.0
-    max_attempts: int = 3
-    load_factor: float = 1.25
-    health_interval_s: float = 1.0
-    startup_timeout_s: float = 60.0
-    max_body_bytes: int = MAX_BODY_BYTES
-    # deadline budget of a rank (ms; None: rank_timeout_s); a client's X-Grstack-Deadline-Ms can only shorten it
-    rank_budget_ms: float | None = None
-    retry_budget_ratio: float = 0.1  # retries allowed per request over the window
-    retry_budget_min: int = 3  # retries allowed per window regardless of traffic
-    retry_budget_window_s: float = 10.0
-    outlier_consecutive_failures: int = 5  # consecutive 5xx/timeouts that eject a replica
-    outlier_base_ejection_s: float = 5.0  # ejection time = base x ejections so far (capped)
-    outlier_max_ejection_s: float = 60.0
-    outlier_max_ejected_fraction: float = 0.5  # at most this share of replicas ejected (always at least one)
-    outlier_latency_factor: float | None = 5.0  # median latency this many times the others' ejects; None: off
-    outlier_latency_min_samples: int = 20
-    outlier_latency_floor_ms: float = 20.0  # a replica faster than this is never a latency outlier
-    # latency outliers are looked for only among at least this many replicas with enough samples (Envoy's
-    # success_rate_minimum_hosts, default 5): with fewer, one replica's slowness is as likely the affinity
-    # ring's skew (its users are the busy ones) as a fault, and ejecting it moves that load and loses its
-    # caches. Consecutive failures eject at any replica count.
-    outlier_latency_min_hosts: int = 5
-    # Stored placements expire this long after their last write (a new prefill re-writes them); None: they live
-    # as long as their replica's lease.
-    placement_ttl_s: float | None = 3600.0
-    # Store only placements that differ from the user's ring home over the registered replicas.
-    placement_exceptions_only: bool = True
-
-
-class RetryBudget:
-    """Retries allowed: ``ratio`` x requests + ``minimum`` over a sliding window of ``window_s``."""
-
-    def __init__(self, ratio: float, minimum: int, window_s: float, clock: Any = time.monotonic) -> None:
-        self.ratio, self.minimum, self.window_s, self.clock = ratio, minimum, window_s, clock
-        self._requests: deque[float] = deque()
-        self._retries: deque[float] = deque()
-
-    def _prune(self, now: float) -> None:
-        for q in (self._requests, self._retries):
-            while q and q[0] <= now - self.window_s:
-                q.popleft()
-
-    def request(self) -> None:
-        now = self.clock()
-        self._prune(now)
-        self._requests.append(now)
-
-    def try_retry(self) -> bool:
-        now = self.clock()
-        self._prune(now)
-        if len(self._retries) + 1 > self.ratio * len(self._requests) + self.minimum:
-            return False
-        self._retries.append(now)
-        return True
 
 
 class _Metrics:
@@ -205,86 +131,131 @@ class _Metrics:
 
 
 class Router:
-    """``client``: TLS and the token of the router's requests to rankers (plain HTTP, no token when None)."""
+    """Routes prefill signals (through the trigger) and ranks (by affinity) to rankers. ``client``: TLS and the
+    token of the router's requests to rankers (plain HTTP, no token when None); ``transport``: how rankers are
+    reached (HTTP with ``client`` when None); ``clock``: the time of deadlines, windows and ejections, and what
+    the router's loops sleep on (the system's when None)."""
 
     def __init__(self, config: RouterConfig, store: PlacementStore | None = None,
-                 client: ClientSecurity | None = None) -> None:
+                 client: ClientSecurity | None = None, *, transport: RankerTransport | None = None,
+                 clock: Clock | None = None) -> None:
         self.config = config
         self.client = client or ClientSecurity()
-        self.store = store if store is not None else MemoryPlacementStore()
+        self.clock: Clock = clock if clock is not None else SystemClock()
+        self.transport: RankerTransport = transport if transport is not None else HttpTransport(self.client)
+        self.store = store if store is not None else MemoryPlacementStore(self.clock)
         self.replicas: dict[str, Replica] = {}
-        self.placements: dict[str, Placement] = {}
-        self.down: set[str] = set()
-        self.inflight: dict[str, int] = {}  # rank requests in flight per replica (the routing load)
-        self.inflight_other: dict[str, int] = {}  # prefills and other requests in flight per replica
-        self.queued: dict[str, int] = {}  # replica -> ranks queued (hits + misses), as its last /v1/stats reported
-        self.ejected: dict[str, float] = {}  # replica -> monotonic time its ejection ends
-        self._ejections: dict[str, int] = {}
-        self._returned: dict[str, float] = {}  # replica -> when its last ejection ended
-        self._failures: dict[str, int] = {}
-        self._latencies: dict[str, deque[float]] = {}
-        self.retry_budget = RetryBudget(config.retry_budget_ratio, config.retry_budget_min,
-                                        config.retry_budget_window_s)
         self.ring = HashRing()
-        self.store_up = False
         self.synced = asyncio.Event()
         self.profile: Profile | None = None
         self.trigger: SequenceAwareTrigger | None = None
         self.metrics = _Metrics(self)
+        self.health = ReplicaHealth(config, self.clock, lambda: self.replicas, self._refresh_ring,
+                                    lambda reason: self.metrics.ejections.labels(reason).inc())
+        self.load = LoadView(config, self._report)
+        self.book = PlacementBook(config, self.store, self.clock,
+                                  lambda rid: rid in self.replicas and self.health.usable(rid))
+        self.forward = Forwarder(config, self.clock, self.transport, lambda: self.replicas, self.health, self.load,
+                                 self.metrics.shed, self.metrics.retries, self.metrics.retries_denied)
         self._tasks: list[asyncio.Task[Any]] = []
         self._background: set[asyncio.Task[Any]] = set()
-        self._session: aiohttp.ClientSession | None = None
-        self._dns_urls: set[str] = set()
-        self._home_ring = HashRing()  # over the registered replicas: where an unstored placement is
-        self._unsynced: dict[str, Placement | None] = {}  # LOCAL placement -> the stored one it replaces
-        self._home_seen: dict[str, float] = {}  # HOME placements by last confirmation (oldest first)
-        self._store_tasks: set[asyncio.Task[Any]] = set()
+        self.dns = (DnsDiscovery(config.rankers_dns, self.client.scheme, self.store, self.clock,
+                                 config.dns_interval_s) if config.rankers_dns else None)
+
+    # -- the parts' state, under the names the rest of the code reads -------------------------------
+    @property
+    def down(self) -> set[str]:
+        return self.health.down
+
+    @down.setter
+    def down(self, value: set[str]) -> None:
+        self.health.down = value
+
+    @property
+    def ejected(self) -> dict[str, float]:
+        return self.health.ejected
+
+    @property
+    def inflight(self) -> dict[str, int]:
+        return self.load.inflight
+
+    @inflight.setter
+    def inflight(self, value: dict[str, int]) -> None:
+        self.load.inflight = value
+
+    @property
+    def inflight_other(self) -> dict[str, int]:
+        return self.load.inflight_other
+
+    @property
+    def queued(self) -> dict[str, int]:
+        return self.load.queued
+
+    @queued.setter
+    def queued(self, value: dict[str, int]) -> None:
+        self.load.queued = value
+
+    @property
+    def placements(self) -> dict[str, Placement]:
+        return self.book.placements
+
+    @placements.setter
+    def placements(self, value: dict[str, Placement]) -> None:
+        self.book.placements = value
+
+    @property
+    def store_up(self) -> bool:
+        return self.book.store_up
+
+    @store_up.setter
+    def store_up(self, value: bool) -> None:
+        self.book.store_up = value
+
+    @property
+    def retry_budget(self) -> RetryBudget:
+        return self.forward.retry_budget
 
     # -- lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=512, ssl=self.client.connector_ssl()),
-            timeout=aiohttp.ClientTimeout(total=None), middlewares=self.client.middlewares())
+        await self.transport.start()
         for url in self.config.rankers:
             await self.store.register(Replica(url, url), ttl_s=0)
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._watch_loop()), loop.create_task(self._health_loop())]
-        if self.config.rankers_dns:
-            await self.resolve_rankers()
-            self._tasks.append(loop.create_task(self._dns_loop()))
+        if self.dns is not None:
+            await self.dns.resolve()
+            self._tasks.append(loop.create_task(self.dns.loop()))
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.synced.wait(), 5.0)
+            await wait_for(self.clock, self.synced.wait(), 5.0)
         await self._load_profile()
         if self.config.load_poll_interval_s > 0:
             self._tasks.append(loop.create_task(self._load_loop()))
 
     async def stop(self) -> None:
-        if self._store_tasks:  # let placement writes in flight land, so other routers keep the affinity
-            await asyncio.wait(self._store_tasks, timeout=5.0)
-        tasks = [*self._tasks, *self._background, *self._store_tasks]
+        if self.book.tasks:  # let placement writes in flight land, so other routers keep the affinity
+            await asyncio.wait(self.book.tasks, timeout=5.0)
+        tasks = [*self._tasks, *self._background, *self.book.tasks]
         for task in tasks:
             task.cancel()
         if tasks:  # bounded: a task stuck in a store client must not hold up shutdown
             await asyncio.wait(tasks, timeout=5.0)
-        if self._session is not None:
-            await self._session.close()
+        await self.transport.close()
         await self.store.close()
         self.metrics.gc_pauses.close()
 
     async def _load_profile(self) -> None:
         """Fetches the latency profile from the first ready replica (waits up to startup_timeout_s)."""
-        deadline = time.monotonic() + self.config.startup_timeout_s
-        while time.monotonic() < deadline:
+        deadline = self.clock() + self.config.startup_timeout_s
+        while self.clock() < deadline:
             for rid in self.up_replicas():
                 try:
-                    async with self._http().get(self.replicas[rid].url + "/v1/profile",
-                                                timeout=aiohttp.ClientTimeout(total=2)) as resp:
-                        if resp.status == 200:
-                            self.set_profile(Profile.model_validate(await resp.json()))
-                            return
-                except (aiohttp.ClientError, TimeoutError):
+                    reply = await self.transport.get(self.replicas[rid].url, "/v1/profile", 2.0)
+                    if reply.status == 200:
+                        self.set_profile(Profile.model_validate(reply.json()))
+                        return
+                except (TransportError, TimeoutError):
                     continue
-            await asyncio.sleep(0.2)
+            await self.clock.sleep(0.2)
         log.warning("no ranker profile within %.0f s; prefill signals are rejected until one is loaded",
                     self.config.startup_timeout_s)
 
@@ -292,7 +263,7 @@ class Router:
         self.profile = profile
         model = LatencyModel.from_profile(profile.lengths, profile.full_ms, profile.cached_ms, profile.prefill_ms,
                                           profile.kv_bytes_per_token)
-        self.trigger = SequenceAwareTrigger(model, self.config.trigger, enabled=self.config.relay)
+        self.trigger = SequenceAwareTrigger(model, self.config.trigger, clock=self.clock, enabled=self.config.relay)
         self._update_budget()
 
     def _update_budget(self) -> None:
@@ -312,254 +283,91 @@ class Router:
             if new != self.trigger.config:
                 self.trigger.config = new
 
-    # -- DNS discovery (a headless Service of the rankers) -------------------------------------------
+    # -- DNS discovery (router_dns.py) --------------------------------------------------------------
     async def resolve_rankers(self) -> None:
-        """Registers the addresses the Service name resolves to and unregisters those it no longer does
-        (a failed lookup changes nothing: a DNS hiccup must not empty the ring)."""
-        host, _, port = (self.config.rankers_dns or "").rpartition(":")
-        try:
-            infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-        except (OSError, ValueError) as exc:
-            log.warning("cannot resolve rankers at %s: %s", self.config.rankers_dns, exc)
-            return
-        urls = set()
-        for family, *_, sockaddr in infos:
-            ip = sockaddr[0]
-            scheme = self.client.scheme
-            urls.add(f"{scheme}://[{ip}]:{port}" if family == socket.AF_INET6 else f"{scheme}://{ip}:{port}")
-        for url in sorted(urls - set(self._dns_urls)):
-            await self.store.register(Replica(url, url), ttl_s=0)
-        for url in sorted(set(self._dns_urls) - urls):
-            await self.store.unregister(url)
-        self._dns_urls = urls
-
-    async def _dns_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.dns_interval_s)
-            await self.resolve_rankers()
-
-    def _http(self) -> aiohttp.ClientSession:
-        assert self._session is not None, "Router.start() was not called"
-        return self._session
+        """Registers the rankers the Service name resolves to now (:meth:`DnsDiscovery.resolve`)."""
+        if self.dns is not None:
+            await self.dns.resolve()
 
     # -- the view -----------------------------------------------------------------------------------
     def up_replicas(self) -> list[str]:
-        return sorted(r for r in self.replicas if r not in self.down and r not in self.ejected)
-
-    # -- outlier detection --------------------------------------------------------------------------
-    def _release_ejections(self) -> None:
-        now = time.monotonic()
-        back = [r for r, until in self.ejected.items() if until <= now]
-        for rid in back:
-            del self.ejected[rid]
-            self._returned[rid] = now
-            self._failures[rid] = 0
-            self._latencies.pop(rid, None)
-            log.info("ranker %s returns after its ejection", rid)
-        if back:
-            self._refresh_ring()
-
-    def eject(self, rid: str, reason: str) -> bool:
-        cfg = self.config
-        if rid in self.ejected or rid not in self.replicas:
-            return False
-        cap = max(1, int(cfg.outlier_max_ejected_fraction * len(self.replicas)))
-        if len(self.ejected) + 1 > cap:
-            return False
-        now = time.monotonic()
-        n = self._ejections.get(rid, 0)
-        if rid in self._returned and cfg.outlier_base_ejection_s > 0:
-            # the multiplier drops by one per base ejection time the replica stayed healthy since its return
-            healthy = now - self._returned.pop(rid)
-            n = max(0, n - int(healthy // cfg.outlier_base_ejection_s))
-        n += 1
-        self._ejections[rid] = n
-        period = min(cfg.outlier_base_ejection_s * n, cfg.outlier_max_ejection_s)
-        self.ejected[rid] = now + period
-        self._failures[rid] = 0
-        self.metrics.ejections.labels(reason).inc()
-        log.warning("ranker %s ejected for %.1f s (%s)", rid, period, reason)
-        self._refresh_ring()
-        return True
-
-    def record_failure(self, rid: str) -> None:
-        n = self._failures.get(rid, 0) + 1
-        self._failures[rid] = n
-        if n >= self.config.outlier_consecutive_failures:
-            self.eject(rid, "consecutive-failures")
-
-    def record_success(self, rid: str, seconds: float) -> None:
-        self._failures[rid] = 0
-        self.record_slow(rid, seconds)
-
-    def record_slow(self, rid: str, seconds: float) -> None:
-        """A latency sample (a success, or a try cut at the request's deadline); ejects a latency outlier."""
-        cfg = self.config
-        if cfg.outlier_latency_factor is None:
-            return
-        lat = self._latencies.setdefault(rid, deque(maxlen=max(cfg.outlier_latency_min_samples, 50)))
-        lat.append(seconds)
-        if len(lat) < cfg.outlier_latency_min_samples:
-            return
-        others = [statistics.median(v) for r, v in self._latencies.items()
-                  if r != rid and r in self.replicas and r not in self.ejected
-                  and len(v) >= cfg.outlier_latency_min_samples]
-        if len(others) + 1 < cfg.outlier_latency_min_hosts or not others:
-            return
-        mine, theirs = statistics.median(lat), statistics.median(others)
-        if mine * 1e3 > cfg.outlier_latency_floor_ms and mine > cfg.outlier_latency_factor * theirs:
-            self.eject(rid, "latency")
+        return sorted(r for r in self.replicas if self.health.usable(r))
 
     def _refresh_ring(self) -> None:
         self.ring.set_nodes(self.up_replicas())
         self._update_budget()
 
+    # -- health (router_health.py) ------------------------------------------------------------------
+    def _release_ejections(self) -> None:
+        self.health.release_ejections()
+
+    def eject(self, rid: str, reason: str) -> bool:
+        return self.health.eject(rid, reason)
+
+    def record_failure(self, rid: str) -> None:
+        self.health.record_failure(rid)
+
+    def record_success(self, rid: str, seconds: float) -> None:
+        self.health.record_success(rid, seconds)
+
+    def record_slow(self, rid: str, seconds: float) -> None:
+        self.health.record_slow(rid, seconds)
+
+    def mark_down(self, rid: str) -> None:
+        self.health.mark_down(rid)
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.gather(*(self.health.probe(rid, self.replicas, self.transport)
+                                   for rid in list(self.replicas)), return_exceptions=True)
+            await self.clock.sleep(self.config.health_interval_s)
+
+    # -- load (router_load.py) ----------------------------------------------------------------------
+    async def _load_loop(self) -> None:
+        while True:
+            await self.poll_load()
+            await self.clock.sleep(self.config.load_poll_interval_s)
+
+    async def poll_load(self) -> None:
+        """Reads every up ranker's ``/v1/stats`` into the routing view (queue depth) and the trigger."""
+        await self.load.poll(self.up_replicas(), self.replicas, self.transport)
+
+    def _report(self, rid: str, stats: dict[str, Any] | None) -> None:
+        if self.trigger is not None:
+            self.trigger.report(rid, stats)
+
+    def load_view(self) -> dict[str, int]:
+        """Rank requests on each up replica (:meth:`LoadView.view`)."""
+        return self.load.view(self.up_replicas())
+
+    def over_cap(self, rid: str, load: dict[str, int]) -> bool:
+        return self.load.over_cap(rid, load)
+
+    # -- placements (router_placement.py) -----------------------------------------------------------
     def apply(self, ev: Event) -> None:
         """Applies a store event to the local view (the store's word wins over a settled local entry)."""
         members = set(self.replicas)
         if ev.kind == "snapshot":
             self.replicas = {r.id: r for r in ev.replicas}
-            stored = {p.user: p for p in ev.placements if p.replica in self.replicas}
-            # LOCAL entries wait for the write-back (which decides against the store); HOME ones are not stored
-            kept = {u: p for u, p in self.placements.items() if p.replica in self.replicas and (
-                p.revision == LOCAL or (p.revision == HOME and u not in stored))}
-            self.placements = {**stored, **kept}
-            self.synced.set()
         elif ev.kind == "replica" and ev.replica is not None:
             self.replicas[ev.replica.id] = ev.replica
         elif ev.kind == "replica-gone":
             self.replicas.pop(ev.key, None)
-            self.down.discard(ev.key)
-            self.placements = {u: p for u, p in self.placements.items() if p.replica != ev.key}
-        elif ev.kind == "placement" and ev.placement is not None:
-            self._settle(ev.placement)
-        elif ev.kind == "placement-gone":  # deleted or expired; a HOME or LOCAL entry was never the stored one
-            current = self.placements.get(ev.key)
-            if current is not None and current.revision > 0:
-                del self.placements[ev.key]
+            self.health.down.discard(ev.key)
+        self.book.apply(ev, self.replicas)
+        if ev.kind == "snapshot":
+            self.synced.set()
         if ev.kind == "snapshot" or set(self.replicas) != members:
-            self._home_ring.set_nodes(self.replicas)
-            self._pin_moved_homes()
-            self._unsynced = {u: e for u, e in self._unsynced.items()
-                              if u in self.placements and self.placements[u].revision == LOCAL}
-            if self._unsynced or any(p.revision == LOCAL for p in self.placements.values()):
-                self._schedule_write_back()
+            self.book.members_changed(self.replicas)
         self._refresh_ring()
 
-    # -- placements in the store --------------------------------------------------------------------
-    # The store holds only exceptions: a placement on the user's ring home (the first replica in its hash-ring
-    # order over the registered replicas, the same on every router) is derived, not written, and kept in the
-    # view as HOME; stored placements expire placement_ttl_s after their last write (each prefill re-writes).
-    # Placements made while the store is unreachable stay LOCAL and are written back (CAS) when it returns.
     def home(self, user: str) -> str | None:
-        """The user's ring home: the first registered replica in its ring order (the same on every router
-        that sees the same replicas, whatever their health), where a placement needs no store entry."""
-        order = self._home_ring.order(user)
-        return order[0] if order else None
+        """The user's ring home (:meth:`PlacementBook.home`)."""
+        return self.book.home(user)
 
-    def _pin_moved_homes(self) -> None:
-        """A replica joined or left and moved some users' ring home away from where their prefix is: those
-        placements become exceptions, to be written (otherwise every router would route them to the new home,
-        a cache miss)."""
-        if not self.config.placement_exceptions_only:
-            return
-        for user, p in list(self.placements.items()):
-            if p.revision == HOME and self.home(user) != p.replica:
-                self.placements[user] = dataclasses.replace(p, revision=LOCAL)
-                self._unsynced[user] = None
-                self._home_seen.pop(user, None)
-
-    def _settle(self, placement: Placement) -> None:
-        self.placements[placement.user] = placement
-        self._unsynced.pop(placement.user, None)
-        self._home_seen.pop(placement.user, None)
-
-    def _set_home(self, user: str, replica: str, version: str) -> None:
-        self._settle(Placement(user, replica, version, HOME))
-        self._home_seen[user] = time.monotonic()
-        ttl = self.config.placement_ttl_s
-        if ttl is None:
-            return
-        cutoff = time.monotonic() - ttl  # HOME entries expire from the view like stored ones from the store
-        old = []
-        for u, seen in self._home_seen.items():
-            if seen > cutoff:
-                break
-            old.append(u)
-        for u in old:
-            del self._home_seen[u]
-            if (p := self.placements.get(u)) is not None and p.revision == HOME:
-                del self.placements[u]
-
-    def _keep_local(self, user: str, replica: str, version: str, expected: Placement | None) -> None:
-        self.placements[user] = Placement(user, replica, version, LOCAL)
-        self._unsynced[user] = expected
-        self._home_seen.pop(user, None)
-
-    def _schedule_write_back(self) -> None:
-        if not self.store_up or any(not t.done() for t in self._store_tasks):
-            return  # a running write-back picks up what was added
-        try:
-            task = asyncio.get_running_loop().create_task(self._write_back())
-        except RuntimeError:  # no loop: the view is being set up by hand
-            return
-        self._store_tasks.add(task)
-        task.add_done_callback(self._store_tasks.discard)
-
-    async def _write_back(self) -> None:
-        """Writes the LOCAL placements (made while the store was unreachable, or pinned after a ring change) to
-        the store with compare-and-swap against what they replaced; a placement another router wrote meanwhile
-        wins and the view adopts it. Stops when the store is lost again (the next snapshot restarts it)."""
-        tried: set[Placement] = set()
-        while self.store_up:
-            todo = [p for p in self.placements.values() if p.revision == LOCAL and p not in tried]
-            if not todo:
-                return
-            for p in todo:
-                tried.add(p)
-                if self.placements.get(p.user) != p:
-                    continue  # changed meanwhile (a watch event or a new prefill)
-                try:
-                    await self._store_placement(p.user, p.version, p.replica, self._unsynced.get(p.user))
-                except StoreUnavailable as exc:
-                    log.info("placement write-back paused, store unavailable: %s", exc)
-                    return
-
-    async def _store_placement(self, user: str, version: str, replica: str, expected: Placement | None) -> str:
-        """Makes the store say user -> replica given that it held ``expected``; returns the replica that won."""
-        cfg = self.config
-        at_home = cfg.placement_exceptions_only and replica == self.home(user)
-        if at_home and expected is None:
-            self._set_home(user, replica, version)
-            return replica
-        if at_home:
-            assert expected is not None
-            if await self.store.delete_placement(user, expected):
-                self._set_home(user, replica, version)
-                return replica
-        elif cfg.placement_ttl_s is None and expected is not None and expected.replica == replica:
-            self._settle(expected)  # stored already and it does not expire: nothing to refresh
-            return replica
-        else:
-            placed = await self.store.cas_placement(user, replica, version, expected, cfg.placement_ttl_s)
-            if placed is not None:
-                self._settle(placed)
-                return replica
-        # The compare failed: another router changed the placement. Its placement wins while its replica is up.
-        winner = await self.store.get_placement(user)
-        if winner is not None and winner.replica in self.up_replicas():
-            self._settle(winner)
-            return winner.replica
-        if at_home:
-            if winner is None or await self.store.delete_placement(user, winner):
-                self._set_home(user, replica, version)
-                return replica
-        elif (placed := await self.store.cas_placement(user, replica, version, winner, cfg.placement_ttl_s)):
-            self._settle(placed)
-            return replica
-        self._unsynced.pop(user, None)  # lost twice: the watch brings the winner
-        self.placements.pop(user, None)
-        return replica
+    async def _place(self, user: str, version: str, replica: str, seen: Placement | None) -> str:
+        """Records user -> replica in the store (:meth:`PlacementBook.place`); returns the replica that won."""
+        return await self.book.place(user, version, replica, seen)
 
     async def _watch_loop(self) -> None:
         backoff = 0.1
@@ -577,82 +385,8 @@ class Router:
                 log.exception("placement watch failed")
             self.store_up = False
             self.synced.set()  # nothing to wait for: route on what we have
-            await asyncio.sleep(backoff)
+            await self.clock.sleep(backoff)
             backoff = min(2 * backoff, 2.0)
-
-    async def _health_loop(self) -> None:
-        while True:
-            await asyncio.gather(*(self._probe(rid) for rid in list(self.replicas)), return_exceptions=True)
-            await asyncio.sleep(self.config.health_interval_s)
-
-    async def _probe(self, rid: str) -> None:
-        replica = self.replicas.get(rid)
-        if replica is None:
-            return
-        ok = False
-        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-            async with self._http().get(replica.url + "/readyz", timeout=aiohttp.ClientTimeout(total=1)) as resp:
-                ok = resp.status == 200
-        if ok and rid in self.down:
-            self.down.discard(rid)
-            self._refresh_ring()
-        elif not ok and rid not in self.down:
-            self.mark_down(rid)
-
-    # -- load reports -------------------------------------------------------------------------------
-    async def _load_loop(self) -> None:
-        while True:
-            await self.poll_load()
-            await asyncio.sleep(self.config.load_poll_interval_s)
-
-    async def poll_load(self) -> None:
-        """Reads every up ranker's ``/v1/stats`` into the routing view (queue depth) and the trigger."""
-        await asyncio.gather(*(self._poll_stats(rid) for rid in self.up_replicas()), return_exceptions=True)
-        for rid in [r for r in self.queued if r not in self.replicas]:
-            del self.queued[rid]
-
-    async def _poll_stats(self, rid: str) -> None:
-        replica = self.replicas.get(rid)
-        if replica is None:
-            return
-        stats: Any = None
-        with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
-            async with self._http().get(replica.url + "/v1/stats", timeout=aiohttp.ClientTimeout(total=1)) as resp:
-                if resp.status == 200:
-                    stats = await resp.json()
-        if not isinstance(stats, dict):
-            stats = None
-            self.queued.pop(rid, None)
-        else:
-            # Ranks waiting there (cached and misses); queued prefills are background work that delays a rank
-            # by one compute step at most, so they do not count towards moving a user off its cached prefix.
-            depth = stats.get("queue_depth")
-            if isinstance(depth, dict) and ("hits" in depth or "misses" in depth):
-                queued = int(depth.get("hits", 0)) + int(depth.get("misses", 0))
-            else:
-                queued = int(stats.get("queued") or 0)
-            self.queued[rid] = queued
-        if self.trigger is not None:
-            self.trigger.report(rid, stats)
-
-    def load_view(self) -> dict[str, int]:
-        """Rank requests on each up replica: this router's in flight, or the rank queue the ranker reported if
-        longer. Prefills are not counted: one held open while its prefix computes is background work, and
-        counting it moved users off the replica holding their prefix to a miss elsewhere (18 of 1,250 ranks,
-        each a full inference, at 512 tokens and 40 QPS)."""
-        return {r: max(self.inflight.get(r, 0), self.queued.get(r, 0)) for r in self.up_replicas()}
-
-    def over_cap(self, rid: str, load: dict[str, int]) -> bool:
-        mine = load.get(rid, 0)
-        if len(load) < 2 or mine < self.config.overload_min_load:
-            return False
-        return mine > self.config.load_factor * sum(load.values()) / len(load)
-
-    def mark_down(self, rid: str) -> None:
-        if rid not in self.down:
-            log.warning("ranker %s is down", rid)
-            self.down.add(rid)
-            self._refresh_ring()
 
     # -- routing ------------------------------------------------------------------------------------
     def route(self, user: str) -> tuple[list[str], str]:
@@ -681,26 +415,8 @@ class Router:
         rest = [r for r in self.ring.order(user) if r != first]
         return [first, *rest][: self.config.max_attempts], kind
 
-    async def _post(self, rid: str, path: str, body: bytes, timeout_s: float,
-                    headers: dict[str, str] | None = None) -> tuple[int, bytes]:
-        status, payload, _ = await self._post_full(rid, path, body, timeout_s, headers)
-        return status, payload
-
-    async def _post_full(self, rid: str, path: str, body: bytes, timeout_s: float,
-                         headers: dict[str, str] | None = None) -> tuple[int, bytes, dict[str, str]]:
-        url = self.replicas[rid].url + path
-        counter = self.inflight if path == "/v1/rank" else self.inflight_other
-        counter[rid] = counter.get(rid, 0) + 1
-        try:
-            async with self._http().post(url, data=body,
-                                         headers={"Content-Type": "application/json", **(headers or {})},
-                                         timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-                return resp.status, await resp.read(), dict(resp.headers)
-        finally:
-            counter[rid] -= 1
-
     async def rank(self, body: bytes, req: RankRequest, client_budget_ms: float | None = None) -> web.Response:
-        start = time.monotonic()
+        start = self.clock()
         budget_ms = self.config.rank_budget_ms
         if budget_ms is None:
             budget_ms = self.config.rank_timeout_s * 1e3
@@ -715,76 +431,7 @@ class Router:
         self.metrics.routes.labels(kind).inc()
         if kind == "moved":
             self.metrics.moves.labels("load").inc()
-        self.retry_budget.request()
-        last_error, shed_retry_after, shed_reason = "", None, "queue-full"
-        for attempt, rid in enumerate(order):
-            if rid not in self.replicas:
-                continue
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                self.metrics.shed.labels("deadline").inc()
-                return error_response(504, f"deadline exceeded after {attempt} attempt(s) ({last_error})",
-                                      headers={"X-Grstack-Shed": "deadline"})
-            if attempt:
-                if not self.retry_budget.try_retry():
-                    self.metrics.retries_denied.inc()
-                    last_error += "; retry budget exhausted"
-                    break
-                self.metrics.retries.inc()
-            t0 = time.monotonic()
-            budget_bound = remaining < self.config.rank_timeout_s  # this try ends at the request's deadline
-            try:
-                status, payload, headers = await self._post_full(
-                    rid, "/v1/rank", body, min(self.config.rank_timeout_s, remaining),
-                    {DEADLINE_HEADER: f"{remaining * 1e3:.1f}"})
-            except aiohttp.ClientConnectorError as exc:
-                last_error = f"{rid}: {type(exc).__name__}"
-                self.mark_down(rid)  # nothing listens: down until /readyz answers
-                continue
-            except TimeoutError as exc:
-                if budget_bound:
-                    # The deadline passed while the ranker worked on it: shed (504), never retried. Under load
-                    # every replica is late alike, so this is a latency sample for outlier detection (a hung
-                    # replica stands out against the others), not a failure that ejects.
-                    self.record_slow(rid, time.monotonic() - t0)
-                    self.metrics.shed.labels("deadline").inc()
-                    return error_response(504, f"deadline exceeded: {rid} did not answer within the "
-                                               f"{budget_ms:.0f} ms budget",
-                                          headers={"X-Grstack-Shed": "deadline",
-                                                   "X-Grstack-Attempts": str(attempt + 1)})
-                last_error = f"{rid}: {type(exc).__name__}"
-                self.record_failure(rid)  # slow is not down: outlier detection decides
-                continue
-            except aiohttp.ClientError as exc:
-                last_error = f"{rid}: {type(exc).__name__}"
-                self.record_failure(rid)
-                continue
-            if status == 504:  # the ranker dropped it at its deadline: nobody waits for a retry
-                self.metrics.shed.labels("deadline").inc()
-                return web.Response(status=status, body=payload, content_type="application/json",
-                                    headers={"X-Grstack-Shed": "deadline", "X-Grstack-Attempts": str(attempt + 1)})
-            if status == 503 and headers.get("X-Grstack-Shed") in ("queue-full", "predicted-late"):
-                shed_reason = headers["X-Grstack-Shed"]
-                last_error = f"{rid}: {shed_reason}"
-                shed_retry_after = headers.get("Retry-After", "1")
-                continue  # overload is not a fault: no outlier count
-            if status >= 500:
-                last_error = f"{rid}: HTTP {status}"
-                self.record_failure(rid)
-                continue
-            if status in (401, 403):  # the router's own token or certificate was refused: not the client's fault
-                log.warning("ranker %s refused the router's credentials (HTTP %d): check --ranker-token-file "
-                            "and --ranker-cert", rid, status)
-                last_error = f"{rid}: refused the router's credentials (HTTP {status})"
-                continue
-            self.record_success(rid, time.monotonic() - t0)
-            return web.Response(status=status, body=payload, content_type="application/json",
-                                headers={"X-Grstack-Route": kind, "X-Grstack-Attempts": str(attempt + 1)})
-        if shed_retry_after is not None:
-            self.metrics.shed.labels(shed_reason).inc()
-            return error_response(503, f"overloaded: every ranker tried refused it ({last_error})",
-                                  headers={"Retry-After": shed_retry_after, "X-Grstack-Shed": shed_reason})
-        raise RequestError(503, f"every ranker replica failed ({last_error})")
+        return await self.forward.rank(body, order, kind, deadline, budget_ms)
 
     # -- prefill ------------------------------------------------------------------------------------
     async def prefill(self, body: bytes, req: PrefillRequest) -> RouterPrefillResponse:
@@ -835,35 +482,19 @@ class Router:
             return out.model_copy(update={"replica": ranker.replica if ranker else replica, "ranker": ranker})
         return out.model_copy(update={"replica": replica})
 
-    async def _place(self, user: str, version: str, replica: str, seen: Placement | None) -> str:
-        """Records user -> replica in the store (CAS; only an exception to the ring home is written, with the
-        TTL, so a new prefill refreshes it); returns the replica that won. With the store unreachable the
-        placement stays LOCAL and is written back when the store returns."""
-        if seen is not None and seen.revision == LOCAL:
-            expected = self._unsynced.get(user)
-        else:
-            expected = seen if seen is not None and seen.revision > 0 else None
-        if not self.store_up:
-            self._keep_local(user, replica, version, expected)
-            return replica
-        try:
-            return await self._store_placement(user, version, replica, expected)
-        except StoreUnavailable:
-            self._keep_local(user, replica, version, expected)
-            return replica
-
     async def _place_and_prefill(self, user: str, version: str, replica: str, seen: Placement | None,
                                  body: bytes, recharge: bool = False) -> PrefillResponse | None:
         """``recharge``: the trigger admitted the signal as live, uncharged; if the ranker computed the prefix
         all the same (it had evicted it), that prefill is charged now."""
         replica = await self._place(user, version, replica, seen)
         try:
-            status, payload = await self._post(replica, "/v1/prefill", body, self.config.prefill_timeout_s)
-        except (aiohttp.ClientError, TimeoutError, KeyError) as exc:
+            reply = await self.forward.post(replica, "/v1/prefill", body, self.config.prefill_timeout_s)
+        except (TransportError, TimeoutError, KeyError) as exc:
             log.warning("prefill for %s on %s failed: %s", user, replica, type(exc).__name__)
             if self.trigger is not None:
                 self.trigger.forget(user)
             return None
+        status, payload = reply.status, reply.body
         if status != 200:
             log.warning("prefill for %s on %s answered %d: %s", user, replica, status, payload[:200])
             if self.trigger is not None:
@@ -875,6 +506,7 @@ class Router:
             self.trigger.charge(user, version, done.prefix_len + head, replica)
             self.metrics.trigger.labels("live-recomputed").inc()
         return done
+
 
 
 # -- HTTP ---------------------------------------------------------------------------------------------
@@ -897,11 +529,11 @@ def make_router_app(router: Router, security: ServerSecurity | None = None) -> w
     """``security``: the tokens, client certificates, open paths and body timeout its guard enforces."""
     @web.middleware
     async def count(request: web.Request, handler: Any) -> web.StreamResponse:
-        t0 = time.perf_counter()
+        t0 = router.clock()
         resp = await handler(request)
         route = route_template(request)
         router.metrics.requests.labels(route, str(resp.status)).inc()
-        router.metrics.latency.labels(route, status_class(resp.status)).observe(time.perf_counter() - t0)
+        router.metrics.latency.labels(route, status_class(resp.status)).observe(router.clock() - t0)
         return resp
 
     app = web.Application(client_max_size=router.config.max_body_bytes, middlewares=[count, json_errors,

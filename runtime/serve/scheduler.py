@@ -33,13 +33,16 @@ fails.
 Accounting (read by ``GET /v1/stats``): prefix tokens computed, tokens a from-scratch prefill would have
 computed for the same work, incremental prefills, and compute-thread time by kind (``prefill``,
 ``rank_cached``, ``rank_full``; a batched chunk step's time is split over its members by tokens).
+
+This module is the executor loop and the public API; admission (queue bounds, deadline prediction and the step
+cost models) is :class:`AdmissionPolicy` (scheduler_admission.py), the jobs and queues scheduler_jobs.py, the
+tensor math a :class:`ComputeBackend` and time the injected clock.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -49,98 +52,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from grstack.runtime.serve.engine import PrefixKV, PrefixTokens, RankItem, RelayEngine
+from grstack.runtime.serve.backend import ComputeBackend
+from grstack.runtime.serve.clock import Now, SystemClock
+from grstack.runtime.serve.engine import PrefixKV, PrefixTokens, RankItem
+from grstack.runtime.serve.scheduler_admission import AdmissionPolicy, PredictedLate, QueueFull, StepCost
+from grstack.runtime.serve.scheduler_jobs import Hit, Job, Timing, WorkQueues, step_shares
+
+__all__ = ["COMPUTE_KINDS", "ComputeScheduler", "DeadlineExceeded", "PredictedLate", "QueueFull", "StepCost",
+           "Timing", "step_shares"]
 
 COMPUTE_KINDS = ("prefill", "rank_cached", "rank_full")
-
-
-def step_shares(remaining: list[int], *, max_jobs: int, chunk: int, budget: int | None) -> list[int]:
-    """New tokens each queued job computes in the next step, for the jobs at the head of the queue (in queue
-    order; the list is as long as the jobs the step takes). With a ``budget`` (tokens per step) it is filled
-    first come, first served: the head job computes all it has left if that fits, the next ones what remains
-    of the budget, as vLLM's chunked prefill fills its token budget. A burst of equal jobs then finishes one
-    step's worth at a time instead of all together at the end (processor sharing, which makes every member of
-    a burst as late as its last), and the step, so a cached rank's wait behind it, stays bounded. Without a
-    budget every job advances by one ``chunk``."""
-    shares: list[int] = []
-    used = 0
-    for left in remaining:
-        if len(shares) >= max_jobs:
-            break
-        if budget is None:
-            shares.append(min(chunk, left))
-            continue
-        room = budget - used
-        if room <= 0:
-            break
-        n = min(left, room)
-        shares.append(n)
-        used += n
-    return shares
-
-
-class QueueFull(Exception):
-    """The queue for this kind of work is at its bound; retry after ``retry_after_s``. ``reason`` is what the
-    ranker's 503 says in ``X-Grstack-Shed``."""
-
-    reason = "queue-full"
-
-    def __init__(self, queue: str, depth: int, retry_after_s: float, message: str | None = None) -> None:
-        super().__init__(message or f"{queue} queue full ({depth} waiting)")
-        self.queue = queue
-        self.depth = depth
-        self.retry_after_s = retry_after_s
-
-
-class PredictedLate(QueueFull):
-    """The rank would finish after its deadline behind the work already queued: refused at once (503), so
-    that the caller can go elsewhere or give up now instead of learning it at the deadline."""
-
-    reason = "predicted-late"
-
-
-@dataclass
-class StepCost:
-    """Seconds of one compute step as ``a + b·n`` (``n``: cached ranks in the batch, or prefix tokens computed),
-    fitted by exponentially weighted least squares, so that it follows the speed the ranker has now (CPU
-    contention, a warm allocator), fixed per-step overhead included; ``dev`` is the weighted mean absolute
-    error of its predictions. It predicts 0 until ``warm`` steps were seen: a ranker admits everything until
-    it has measured its own speed."""
-
-    alpha: float = 0.1
-    warm: int = 8
-    samples: int = 0
-    dev: float = 0.0
-    sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # weighted Σ1, Σn, Σt, Σn², Σn·t
-
-    def add(self, n: float, seconds: float) -> None:
-        if self.samples >= self.warm:
-            self.dev += self.alpha * (abs(seconds - self.predict(n)) - self.dev)
-        for i, v in enumerate((1.0, n, seconds, n * n, n * seconds)):
-            self.sums[i] = self.sums[i] * (1 - self.alpha) + v
-        self.samples += 1
-
-    def coefficients(self) -> tuple[float, float]:
-        """(a, b), both non-negative: a line through the origin when the sizes seen do not vary enough, a
-        constant when the fitted slope is negative."""
-        w, sn, st, snn, snt = self.sums
-        if w <= 0:
-            return 0.0, 0.0
-        var = w * snn - sn * sn
-        if var > 1e-9 * w * snn:
-            b = (w * snt - sn * st) / var
-            a = (st - b * sn) / w
-            if b < 0:
-                return st / w, 0.0
-            if a >= 0:
-                return a, b
-        return (0.0, st / sn) if sn > 0 else (st / w, 0.0)
-
-    def predict(self, n: float) -> float:
-        if self.samples < self.warm:
-            return 0.0
-        a, b = self.coefficients()
-        return a + b * n
 
 
 class DeadlineExceeded(Exception):
@@ -148,56 +69,12 @@ class DeadlineExceeded(Exception):
 
 
 @dataclass
-class Timing:
-    queue_ms: float
-    compute_ms: float
-
-
-@dataclass
-class _Job:
-    """A prefill (``item`` None) or a rank miss: ``prefix`` is the whole prefix's token stream, ``kv`` what is
-    computed of it so far (starting from the base, ``base_len`` tokens)."""
-
-    future: asyncio.Future[tuple[Any, Timing]]
-    enqueued: float
-    prefix: PrefixTokens
-    kv: PrefixKV
-    base_len: int = 0
-    item: RankItem | None = None
-    deadline: float | None = None
-    started: float | None = None
-    reserved: bool = False  # kv is a KV-arena range of the whole prefix, held by this job until it ends
-    pinned: list[PrefixKV] = field(default_factory=list)  # prefixes compute reads, pinned until the job ends
-
-    @property
-    def tokens(self) -> int:
-        return len(self.prefix)
-
-    @property
-    def remaining(self) -> int:
-        return len(self.prefix) - self.kv.length
-
-    def next_chunk(self, chunk: int) -> PrefixTokens:
-        p = self.kv.length
-        return self.prefix.slice(p, p + chunk)
-
-
-@dataclass
-class _Hit:
-    kv: PrefixKV
-    item: RankItem
-    future: asyncio.Future[tuple[torch.Tensor, Timing]]
-    enqueued: float
-    deadline: float | None = None
-
-
-@dataclass
 class ComputeScheduler:
-    engine: RelayEngine
+    engine: ComputeBackend  # the tensor math: the real engine, or a stand-in for it
     max_batch: int = 32
     prefill_every: int = 4
     on_batch: Callable[[int], None] | None = None
-    clock: Callable[[], float] = time.perf_counter
+    clock: Now = field(default_factory=SystemClock)  # deadlines, queue times and compute seconds
     max_queue: int | None = None  # queued ranks (hits + misses); None: unbounded
     max_prefill_queue: int | None = None  # queued prefills; None: unbounded
     retry_after_s: float = 1.0
@@ -211,24 +88,45 @@ class ComputeScheduler:
     # None: no prediction. Else a rank predicted to finish later than its deadline minus this is refused at
     # admission (:class:`PredictedLate`); the margin is the answer's way back to the caller
     admission_margin_s: float | None = None
-    _hits: deque[_Hit] = field(default_factory=deque)
-    _misses: deque[_Job] = field(default_factory=deque)
-    _prefills: deque[_Job] = field(default_factory=deque)
 
     def __post_init__(self) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ranker-compute")
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._critical_streak = 0
         self.dropped_expired = 0
         self.tokens_computed = 0
         self.tokens_without_incremental = 0
         self.incremental_prefills = 0
         self.compute_s: dict[str, float] = dict.fromkeys(COMPUTE_KINDS, 0.0)
-        self.hit_cost = StepCost()  # a batched cached-prefix rank step, by ranks
-        self.token_cost = StepCost()  # a chunk step (prefills, long misses), by new prefix tokens
-        self.full_cost = StepCost()  # a batched full inference of short misses, by tokens
-        self._running_until: float | None = None  # when the step on the compute thread is expected to end
+        self.queues = WorkQueues()
+        self.admission = AdmissionPolicy(self.queues, self.clock, self.engine.chunk, self.max_batch,
+                                         self.prefill_every, self.max_step_tokens, self.max_queue,
+                                         self.max_prefill_queue, self.retry_after_s, self.admission_margin_s)
+
+    # the step cost models the admission policy predicts with and this loop feeds
+    @property
+    def hit_cost(self) -> StepCost:
+        return self.admission.hit_cost
+
+    @hit_cost.setter
+    def hit_cost(self, cost: StepCost) -> None:
+        self.admission.hit_cost = cost
+
+    @property
+    def token_cost(self) -> StepCost:
+        return self.admission.token_cost
+
+    @token_cost.setter
+    def token_cost(self, cost: StepCost) -> None:
+        self.admission.token_cost = cost
+
+    @property
+    def full_cost(self) -> StepCost:
+        return self.admission.full_cost
+
+    @full_cost.setter
+    def full_cost(self, cost: StepCost) -> None:
+        self.admission.full_cost = cost
 
     # -- public API (event loop) --------------------------------------------------------------------
     def start(self) -> None:
@@ -246,92 +144,16 @@ class ComputeScheduler:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def depth(self) -> dict[str, int]:
-        return {"hits": len(self._hits), "misses": len(self._misses), "prefills": len(self._prefills)}
+        return self.queues.depth()
 
     def backlog_tokens(self) -> int:
         """Prefix tokens still to compute for the queued misses and prefills."""
-        return sum(j.remaining for j in self._misses) + sum(j.remaining for j in self._prefills)
-
-    def _admit_rank(self) -> None:
-        depth = len(self._hits) + len(self._misses)
-        if self.max_queue is not None and depth >= self.max_queue:
-            raise QueueFull("rank", depth, self.retry_after_s)
-
-    # -- deadline prediction ------------------------------------------------------------------------
-    def _hits_s(self, count: int) -> float:
-        """Predicted seconds of ``count`` cached ranks, in steps of ``max_batch``."""
-        full, rest = divmod(count, self.max_batch)
-        return full * self.hit_cost.predict(self.max_batch) + (self.hit_cost.predict(rest) if rest else 0.0)
-
-    def _job_s(self, job: _Job) -> float:
-        """Predicted seconds of what is left of a miss or prefill: its steps (of up to ``max_step_tokens``, or
-        one chunk each without a bound) and, for a miss computed in steps, the cached-prefix rank after them;
-        a short miss is one full inference."""
-        if self._short_miss(job):
-            return self.full_cost.predict(job.tokens)
-        unit = self.max_step_tokens or self.engine.chunk
-        full, rest = divmod(job.remaining, unit)
-        s = full * self.token_cost.predict(unit) + (self.token_cost.predict(rest) if rest else 0.0)
-        return s + (self.hit_cost.predict(1) if job.item is not None else 0.0)
-
-    def _prefill_step_tokens(self) -> int:
-        """New tokens of the next prefill step (as :meth:`_collect` would batch them)."""
-        return sum(self._shares([j.remaining for j in self._prefills]))
-
-    def _shares(self, remaining: list[int]) -> list[int]:
-        return step_shares(remaining, max_jobs=self.max_batch, chunk=self.engine.chunk, budget=self.max_step_tokens)
-
-    def _check_deadline(self, deadline: float, work_s: float, rank_steps: int) -> None:
-        """Raises :class:`PredictedLate` when ``work_s`` of queued work (``rank_steps`` steps, the request's own
-        included) after the running step, with the prefill steps the starvation guard runs between them and
-        the models' error, would end later than ``deadline`` minus the margin."""
-        now = self.clock()
-        running = 0.0 if self._running_until is None else max(0.0, self._running_until - now)
-        prefill_steps = (rank_steps + self._critical_streak) // self.prefill_every if self._prefills else 0
-        prefills = prefill_steps * self.token_cost.predict(self._prefill_step_tokens())
-        error = max(self.hit_cost.dev, self.token_cost.dev, self.full_cost.dev)
-        total = running + work_s + prefills + error
-        late = now + total + (self.admission_margin_s or 0.0) - deadline
-        if late > 0:
-            depth = len(self._hits) + len(self._misses)
-            raise PredictedLate("rank", depth, self.retry_after_s,
-                                f"predicted to finish {late * 1e3:.0f} ms after its deadline ({total * 1e3:.0f} ms "
-                                f"of compute before its answer, {depth} ranks queued)")
-
-    def _admit_hit(self, deadline: float | None) -> None:
-        """Cached ranks run before every miss: only the queued hits are ahead of a new one."""
-        if self.admission_margin_s is None or deadline is None:
-            return
-        n = len(self._hits) + 1
-        self._check_deadline(deadline, self._hits_s(n), -(-n // self.max_batch))
-
-    def _admit_miss(self, deadline: float | None, job_s: float) -> None:
-        if self.admission_margin_s is None or deadline is None:
-            return
-        ahead = self._hits_s(len(self._hits)) + sum(self._job_s(j) for j in self._misses)
-        steps = -(-len(self._hits) // self.max_batch) + len(self._misses) + 1
-        self._check_deadline(deadline, ahead + job_s, steps)
+        return self.queues.backlog_tokens()
 
     def check_join(self, fut: asyncio.Future[Any], deadline: float | None) -> None:
-        """A rank about to join the prefill behind ``fut``: raises :class:`PredictedLate` when that prefill,
-        where :meth:`boost` puts it in the rank queue, and the rank after it are predicted to end past
-        ``deadline``. Call it before :meth:`boost`, so that a refused rank raises no prefill's priority."""
-        if self.admission_margin_s is None or deadline is None:
-            return
-        ahead, steps = self._hits_s(len(self._hits)), -(-len(self._hits) // self.max_batch)
-        job = next((j for j in self._prefills if j.future is fut), None)
-        if job is None:  # boosted already: behind the misses before it
-            for other in self._misses:
-                if other.future is fut:
-                    job = other
-                    break
-                ahead += self._job_s(other)
-                steps += 1
-        elif job.started is None:  # boost appends it behind every queued miss
-            ahead += sum(self._job_s(j) for j in self._misses)
-            steps += len(self._misses)
-        if job is not None:
-            self._check_deadline(deadline, ahead + self._job_s(job) + self.hit_cost.predict(1), steps + 1)
+        """Raises :class:`PredictedLate` when a rank joining the prefill behind ``fut`` would be late
+        (:meth:`AdmissionPolicy.check_join`); call it before :meth:`boost`."""
+        self.admission.check_join(fut, deadline)
 
     def _expired(self, deadline: float | None, now: float | None = None) -> bool:
         return deadline is not None and (self.clock() if now is None else now) >= deadline
@@ -342,7 +164,7 @@ class ComputeScheduler:
             fut.set_exception(DeadlineExceeded("deadline passed while queued; dropped before compute"))
 
     def _job(self, prefix: PrefixTokens, base: PrefixKV | None, item: RankItem | None = None,
-             deadline: float | None = None, keep: bool = False) -> _Job:
+             deadline: float | None = None, keep: bool = False) -> Job:
         if base is not None and not base.live:  # its arena range was freed: compute from scratch
             base = None
         kv = base if base is not None else self.engine.empty_prefix()
@@ -350,7 +172,7 @@ class ComputeScheduler:
         if kv.length > n:
             raise ValueError(f"the base prefix ({kv.length} tokens) is longer than the prefix ({n})")
         fut = asyncio.get_running_loop().create_future()
-        job = _Job(fut, self.clock(), prefix, kv, kv.length, item, deadline)
+        job = Job(fut, self.clock(), prefix, kv, kv.length, item, deadline)
         short = item is not None and base is None and n <= self.engine.chunk  # ranked by full inference
         room = None
         if self.reserve is not None and not short and n:
@@ -361,7 +183,7 @@ class ComputeScheduler:
             job.pinned.append(job.kv)
         return job
 
-    def _end(self, job: _Job, *, keep: bool) -> None:
+    def _end(self, job: Job, *, keep: bool) -> None:
         """The job is off the queues: unpin what it read; its reserved range goes with the result when
         ``keep`` (the caller caches or releases it), else it is released now."""
         for kv in job.pinned:
@@ -373,12 +195,12 @@ class ComputeScheduler:
 
     async def rank_cached(self, kv: PrefixKV, item: RankItem,
                           deadline: float | None = None) -> tuple[torch.Tensor, Timing]:
-        self._admit_rank()
-        self._admit_hit(deadline)
+        self.admission.admit_rank()
+        self.admission.admit_hit(deadline)
         if not kv.pin():
             raise ValueError("the cached prefix was evicted and its arena range freed before the rank was queued")
         fut = asyncio.get_running_loop().create_future()
-        self._hits.append(_Hit(kv, item, fut, self.clock(), deadline))
+        self.queues.hits.append(Hit(kv, item, fut, self.clock(), deadline))
         self._wake.set()
         return await fut
 
@@ -407,14 +229,14 @@ class ComputeScheduler:
 
     async def _submit_miss(self, item: RankItem, base: PrefixKV | None, deadline: float | None,
                            keep: bool = False) -> tuple[tuple[torch.Tensor, PrefixKV | None], Timing]:
-        self._admit_rank()
+        self.admission.admit_rank()
         prefix = self.engine.item_tokens(item)
         if self.admission_margin_s is not None and deadline is not None:
             kv = base if base is not None and base.live else self.engine.empty_prefix()
-            probe = _Job(asyncio.get_running_loop().create_future(), 0.0, prefix, kv, kv.length, item)
-            self._admit_miss(deadline, self._job_s(probe))
+            probe = Job(asyncio.get_running_loop().create_future(), 0.0, prefix, kv, kv.length, item)
+            self.admission.admit_miss(deadline, self.admission.job_s(probe))
         job = self._job(prefix, base, item, deadline, keep)
-        self._misses.append(job)
+        self.queues.misses.append(job)
         self._wake.set()
         return await job.future
 
@@ -423,13 +245,11 @@ class ComputeScheduler:
         """Queues a prefill of the prefix ``items``/``ts`` (or of the token stream ``prefix``, for a model
         that reads actions or user context: :meth:`RelayEngine.prefix_tokens`), continuing ``base`` (the K/V
         of its first ``base.length`` tokens) when given, and returns its future (a handle for :meth:`boost`)."""
-        depth = len(self._prefills)
-        if self.max_prefill_queue is not None and depth >= self.max_prefill_queue:
-            raise QueueFull("prefill", depth, self.retry_after_s)
+        self.admission.admit_prefill()
         if prefix is None:
             prefix = self.engine.prefix_tokens(np.asarray(items, dtype=np.int64), np.asarray(ts, dtype=np.int64))
         job = self._job(prefix, base)
-        self._prefills.append(job)
+        self.queues.prefills.append(job)
         self._wake.set()
         return job.future
 
@@ -440,35 +260,29 @@ class ComputeScheduler:
     def boost(self, fut: asyncio.Future[Any]) -> bool:
         """A rank waits on this prefill: it moves from the prefill queue to the rank queue (behind the
         misses already there, ahead of every other prefill). False if it is not queued as a prefill."""
-        for i, job in enumerate(self._prefills):
-            if job.future is fut:
-                del self._prefills[i]
-                if job.started is not None:
-                    self._misses.appendleft(job)  # in progress: it finishes before any other rank work
-                else:
-                    self._misses.append(job)
-                self._wake.set()
-                return True
-        return False
+        if not self.queues.boost(fut):
+            return False
+        self._wake.set()
+        return True
 
     # -- the loop -----------------------------------------------------------------------------------
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            if not (self._hits or self._misses or self._prefills):
+            if not (self.queues.hits or self.queues.misses or self.queues.prefills):
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            starve = self._prefills and self._critical_streak >= self.prefill_every
-            if self._hits and not starve:
+            starve = self.queues.prefills and self.queues.critical_streak >= self.prefill_every
+            if self.queues.hits and not starve:
                 await self._step_hits(loop)
-                self._critical_streak += 1
-            elif self._misses and not starve:
+                self.queues.critical_streak += 1
+            elif self.queues.misses and not starve:
                 await self._step_misses(loop)
-                self._critical_streak += 1
+                self.queues.critical_streak += 1
             else:
-                self._critical_streak = 0
-                await self._step_chunks(loop, self._prefills)
+                self.queues.critical_streak = 0
+                await self._step_chunks(loop, self.queues.prefills)
 
     def _account(self, kind: str, seconds: float) -> None:
         self.compute_s[kind] += seconds
@@ -482,14 +296,14 @@ class ComputeScheduler:
             self.on_tokens(computed, without)
 
     async def _step_hits(self, loop: asyncio.AbstractEventLoop) -> None:
-        popped = [self._hits.popleft() for _ in range(min(self.max_batch, len(self._hits)))]
+        popped = [self.queues.hits.popleft() for _ in range(min(self.max_batch, len(self.queues.hits)))]
         try:
             await self._rank_hits(loop, popped)
         finally:
             for h in popped:
                 h.kv.unpin()
 
-    async def _rank_hits(self, loop: asyncio.AbstractEventLoop, popped: list[_Hit]) -> None:
+    async def _rank_hits(self, loop: asyncio.AbstractEventLoop, popped: list[Hit]) -> None:
         batch = [h for h in popped if not h.future.cancelled()]
         now = self.clock()
         for h in [h for h in batch if self._expired(h.deadline, now)]:
@@ -500,7 +314,7 @@ class ComputeScheduler:
         start = self.clock()
         if self.on_batch is not None:
             self.on_batch(len(batch))
-        t0 = time.perf_counter()
+        t0 = self.clock()
         self._expect(self.hit_cost.predict(len(batch)))
         try:
             out = await loop.run_in_executor(self._executor, self.engine.rank_cached,
@@ -511,31 +325,27 @@ class ComputeScheduler:
                     h.future.set_exception(exc)
             return
         finally:
-            self._running_until = None
-            self._account("rank_cached", time.perf_counter() - t0)
-        self.hit_cost.add(len(batch), time.perf_counter() - t0)
+            self.queues.running_until = None
+            self._account("rank_cached", self.clock() - t0)
+        self.hit_cost.add(len(batch), self.clock() - t0)
         end = self.clock()
         for h, logits in zip(batch, out, strict=True):
             if not h.future.done():
                 h.future.set_result((logits, Timing((start - h.enqueued) * 1e3, (end - start) * 1e3)))
 
-    def _short_miss(self, job: _Job) -> bool:
-        """An unstarted miss with no base whose history fits one chunk: ranked by full inference."""
-        return job.item is not None and job.started is None and job.base_len == 0 \
-            and job.tokens <= self.engine.chunk
-
     async def _step_misses(self, loop: asyncio.AbstractEventLoop) -> None:
-        if not self._short_miss(self._misses[0]):
-            await self._step_chunks(loop, self._misses)
+        if not self.queues.misses[0].short(self.engine.chunk):
+            await self._step_chunks(loop, self.queues.misses)
             return
         # Unstarted short misses are ranked together: one batched full inference, of at most max_step_tokens
         # tokens (at least one miss), first come first served.
-        batch: list[_Job] = []
+        batch: list[Job] = []
         now, used = self.clock(), 0
-        while self._misses and len(batch) < self.max_batch and self._short_miss(self._misses[0]):
-            if batch and self.max_step_tokens is not None and used + self._misses[0].tokens > self.max_step_tokens:
+        misses = self.queues.misses
+        while misses and len(batch) < self.max_batch and misses[0].short(self.engine.chunk):
+            if batch and self.max_step_tokens is not None and used + misses[0].tokens > self.max_step_tokens:
                 break
-            job = self._misses.popleft()
+            job = misses.popleft()
             self._end(job, keep=False)  # full inference: nothing read from or written to a reserved range
             if self._expired(job.deadline, now):
                 self._drop(job.future)
@@ -547,7 +357,7 @@ class ComputeScheduler:
         start = self.clock()
         if self.on_batch is not None:
             self.on_batch(len(batch))
-        t0 = time.perf_counter()
+        t0 = self.clock()
         tokens = sum(j.tokens for j in batch)
         self._expect(self.full_cost.predict(tokens))
         try:
@@ -559,16 +369,16 @@ class ComputeScheduler:
                     j.future.set_exception(exc)
             return
         finally:
-            self._running_until = None
-            self._account("rank_full", time.perf_counter() - t0)
-        self.full_cost.add(tokens, time.perf_counter() - t0)
+            self.queues.running_until = None
+            self._account("rank_full", self.clock() - t0)
+        self.full_cost.add(tokens, self.clock() - t0)
         self._count_tokens(tokens, tokens)
         end = self.clock()
         for j, logits in zip(batch, out, strict=True):
             if not j.future.done():
                 j.future.set_result(((logits, None), Timing((start - j.enqueued) * 1e3, (end - start) * 1e3)))
 
-    def _collect(self, queue: deque[_Job]) -> list[tuple[_Job, int]]:
+    def _collect(self, queue: deque[Job]) -> list[tuple[Job, int]]:
         """The next chunk step: jobs from the head of ``queue`` with the new tokens each computes
         (:func:`step_shares`); cancelled and expired jobs met on the way are dropped first."""
         now, i = self.clock(), 0
@@ -584,27 +394,27 @@ class ComputeScheduler:
             else:
                 i += 1
         jobs = list(queue)[:self.max_batch]
-        return list(zip(jobs, self._shares([j.remaining for j in jobs]), strict=False))
+        return list(zip(jobs, self.admission.shares([j.remaining for j in jobs]), strict=False))
 
-    def _compute_chunks(self, plan: list[tuple[_Job, int]]) -> tuple[list[PrefixKV], list[torch.Tensor | None],
+    def _compute_chunks(self, plan: list[tuple[Job, int]]) -> tuple[list[PrefixKV], list[torch.Tensor | None],
                                                                       float, float]:
         """Compute thread: each job's next ``n`` tokens, all in one call, then one cached-prefix ranking of the
         misses whose prefix is complete. Returns the new prefixes, logits, and the two parts' seconds."""
-        t0 = time.perf_counter()
+        t0 = self.clock()
         jobs = [j for j, _ in plan]
         chunks = [j.next_chunk(n) for j, n in plan]
         kvs = self.engine.extend_many([j.kv for j in jobs], [c.items for c in chunks], [c.ts for c in chunks],
                                       [c.actions for c in chunks], [c.context for c in chunks])
-        t1 = time.perf_counter()
+        t1 = self.clock()
         done = [b for b, j in enumerate(jobs) if j.item is not None and kvs[b].length == j.tokens]
         logits: list[torch.Tensor | None] = [None] * len(jobs)
         if done:
             out = self.engine.rank_cached([kvs[b] for b in done], [jobs[b].item for b in done])  # type: ignore[misc]
             for b, lg in zip(done, out, strict=True):
                 logits[b] = lg
-        return kvs, logits, t1 - t0, time.perf_counter() - t1
+        return kvs, logits, t1 - t0, self.clock() - t1
 
-    async def _step_chunks(self, loop: asyncio.AbstractEventLoop, queue: deque[_Job]) -> None:
+    async def _step_chunks(self, loop: asyncio.AbstractEventLoop, queue: deque[Job]) -> None:
         plan = self._collect(queue)
         if not plan:
             return
@@ -632,14 +442,14 @@ class ComputeScheduler:
                 except Exception as one:
                     self._fail(j, one)
         finally:
-            self._running_until = None
+            self.queues.running_until = None
         for jobs, firsts, (kvs, logits, extend_s, rank_s) in groups:
             self._apply(jobs, firsts, kvs, logits, extend_s, rank_s)
 
     def _expect(self, seconds: float) -> None:
-        self._running_until = self.clock() + seconds
+        self.queues.running_until = self.clock() + seconds
 
-    def _apply(self, jobs: list[_Job], first: list[bool], kvs: list[PrefixKV], logits: list[torch.Tensor | None],
+    def _apply(self, jobs: list[Job], first: list[bool], kvs: list[PrefixKV], logits: list[torch.Tensor | None],
                extend_s: float, rank_s: float) -> None:
         new = [kv.length - j.kv.length for j, kv in zip(jobs, kvs, strict=True)]
         total = sum(new) or 1
@@ -658,23 +468,15 @@ class ComputeScheduler:
             j.kv = kv
             if j.remaining:
                 continue
-            self._remove(j)
+            self.queues.remove(j)
             value = kv if j.item is None else (lg, kv)
             self._end(j, keep=not j.future.done())
             if not j.future.done():
                 assert j.started is not None  # _step_chunks set it before the job's first step
                 j.future.set_result((value, Timing((j.started - j.enqueued) * 1e3, (end - j.started) * 1e3)))
 
-    def _fail(self, job: _Job, exc: Exception) -> None:
-        self._remove(job)
+    def _fail(self, job: Job, exc: Exception) -> None:
+        self.queues.remove(job)
         self._end(job, keep=False)
         if not job.future.done():
             job.future.set_exception(exc)
-
-    def _remove(self, job: _Job) -> None:
-        """Takes ``job`` off whichever queue holds it (a boosted prefill moves while it runs)."""
-        for queue in (self._misses, self._prefills):
-            for i, other in enumerate(queue):
-                if other is job:
-                    del queue[i]
-                    return

@@ -52,13 +52,13 @@ are that ranker's (2, 3 above are the fallback for a ranker that reports nothing
 from __future__ import annotations
 
 import math
-import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from grstack.runtime.serve.clock import Now, SystemClock
 
 SERVED_MAX = 1 << 20  # users whose consumed prefix version is remembered (oldest forgotten first)
 
@@ -266,7 +266,7 @@ class Decision:
 class SequenceAwareTrigger:
     model: LatencyModel
     config: TriggerConfig = field(default_factory=TriggerConfig)
-    clock: Callable[[], float] = time.monotonic
+    clock: Now = field(default_factory=SystemClock)  # budget windows and TTLs; the router passes its own
     enabled: bool = True
 
     def __post_init__(self) -> None:

@@ -183,7 +183,7 @@ import json
 import os
 import torch
 from grstack import kernels
-from grstack.kernels.host_syncs import HostSyncCount
+from grstack.kernels import HostSyncCount
 from grstack.runtime.data.jagged import JaggedBatch
 from grstack.runtime.model import FuXiAlpha
 

@@ -126,7 +126,7 @@ def test_sasrec_builds_its_plan_from_the_host_lengths_without_reading_the_offset
     """SASRec's attention runs per length group on every device, so it builds the plan once per forward for
     all blocks: from the batch's host lengths, with no read of the offsets (nothing the host-sync counter
     sees); a batch without them (built on a device) costs the one read of the offsets."""
-    from grstack.kernels.host_syncs import HostSyncCount
+    from grstack.kernels import HostSyncCount
 
     model = SASRec(20, max_len=16, d_model=8, num_blocks=3, num_heads=2, dropout=0.0, input_dropout=0.0).eval()
     batch = _batch([3, 9, 1, 6], num_items=20)

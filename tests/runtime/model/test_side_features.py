@@ -232,7 +232,7 @@ def test_side_file_paths_resolve_like_the_source(tmp_path, monkeypatch):
 def test_the_plan_from_host_lengths_counts_the_contextual_tokens(kind):
     """With user context the layers run on C more tokens per sequence: the plan built from the batch's host
     lengths (plus C) gives the outputs the plan read from the offsets does, and reads nothing back."""
-    from grstack.kernels.host_syncs import HostSyncCount
+    from grstack.kernels import HostSyncCount
 
     ds = with_user_context(cyclic_dataset(num_users=6, num_items=12))
     batch, _ = LeaveOneOut(ds).eval_batch("test", np.arange(4), max_len=50)

@@ -1,0 +1,107 @@
+"""A :class:`~grstack.runtime.serve.transport.RankerTransport` that calls :class:`RankerService` objects in this
+process: the router and its rankers on one event loop with no sockets, so that a test (and a simulator) runs
+the real control plane end to end. Answers are the ones the ranker's HTTP app gives for the same calls (status,
+``X-Grstack-Shed``, ``Retry-After``); a URL with no service behind it is :class:`Unreachable`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Mapping
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel
+
+from grstack.runtime.serve.clock import Now, SystemClock, wait_for
+from grstack.runtime.serve.http import DEADLINE_HEADER, RequestError, parse_deadline_ms, parse_json
+from grstack.runtime.serve.scheduler import DeadlineExceeded, QueueFull
+from grstack.runtime.serve.schemas import ErrorResponse, Health, PrefillRequest, RankRequest
+from grstack.runtime.serve.transport import Reply, Unreachable
+
+if TYPE_CHECKING:
+    from grstack.runtime.serve.ranker import RankerService
+
+JSON = {"Content-Type": "application/json"}
+
+
+def _model(model: BaseModel, status: int = 200) -> Reply:
+    return Reply(status, model.model_dump_json().encode(), JSON)
+
+
+def _error(status: int, message: str, headers: Mapping[str, str] | None = None) -> Reply:
+    return Reply(status, ErrorResponse(error=message, status=status).model_dump_json().encode(),
+                 {**JSON, **(headers or {})})
+
+
+class InProcessTransport:
+    """``services``: URL -> the ranker behind it (add or drop entries to bring replicas up or take them down);
+    ``clock``: what a request's timeout counts (the system's when None; the rankers' own in a simulation)."""
+
+    def __init__(self, services: Mapping[str, RankerService] | None = None, clock: Now | None = None) -> None:
+        self.services: dict[str, RankerService] = dict(services or {})
+        self.clock: Now = clock if clock is not None else SystemClock()
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    def _service(self, url: str) -> RankerService:
+        service = self.services.get(url)
+        if service is None:
+            raise Unreachable("ConnectionRefused", f"no ranker at {url}")
+        return service
+
+    async def post(self, url: str, path: str, body: bytes, timeout_s: float,
+                   headers: Mapping[str, str] | None = None) -> Reply:
+        service = self._service(url)
+        if path == "/v1/rank":
+            return await self._bounded(self._rank(service, body, dict(headers or {})), timeout_s)
+        if path == "/v1/prefill":
+            return await self._bounded(self._prefill(service, body), timeout_s)
+        return _error(404, "Not Found")
+
+    async def get(self, url: str, path: str, timeout_s: float) -> Reply:
+        service = self._service(url)
+        detail = {"replica": service.replica_id}
+        if path == "/readyz":
+            return _model(Health(status="ok" if service.ready else "starting", detail=detail),
+                          200 if service.ready else 503)
+        if path == "/healthz":
+            return _model(Health(status="ok", detail=detail))
+        if path == "/v1/profile":
+            if service.profile is None:
+                return _model(Health(status="starting"), 503)
+            return _model(service.profile)
+        if path == "/v1/stats":
+            return _model(service.stats())
+        return _error(404, "Not Found")
+
+    async def _bounded(self, call: Awaitable[Reply], timeout_s: float) -> Reply:
+        """The ranker's answer, its overload and deadline refusals as the HTTP app words them."""
+        try:
+            return await wait_for(self.clock, call, timeout_s)
+        except RequestError as exc:
+            return _error(exc.status, exc.message)
+        except QueueFull as exc:
+            retry = max(1, round(exc.retry_after_s))
+            return _error(503, f"overloaded: {exc}; retry after {retry} s",
+                          {"Retry-After": str(retry), "X-Grstack-Shed": exc.reason})
+        except DeadlineExceeded as exc:
+            return _error(504, f"deadline exceeded: {exc}", {"X-Grstack-Shed": "deadline"})
+
+    async def _rank(self, service: RankerService, body: bytes, headers: dict[str, str]) -> Reply:
+        arrived = service.scheduler.clock()
+        if not service.ready:
+            raise RequestError(503, "ranker is starting")
+        budget_ms = parse_deadline_ms(headers.get(DEADLINE_HEADER))
+        deadline = None if budget_ms is None else arrived + budget_ms / 1e3
+        req = parse_json(body, RankRequest)
+        if deadline is not None and service.scheduler.clock() >= deadline:
+            raise DeadlineExceeded("deadline passed on arrival; dropped before compute")
+        return _model(await service.rank(req, deadline))
+
+    async def _prefill(self, service: RankerService, body: bytes) -> Reply:
+        if not service.ready:
+            raise RequestError(503, "ranker is starting")
+        return _model(await service.prefill(parse_json(body, PrefillRequest)))
