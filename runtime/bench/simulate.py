@@ -286,7 +286,7 @@ def scale_bytes(e: dict[str, Any], t: Target, lg: Logged, union: Callable[[float
       ``union_events_at`` (events carrying ``target_bytes``); logged sizes stay 8 B per member and gathered
       keys (this shard's rows of one group's batch) scale with U(G)/G; the all-reduced rows (the union over replicas of one shard's touched rows) with
       U(W)/G and d (x ``union_scale``, the sensitivity knob);
-    * world: the dense all-reduce is the target's dense gradient plus the stats (4 + W floats), fp32.
+    * world: the dense buckets are the target's dense gradient, the stats all-reduce 4 + W floats (fp32).
     """
     if "target_bytes" in e:  # already at the target (union_events_at)
         return float(e["target_bytes"])
@@ -306,9 +306,10 @@ def scale_bytes(e: dict[str, Any], t: Target, lg: Logged, union: Callable[[float
             logged = union(lg.ranks) / lg.sparse_group
             return n * (union(W) / G) / logged * t.d_model / lg.d_model * union_scale
         return n
-    if op == "all_reduce":
-        stats = 4 + W
-        return 4.0 * (t.dense_params + stats) if e["async_op"] else 4.0 * stats
+    if op == "all_reduce":  # the stats (4 + ranks floats), or a bucket of the dense gradient
+        if not e["async_op"] or n <= 4.0 * (4 + lg.ranks):
+            return 4.0 * (4 + W)
+        return 4.0 * t.dense_params  # the logged model's dense gradient fits one bucket
     return n
 
 
@@ -418,25 +419,28 @@ def replay_step(main: list[dict[str, Any]], comm: list[dict[str, Any]], prefetch
             wait(kind, u)
     for e, (a, b) in zip(comm, spans, strict=True):
         out_events.append({**_brief(e), "ms": 1e3 * (b - a), "exposed_ms": 1e3 * _overlap(a, b, blocked)})
-    # the main thread's own collectives after the loop, in log order; the async all-reduce until its wait
-    async_end: float | None = None
-    async_rec: dict[str, Any] | None = None
+    # the collectives after the loop, in log order; each async all-reduce (dense buckets, stats) runs until
+    # its wait (the waits come in launch order)
+    running: list[tuple[float, dict[str, Any]]] = []
     for e in main:
         d = 0.0 if e["op"] == "wait" else duration(e)
         if e["op"] == "all_reduce" and e["async_op"]:
-            async_end, async_rec = t + d, {**_brief(e), "ms": 1e3 * d, "exposed_ms": 0.0}
-            out_events.append(async_rec)
+            rec = {**_brief(e), "ms": 1e3 * d, "exposed_ms": 0.0}
+            running.append((t + d, rec))
+            out_events.append(rec)
         elif e["op"] == "wait":
-            if async_end is not None and async_rec is not None and async_end > t:
-                async_rec["exposed_ms"] += 1e3 * (async_end - t)
-                t = async_end
-            async_end = None
+            if running:
+                end, rec = running.pop(0)
+                if end > t:
+                    rec["exposed_ms"] += 1e3 * (end - t)
+                    t = end
         else:
             out_events.append({**_brief(e), "ms": 1e3 * d, "exposed_ms": 1e3 * d})
             t += d
-    if async_end is not None and async_rec is not None and async_end > t:  # no wait logged: the step waits
-        async_rec["exposed_ms"] += 1e3 * (async_end - t)
-        t = async_end
+    for end, rec in running:  # no wait logged: the step waits
+        if end > t:
+            rec["exposed_ms"] += 1e3 * (end - t)
+            t = end
     # the prefetch thread: the next batch's lookup, beside the whole step; the next step waits for the rest
     pre = 0.0
     for e in prefetch:
@@ -461,8 +465,12 @@ def split_step(events: list[dict[str, Any]], step: int) -> tuple[list[dict[str, 
     order (one lookup: a counts exchange and a keys All2All), the k-th being the one issued during step k:
     the step marker can move on while a lookup finishes, so its marker is not used."""
     ordered = sorted(events, key=lambda e: e["start"])
-    main = [e for e in ordered if e["step"] == step and not e["thread"].startswith((COMM_THREAD, PREFETCH_THREAD))]
-    comm = [e for e in ordered if e["step"] == step and e["thread"].startswith(COMM_THREAD)]
+    mine = [e for e in ordered if e["step"] == step and not e["thread"].startswith(PREFETCH_THREAD)]
+    # the communication thread issues every device collective: its rows and gradient All2Alls are its tasks;
+    # the rest (dense buckets, replica sum, clipping norm, stats) the main thread waits for in turn after the
+    # loop, so they are replayed as the main thread's own
+    comm = [e for e in mine if e["thread"].startswith(COMM_THREAD) and e["op"] in ("all_to_all", "exchange")]
+    main = [e for e in mine if not (e["thread"].startswith(COMM_THREAD) and e["op"] in ("all_to_all", "exchange"))]
     pre_all = [e for e in ordered if e["thread"].startswith(PREFETCH_THREAD)]
     lookups: list[list[dict[str, Any]]] = []
     for e in pre_all:

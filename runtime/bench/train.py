@@ -25,6 +25,23 @@ KuaiRand-like data. Prints one JSON object on stdout; progress and details on st
   the dense all-reduce from launch to the end of its wait, the main thread's own collectives): the part of
   their time during which the compute thread was blocked, over their whole time (1.0: nothing overlapped;
   ``grstack.runtime.train.timing``).
+* ``collectives``: a short logged run (``steps``: 3 with ``--quick``, else 6; separate from the timed one,
+  so logging does not disturb its timing) of every pipeline mode on the same ranks (``modes``: the four
+  above and ``semi_async``, ``pipeline.semi_async`` being the alternative to DBP; ``pipeline_modes``), every
+  collective logged (``embedding.CommLog``) and audited by ``grstack.runtime.train.audit_collectives``:
+  ``order_violations`` (summed over the modes: positions where a rank's merged order of device-communicator
+  collectives, or one communicator's own order, differs from rank 0's; NCCL/HCCL need 0) and
+  ``issuing_threads_per_communicator_max`` (the most threads one rank issued one communicator's collectives
+  from, over the modes; 1 is the target); ``device_issuing_threads_per_rank_max``: the most threads one rank
+  issued device collectives from (1: one issuing thread, so the order is the program's on every run, not
+  only on this sample of the threads' timing); ``per_mode`` the audit of each (per communicator: threads,
+  issues, first mismatch).
+  On gloo the audit attributes host data (integer tensors, barriers) to the ``*-meta`` twin NCCL would use.
+* ``host_syncs_per_step``: from the same logged run, each step's host syncs as ``device.host_sync_counter``
+  counts them: ``value`` the largest over the modes (``mode``) of rank 0's mean per step (``per_mode``
+  each); ``counter`` what was counted — on CUDA its sync debug mode (every host-device synchronisation), on
+  CPU the explicit host reads (``.cpu/.item/.tolist``, ``int``/``float``/``bool`` of a tensor, ``nonzero``)
+  of the training thread, a proxy: nothing waits on CPU.
 * ``unique_keys_per_microbatch``: deduplicated ids each micro-batch looks up, batch order vs clustered.
 * ``dbp_max_abs_diff``: largest parameter difference after training, ``dbp`` vs ``sync`` (0.0: bitwise);
   ``fwp_max_abs_diff``: ``fwp`` vs ``dbp`` (N micro-batch gradient sums vs one; dropout is off).
@@ -61,6 +78,14 @@ import time
 from typing import Any
 
 SETTINGS = ("sync", "dbp", "fwp", "fwp_clustered")
+
+
+def pipeline_modes(n: int) -> dict[str, dict[str, Any]]:
+    """Every pipeline mode as ``harness.run_modes`` overrides: the timed ``SETTINGS`` and semi-async."""
+    return {"sync": {}, "dbp": {"pipeline.dbp": True},
+            "fwp": {"pipeline.dbp": True, "pipeline.microbatches": n},
+            "fwp_clustered": {"pipeline.dbp": True, "pipeline.microbatches": n, "pipeline.cluster": True},
+            "semi_async": {"pipeline.semi_async": True}}
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -469,6 +494,40 @@ def embedding_comparison(quick: bool) -> dict[str, Any]:
     return out
 
 
+def collectives_run(cfg: Any, world: int, n: int, steps: int) -> dict[str, Any]:
+    """The logged run of every pipeline mode: the ``collectives`` and ``host_syncs_per_step`` keys (module
+    docstring)."""
+    from grstack.runtime.train import audit_collectives, call_ranks
+
+    modes = pipeline_modes(n)
+    res = call_ranks("grstack.runtime.train.harness:run_modes", world,
+                     {"config": cfg.model_dump(mode="json"), "modes": modes, "steps": steps, "params": False,
+                      "comm_log": True, "host_syncs": True})
+    per_mode, syncs = {}, {}
+    for m in modes:
+        runs = [r[m] for r in res]
+        per_mode[m] = audit_collectives([r["comm_log"] for r in runs], members=[r["comm_groups"] for r in runs],
+                                        meta_inline=runs[0]["backend"] == "gloo")
+        counts = [r["host_syncs"] for r in runs[0]["records"] if r.get("host_syncs") is not None]
+        syncs[m] = statistics.mean(counts) if counts else None
+    counted = {m: v for m, v in syncs.items() if v is not None}
+    worst = max(counted, key=counted.__getitem__) if counted else None
+    counter = res[0][next(iter(modes))].get("host_syncs_counter")
+    return {
+        "collectives": {
+            "modes": list(modes), "steps": steps, "ranks": world, "backend": res[0]["sync"]["backend"],
+            "order_violations": sum(a["order_violations"] for a in per_mode.values()),
+            "issuing_threads_per_communicator_max": max(a["issuing_threads_per_communicator_max"]
+                                                        for a in per_mode.values()),
+            "device_issuing_threads_per_rank_max": max(a["device_order"]["threads_per_rank_max"]
+                                                       for a in per_mode.values()),
+            "per_mode": per_mode,
+        },
+        "host_syncs_per_step": {"value": counted[worst] if worst is not None else None, "mode": worst, "counter": counter,
+                                "per_mode": syncs, "steps": steps},
+    }
+
+
 def sharded_data_run(cfg: Any, world: int, quick: bool) -> dict[str, Any]:
     """A short training run of ``world`` ranks that each read only their share of a Parquet dataset
     (``data.read: shard``; the synthetic preset written with small row groups), evaluation included: what
@@ -538,9 +597,7 @@ def run(args: argparse.Namespace) -> int:
     sharded = sharded_data_run(cfg, world, quick)
     _log(f"sharded data ({world} ranks): the busiest reader decoded {sharded['events_read_fraction_max']:.3f} of the "
          f"events; the largest item-table tensor on a rank: {sharded['table_rows_fraction_max']} of the rows")
-    modes = {"sync": {}, "dbp": {"pipeline.dbp": True},
-             "fwp": {"pipeline.dbp": True, "pipeline.microbatches": n},
-             "fwp_clustered": {"pipeline.dbp": True, "pipeline.microbatches": n, "pipeline.cluster": True}}
+    modes = {m: o for m, o in pipeline_modes(n).items() if m in SETTINGS}
     runs = call_ranks("grstack.runtime.train.harness:run_modes", world,
                       {"config": cfg.model_dump(mode="json"), "modes": modes, "steps": steps + warmup})[0]
     step_ms = {m: _median_after_warmup([r["step_ms"] for r in runs[m]["records"]], warmup) for m in SETTINGS}
@@ -551,6 +608,11 @@ def run(args: argparse.Namespace) -> int:
     tokens = statistics.mean(r["tokens"] for r in runs["sync"]["records"])
     fastest = min(step_ms, key=step_ms.get)
     _log(f"step ms {step_ms}; fastest {fastest}")
+    logged = collectives_run(cfg, world, n, 3 if quick else 6)
+    col, hs = logged["collectives"], logged["host_syncs_per_step"]
+    _log(f"collectives of {', '.join(col['modes'])} ({col['steps']} logged steps): {col['order_violations']} order "
+         f"violations, at most {col['issuing_threads_per_communicator_max']} issuing threads per communicator; host "
+         f"syncs per step {hs['value']} ({hs['counter']})")
     out: dict[str, Any] = {
         "imbalance_before": before,
         "imbalance_after": after,
@@ -566,6 +628,7 @@ def run(args: argparse.Namespace) -> int:
         "dbp_max_abs_diff": max_abs_diff(runs["sync"]["params"], runs["dbp"]["params"]),
         "fwp_max_abs_diff": max_abs_diff(runs["dbp"]["params"], runs["fwp"]["params"]),
         "tokens_per_second": tokens / (step_ms[fastest] / 1e3),
+        **logged,
         "embedding_step_ms": {"grstack": None, "torchrec": None},
         "embedding_step_ratio": None,
         "embedding_step_ms_pipelined": {"grstack": None, "torchrec": None},

@@ -169,13 +169,15 @@ class ShardedEmbedding:
         where = torch.nonzero(mask).squeeze(1)
         return where, torch.searchsorted(active.keys, rb.keys[where])
 
-    def refresh(self, rb: RoutedBatch, active: ActiveRows | None) -> int:
-        """Dual-buffer sync: prefetched rows in keys(t-1) ∩ keys(t) take the just-updated values."""
+    def refresh(self, rb: RoutedBatch, active: ActiveRows | None,
+                overlap: tuple[torch.Tensor, torch.Tensor] | None = None) -> int:
+        """Dual-buffer sync: prefetched rows in keys(t-1) ∩ keys(t) take the just-updated values. ``overlap``:
+        ``overlap(rb, active)`` when the caller computed it already (on the host, in another thread)."""
         if active is None or rb.rows is None:
             return 0
-        where, idx = self.overlap(rb, active)
+        where, idx = overlap if overlap is not None else self.overlap(rb, active)
         dev = rb.rows.device
-        rb.rows[_dev(where, dev)] = active.rows[_dev(idx, active.rows.device)].to(dev)
+        rb.rows.index_copy_(0, _dev(where, dev), active.rows.index_select(0, _dev(idx, active.rows.device)).to(dev))
         rb.refreshed = where.numel()
         return rb.refreshed
 
@@ -197,8 +199,7 @@ class ShardedEmbedding:
             if self.plan.group_size == 1:  # one owner: the keys are already in owner order
                 return got
             rows = got.new_empty((unit.num_keys, self.plan.dim))
-            rows[_dev(unit.order, got.device)] = got
-            return rows
+            return rows.index_copy_(0, _dev(unit.order, got.device), got)
         # positions are split on the host (a boolean mask on the device would cost a sync)
         half_at = torch.nonzero(unit.recv_is_half).squeeze(1)
         full_at = torch.nonzero(~unit.recv_is_half).squeeze(1)
@@ -209,8 +210,8 @@ class ShardedEmbedding:
         half = comm.all_to_all(half_src, unit.recv_half, unit.send_half)
         rows = full.new_empty((unit.num_keys, self.plan.dim))
         is_half = unit.order >= unit.n_full
-        rows[_dev(unit.order[~is_half], full.device)] = full
-        rows[_dev(unit.order[is_half], full.device)] = half.to(full.dtype)
+        rows.index_copy_(0, _dev(unit.order[~is_half], full.device), full)
+        rows.index_copy_(0, _dev(unit.order[is_half], full.device), half.to(full.dtype))
         return rows
 
     def send_grads(self, rb: RoutedBatch, unit: LookupUnit, grad: torch.Tensor, comm: Comm) -> None:

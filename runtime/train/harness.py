@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from grstack.runtime.data import LeaveOneOut, load_source
+from grstack.runtime.device import host_sync_counter
 from grstack.runtime.embedding import CommLog, attach_log
 from grstack.runtime.model import task_names
 from grstack.runtime.train.batching import BatchStream
@@ -43,7 +44,12 @@ def run_modes(env: Any, payload: dict[str, Any]) -> dict[str, Any]:
     "shard": this rank's shard (``shards`` true), "comm_log": every collective of the steps (``comm_log``
     true; ``embedding.CommLog`` events as dicts, step markers 0..steps-1), "batch_stats": ``on_batch``
     ("module:function", called as ``f(batch, cfg, payload)`` on each step's batch; a read-only observer)
-    results}}. With ``interleave``, see ``_run_interleaved``."""
+    results}}. With ``comm_log`` also "backend" (the process groups' backend) and "comm_groups" ({name: member
+    ranks} of this rank's live Comms and their meta twins: ``audit_collectives``' ``members``). With
+    ``host_syncs``, each step's host syncs as ``device.host_sync_counter`` counts them (the engine's
+    ``count_host_syncs``, or a counter around the step for an engine without it): its record's "host_syncs"
+    and "host_syncs_counter", and the mode's result "host_syncs_counter" (the counter's name). With
+    ``interleave``, see ``_run_interleaved``."""
     base = Config.model_validate(payload["config"])
     ctx = DistContext(env, rank_device(base, env), base.distributed.sparse_group_size, base.distributed.timeout_s)
     ds = load_source(base.data)
@@ -56,19 +62,34 @@ def run_modes(env: Any, payload: dict[str, Any]) -> dict[str, Any]:
         cfg = with_overrides(base, overrides)
         built = build_engine(cfg, ctx, make_plan(cfg, ctx, ds.num_items), split, tasks)
         positions = itertools.islice(built.schedule.positions(0, 0, 0), payload["steps"])
-        stream = BatchStream(positions, built.preparer, cfg.negatives.prefetch, cfg.negatives.background)
+        stream = BatchStream(positions, built.preparer, cfg.negatives.prefetch, cfg.negatives.background,
+                             device=ctx.device)
         records = []
         ctx.world.barrier()
         log = CommLog() if payload.get("comm_log", False) else None
         attach_log(ctx.comms, log)
         observe = _target(payload["on_batch"]) if payload.get("on_batch") else None
         stats: list[Any] = []
+        counter_name = None
+        count = payload.get("host_syncs", False)
+        # the engine counts its own steps where it can (one counter: CUDA's sync debug mode does not nest)
+        engine_counts = count and hasattr(built.engine, "count_host_syncs")
+        if engine_counts:
+            built.engine.count_host_syncs = True
         while (batch := stream.next()) is not None:
             if log is not None:
                 log.mark(len(records))
             if observe is not None:
                 stats.append(observe(batch, cfg, payload))
-            records.append(built.engine.step(batch, stream.peek(), cfg.optim.lr))
+            upcoming = stream.peek()
+            if count and not engine_counts:
+                with host_sync_counter(ctx.device) as syncs:
+                    record = built.engine.step(batch, upcoming, cfg.optim.lr)
+                record.update(host_syncs=syncs.count, host_syncs_counter=syncs.counter)
+            else:
+                record = built.engine.step(batch, upcoming, cfg.optim.lr)
+            counter_name = record.get("host_syncs_counter", counter_name)
+            records.append(record)
         if log is not None:
             log.mark(None)
         built.engine.drain()
@@ -78,6 +99,11 @@ def run_modes(env: Any, payload: dict[str, Any]) -> dict[str, Any]:
         result: dict[str, Any] = {"records": records}
         if log is not None:
             result["comm_log"] = log.to_dicts()
+            result["backend"] = ctx.backend
+            result["comm_groups"] = {c.name: list(c.ranks) for comm in ctx.comms for c in (comm, comm.meta)
+                                     if c.live}
+        if counter_name is not None:
+            result["host_syncs_counter"] = counter_name
         if observe is not None:
             result["batch_stats"] = stats
         if payload.get("params", True):
@@ -104,7 +130,8 @@ def _run_interleaved(ctx: DistContext, base: Config, payload: dict[str, Any], sp
             raise ValueError(f"interleaved mode {name}: dual-buffer and semi-async prefetch across steps")
         built = build_engine(cfg, ctx, make_plan(cfg, ctx, num_items), split, tasks)
         positions = itertools.islice(built.schedule.positions(0, 0, 0), payload["steps"])
-        stream = BatchStream(positions, built.preparer, cfg.negatives.prefetch, cfg.negatives.background)
+        stream = BatchStream(positions, built.preparer, cfg.negatives.prefetch, cfg.negatives.background,
+                             device=ctx.device)
         runs.append((name, cfg, built, stream, []))
     ctx.world.barrier()
     live = list(runs)

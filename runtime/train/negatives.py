@@ -149,12 +149,16 @@ class HostOffload:
         self.parked: dict[int, torch.Tensor] = {}  # slot -> rows in host memory, until taken
         self.loaded: dict[int, torch.Tensor] = {}  # slot -> rows on the device (prefetched), until taken
         self._next = 0
-        self._lock = threading.Lock()  # park runs in the prefetch thread, take in the main thread
+        self._lock = threading.Lock()  # park runs in the issuing thread, take in the main thread
 
     def park(self, rows: torch.Tensor, half: bool = False) -> int:
+        """On an accelerator the device-to-host copy is asynchronous (into pinned memory, on the caller's
+        stream): whoever takes the slot orders its stream after the caller's first (a marker), never the
+        host, which does not read the rows."""
         host = rows.to(torch.float16) if half and self.fp16 else rows
         if self.device.type != "cpu":
-            host = host.to("cpu").pin_memory()
+            pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+            host = pinned.copy_(host, non_blocking=True)
         with self._lock:
             slot = self._next
             self._next += 1

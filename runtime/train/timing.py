@@ -2,18 +2,18 @@
 
 Communication events. A step's communication events are the pieces of work that move data between ranks or
 that the main (compute) thread hands off for them: a lookup (key routing with its All2All, retrieval of the
-rows from the shard; semi-async: also the rows' All2All), a send of one unit's rows, a send of one unit's
-gradients (each the whole task, from its start in the thread that runs it to its end: in the communication
-or prefetch thread, or inline at world size 1), the dense all-reduce (from its launch until its wait
-returns), and the collectives the main thread runs itself (the stats all-reduce of a step without an
-update, the replica sum of the sparse gradient, the all-reduce of the clipping norm).
+rows from the shard), a send of one unit's rows (semi-async: of the next batch's), a send of one unit's
+gradients, the replica sum of the sparse gradient and the all-reduce of the clipping norm (each the whole
+task, from its start in the thread that runs it to its end: the issuing or prefetch thread, or inline at
+world size 1), and the dense buckets and the stats all-reduce (each from its launch until its wait
+returns).
 
 * ``comm_ms`` (the denominator of ``exposed_comm_ratio``): the summed length of the step's events inside the
   step (from ``Engine.step``'s start to its return; an event that spans two steps counts in each the part
   inside it). Events running at the same time each count.
 * ``exposed_comm_ms`` (the numerator): the summed length of the same events during which the main thread
-  was blocked on communication: waiting for a lookup, rows, gradient sends, the semi-async retrieval or the
-  dense all-reduce, or running an event itself (its own collectives; at world size 1, the lookups and
+  was blocked on communication: waiting for a lookup, rows, gradient sends, the semi-async retrieval, the
+  replica sum, the clipping norm, the dense buckets or the stats, or running an event itself (its own collectives; at world size 1, the lookups and
   sends, which run inline). So 0 <= exposed <= total, and the ratio is 1.0 when nothing overlapped compute.
 
 The main thread's blocked intervals also define a rank's busy time: see ``Engine.step``.

@@ -41,7 +41,7 @@ from grstack.runtime.data import (
     select_features,
     write_dataset,
 )
-from grstack.runtime.device import HostSyncCounter, configure_precision
+from grstack.runtime.device import configure_precision
 from grstack.runtime.embedding import ShardedEmbedding, ShardingPlan, make_sparse_optimizer
 from grstack.runtime.errors import UserError
 from grstack.runtime.eval import has_trained_rank_head, metrics_from_ranks, ranking_report
@@ -494,6 +494,7 @@ class Trainer:
         return learning_rate(update, self.total_updates, self.cfg.optim)
 
     def _save(self) -> Path:
+        self.engine.settle()  # the engine's collectives are done before this thread issues its own
         cfg, ctx = self.cfg, self.ctx
         manifest = {**self.plan.describe(), "config": cfg.model_dump(mode="json"), "balance": self.balance}
         dense = {"model": self.model.state_dict(), "optimizer": self.engine.optimizer.state_dict(),
@@ -529,7 +530,7 @@ class Trainer:
         total = self.schedule.total_steps()
         accum = cfg.train.grad_accum_steps
         stream = BatchStream(self.schedule.positions(st.epoch, st.step_in_epoch, st.global_step), self.preparer,
-                             cfg.negatives.prefetch, cfg.negatives.background)
+                             cfg.negatives.prefetch, cfg.negatives.background, device=self.device)
         from tqdm import tqdm
 
         bar = tqdm(total=total, initial=st.global_step, disable=not self.progress, file=sys.stderr, unit="step",
@@ -538,7 +539,9 @@ class Trainer:
         self.totals = {"imbalance": 0.0, "imbalance_count_split": 0.0, "wait_ratio_measured": 0.0,
                        "imbalance_measured": 0.0, "exposed_comm_ms": 0.0, "comm_ms": 0.0,
                        "stale_rows": 0, "steps": 0, "host_syncs": 0, "sync_steps": 0}
+        self.sync_counter: str | None = None
         stopped_early = False
+        self.engine.count_host_syncs = True  # device.host_sync_counter around each step
         try:
             while not stopped_early:
                 # a step's time includes waiting for (or, inline, preparing) its batch
@@ -554,11 +557,11 @@ class Trainer:
                 upcoming = None if stopping or not self.engine.prefetching else stream.peek()
                 data_wait = time.perf_counter() - t0
                 lr = self._lr(st.updates)
-                with HostSyncCounter(self.device) as syncs:
-                    out = self.engine.step(batch, upcoming, lr, update=boundary, grad_scale=1.0 / size)
-                if syncs.count is not None:
-                    self.totals["host_syncs"] += syncs.count
+                out = self.engine.step(batch, upcoming, lr, update=boundary, grad_scale=1.0 / size)
+                if out.get("host_syncs") is not None:
+                    self.totals["host_syncs"] += out["host_syncs"]
                     self.totals["sync_steps"] += 1
+                    self.sync_counter = out["host_syncs_counter"]
                 out["data_wait_ms"] = 1e3 * data_wait
                 dt = time.perf_counter() - t0
                 self.beat(st.global_step + 1)
@@ -628,6 +631,7 @@ class Trainer:
         return self._finish()
 
     def _epoch_eval(self) -> bool:
+        self.engine.settle()  # the engine's collectives are done before evaluation issues its own
         st, cfg = self.state, self.cfg
         model = self.model
         metrics = self._evaluate("valid", model)
@@ -720,9 +724,11 @@ class Trainer:
             "precision": cfg.train.precision,
             "grad_accum_steps": cfg.train.grad_accum_steps,
             "optimizer_updates": st.updates,
-            # measured by CUDA's sync debug mode over every step (None where there is no such mode: CPU)
+            # per step, as host_syncs_counter counts them: CUDA's sync debug mode on CUDA; elsewhere the
+            # training thread's explicit host reads of tensors (device.host_sync_counter)
             "host_syncs_per_step": (self.totals["host_syncs"] / self.totals["sync_steps"]
                                     if self.totals["sync_steps"] else None),
+            "host_syncs_counter": self.sync_counter,
             "data": self._data_report(),
         }
         if ctx.rank == 0:

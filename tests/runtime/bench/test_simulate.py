@@ -79,7 +79,9 @@ def test_byte_scaling_of_each_event_kind():
         2560 * (union(64) / 8) / (union(4) / 2) * 4)
     assert scale_bytes(ev("all_reduce", "replica", 2560), t, lg, union, union_scale=2.0) == pytest.approx(
         2 * 2560 * (union(64) / 8) / (union(4) / 2) * 4)
-    assert scale_bytes(ev("all_reduce", "world", 999, async_op=True), t, lg, union) == 4 * (1000 + 4 + 64)
+    # a dense bucket: the target's dense gradient; the stats (4 + W floats) travel in their own all-reduce
+    assert scale_bytes(ev("all_reduce", "world", 999, async_op=True), t, lg, union) == 4 * 1000
+    assert scale_bytes(ev("all_reduce", "world", 32, async_op=True), t, lg, union) == 4 * (4 + 64)
     assert scale_bytes(ev("all_reduce", "world", 999), t, lg, union) == 4 * (4 + 64)
 
 

@@ -14,7 +14,7 @@ TRAIN_KEYS = {"imbalance_before", "imbalance_after", "imbalance_cost_model", "im
               "fwp_max_abs_diff", "tokens_per_second", "embedding_step_ms", "embedding_step_ratio",
               "embedding_step_ms_pipelined", "embedding_step_ratio_pipelined", "embedding_step_spread_ms",
               "embedding_ids", "cluster_ms_per_batch", "clustering", "events_read_fraction_max",
-              "table_rows_fraction_max", "sharded_data"}
+              "table_rows_fraction_max", "sharded_data", "collectives", "host_syncs_per_step"}
 SPLITS = {"before", "after"}
 
 
@@ -38,6 +38,19 @@ def test_bench_train_prints_the_promised_json(capsys):
     assert out["imbalance_after"] <= 0.03 < out["imbalance_before"]
     assert out["unique_keys_per_microbatch"]["clustered"] < out["unique_keys_per_microbatch"]["random"]
     assert out["microbatches"] == 4 and out["tokens_per_second"] > 0
+    # every pipeline mode's collectives, logged on both ranks and audited: one order, one issuing thread each
+    col = out["collectives"]
+    assert col["modes"] == ["sync", "dbp", "fwp", "fwp_clustered", "semi_async"] == list(col["per_mode"])
+    assert col["order_violations"] == 0 and col["issuing_threads_per_communicator_max"] == 1
+    assert col["device_issuing_threads_per_rank_max"] == 1  # grstack-comm issues every device collective
+    for mode, a in col["per_mode"].items():
+        assert a["communicators"]["world[0, 1]"]["device"] and a["communicators"]["sparse-fwd[0, 1]"]["device"]
+        assert all(len(set(c["issues"].values())) == 1 for c in a["communicators"].values()), mode
+    # DBP and FWP route the next batch on the prefetch group's host twin
+    assert "sparse-pre-meta[0, 1]" in col["per_mode"]["dbp"]["communicators"]
+    hs = out["host_syncs_per_step"]
+    assert hs["counter"].startswith("explicit-host-reads") and set(hs["per_mode"]) == set(col["modes"])
+    assert hs["value"] == max(hs["per_mode"].values()) >= 0
     # ranks that read only their shares: the busiest reader decoded about half of the events
     sd = out["sharded_data"]
     assert sd["ranks"] == 2 and len(sd["events_read_fraction"]) == 2 and sd["steps"] > 0

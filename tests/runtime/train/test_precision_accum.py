@@ -243,11 +243,15 @@ def test_a_stop_inside_a_window_stops_at_its_end_and_resumes_exactly(tmp_path, d
         "stopped_at_step": steps_in_epoch0 + accum}
     final = train(cfg, resumed, progress=False)
 
-    def strip(s: dict) -> dict:
+    def strip(s: dict) -> dict:  # measurements of the last run's own steps (host_syncs_per_step too)
         return {k: v for k, v in s.items() if k not in ("train_seconds", "samples_per_second",
-                                                          "tokens_per_second", "model_path", "distributed")}
+                                                          "tokens_per_second", "model_path", "distributed",
+                                                          "host_syncs_per_step")}
 
     assert strip(final) == strip(straight)
+    # the CPU counter's figure, labelled as such (explicit host reads of the training thread)
+    assert straight["host_syncs_counter"].startswith("explicit-host-reads")
+    assert straight["host_syncs_per_step"] >= 1
     assert final["metrics"] == straight["metrics"]
     assert final["optimizer_updates"] == updates
 
