@@ -58,7 +58,10 @@ def _tensors(args, kwargs) -> Iterator[torch.Tensor]:
 
 
 class HostSyncCount(TorchDispatchMode):
-    """Context manager; ``count`` (total) and ``by_kind`` (a Counter) hold what was seen while active."""
+    """Context manager; ``count`` (total) and ``by_kind`` (a Counter) hold what was seen while active;
+    ``counter`` names the method (the figure's label wherever it is printed)."""
+
+    counter = METHOD
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         super().__init__()

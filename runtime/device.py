@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import threading
 import warnings
 from typing import Any
 
@@ -103,7 +102,7 @@ def configure_precision(device: torch.device, precision: str, tf32: bool) -> Non
 class HostSyncCounter:
     """Counts the host-device synchronisations CUDA's sync debug mode reports while active (every thread
     of the process); ``count`` stays None on devices without such a mode (on CPU there is nothing to wait
-    for: ``host_sync_counter`` gives ``ExplicitHostReads`` there)."""
+    for: ``host_sync_counter`` gives ``grstack.kernels.HostSyncCount`` there)."""
 
     counter = "cuda-sync-debug-mode"
 
@@ -132,67 +131,13 @@ class HostSyncCounter:
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
-_HOST_READS = ("cpu", "item", "tolist", "__int__", "__float__", "__bool__", "__index__", "nonzero")
-_reads_lock = threading.Lock()
-_reading: dict[int, list[ExplicitHostReads]] = {}  # thread id -> the counters it is inside
-_patched: list[tuple[Any, str, bool, Any]] = []  # (owner, name, was its own attribute, original)
-
-
-def _counting(orig: Any) -> Any:
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        for c in _reading.get(threading.get_ident(), ()):
-            c.count += 1
-        return orig(*args, **kwargs)
-
-    return counted
-
-
-class ExplicitHostReads:
-    """The CPU figure: counts the explicit host reads of tensors (``.cpu()``, ``.item()``, ``.tolist()``,
-    ``int``/``float``/``bool``/``__index__`` of a tensor, ``nonzero``) made by the thread that entered it;
-    other threads' calls are not counted. Each of these would block the host on an accelerator, but on CPU
-    nothing waits, and reads the list does not name (mask indexing, a blocking copy) are not seen: a
-    proxy, labelled as one. The patched methods are restored when the last counter exits."""
-
-    def __init__(self, counter: str = ("explicit-host-reads (.cpu/.item/.tolist/int/float/bool/nonzero in the "
-                                       "training thread; CPU has no device to wait for)")) -> None:
-        self.counter = counter
-        self.count = 0
-        self._thread: int | None = None
-
-    def __enter__(self) -> ExplicitHostReads:
-        self.count, self._thread = 0, threading.get_ident()
-        with _reads_lock:
-            if not _reading:
-                owners: list[tuple[Any, str]] = [(torch.Tensor, n) for n in _HOST_READS] + [(torch, "nonzero")]
-                for owner, name in owners:
-                    _patched.append((owner, name, name in vars(owner), getattr(owner, name)))
-                    setattr(owner, name, _counting(getattr(owner, name)))
-            _reading.setdefault(self._thread, []).append(self)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        with _reads_lock:
-            assert self._thread is not None
-            mine = _reading[self._thread]
-            mine.remove(self)
-            if not mine:
-                del _reading[self._thread]
-            if not _reading:
-                for owner, name, own, orig in reversed(_patched):
-                    if own:
-                        setattr(owner, name, orig)
-                    else:  # inherited (torch.Tensor's C base): drop the override
-                        delattr(owner, name)
-                _patched.clear()
-
-
-def host_sync_counter(device: torch.device) -> HostSyncCounter | ExplicitHostReads:
-    """The host-sync counter of ``device``: CUDA's sync debug mode on CUDA, else the explicit host reads of
-    the entering thread (torch_npu has no sync debug mode counted here; on CPU nothing waits)."""
+def host_sync_counter(device: torch.device) -> Any:
+    """The host-sync counter of ``device``: CUDA's sync debug mode on CUDA (exact); elsewhere
+    ``grstack.kernels.HostSyncCount``, the aten operators that would block the host on an accelerator, seen in
+    the entering thread (on CPU an upper bound: host bookkeeping counts too). Both name their method in
+    ``counter``."""
     if device.type == "cuda":
         return HostSyncCounter(device)
-    if device.type == "npu":
-        return ExplicitHostReads("explicit-host-reads (.cpu/.item/.tolist/int/float/bool/nonzero in the "
-                                 "training thread; each blocks the NPU host, implicit syncs are not counted)")
-    return ExplicitHostReads()
+    from grstack.kernels import HostSyncCount
+
+    return HostSyncCount(device)

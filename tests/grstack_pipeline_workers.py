@@ -56,7 +56,7 @@ def counted_steps(env: Any, payload: dict[str, Any]) -> dict[str, Any]:
 
 
 def _attributed(fn: Any, counts: dict[str, int], key: str) -> Any:
-    """``fn`` whose explicit host reads are also added to ``counts[key]`` (the step's counter still sees
+    """``fn`` whose counted host reads are also added to ``counts[key]`` (the step's counter still sees
     them: counters nest)."""
     import torch
 

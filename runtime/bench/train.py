@@ -40,8 +40,9 @@ KuaiRand-like data. Prints one JSON object on stdout; progress and details on st
 * ``host_syncs_per_step``: from the same logged run, each step's host syncs as ``device.host_sync_counter``
   counts them: ``value`` the largest over the modes (``mode``) of rank 0's mean per step (``per_mode``
   each); ``counter`` what was counted — on CUDA its sync debug mode (every host-device synchronisation), on
-  CPU the explicit host reads (``.cpu/.item/.tolist``, ``int``/``float``/``bool`` of a tensor, ``nonzero``)
-  of the training thread, a proxy: nothing waits on CPU.
+  CPU ``grstack.kernels.HostSyncCount``: the aten operators and reads of the training thread that block the
+  host on CUDA (scalar reads, ``nonzero``, bool-mask indexing, ``unique``, blocking copies, ``.cpu/.tolist``),
+  an upper bound: nothing waits on CPU, and reads of host data count too.
 * ``unique_keys_per_microbatch``: deduplicated ids each micro-batch looks up, batch order vs clustered.
 * ``dbp_max_abs_diff``: largest parameter difference after training, ``dbp`` vs ``sync`` (0.0: bitwise);
   ``fwp_max_abs_diff``: ``fwp`` vs ``dbp`` (N micro-batch gradient sums vs one; dropout is off).

@@ -541,7 +541,9 @@ class Trainer:
                        "stale_rows": 0, "steps": 0, "host_syncs": 0, "sync_steps": 0}
         self.sync_counter: str | None = None
         stopped_early = False
-        self.engine.count_host_syncs = True  # device.host_sync_counter around each step
+        # CUDA's sync debug mode around each step (exact and cheap); the CPU proxy (a dispatch mode over every
+        # operator) would slow training, and `grstack bench train` reports it
+        self.engine.count_host_syncs = self.device.type == "cuda"
         try:
             while not stopped_early:
                 # a step's time includes waiting for (or, inline, preparing) its batch
@@ -724,8 +726,7 @@ class Trainer:
             "precision": cfg.train.precision,
             "grad_accum_steps": cfg.train.grad_accum_steps,
             "optimizer_updates": st.updates,
-            # per step, as host_syncs_counter counts them: CUDA's sync debug mode on CUDA; elsewhere the
-            # training thread's explicit host reads of tensors (device.host_sync_counter)
+            # per step, as host_syncs_counter counts them (CUDA's sync debug mode); None off CUDA
             "host_syncs_per_step": (self.totals["host_syncs"] / self.totals["sync_steps"]
                                     if self.totals["sync_steps"] else None),
             "host_syncs_counter": self.sync_counter,

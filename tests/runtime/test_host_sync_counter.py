@@ -1,118 +1,47 @@
-"""Host-sync counters: CUDA's sync debug mode on CUDA, explicit host reads of one thread elsewhere."""
+"""``device.host_sync_counter``: CUDA's sync debug mode on CUDA, the kernels' dispatch-level counter elsewhere
+(what that counter sees is tested in tests/kernels/test_host_syncs.py)."""
 
 from __future__ import annotations
 
 import threading
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from grstack.runtime.device import ExplicitHostReads, HostSyncCounter, host_sync_counter
+from grstack.kernels import HOST_SYNC_METHOD, HostSyncCount
+from grstack.runtime.device import HostSyncCounter, host_sync_counter
 
 pytestmark = pytest.mark.unit
-
-NAMES = ("cpu", "item", "tolist", "__int__", "__float__", "__bool__", "__index__", "nonzero")
-
-
-def _state() -> dict[str, object]:
-    return {**{n: vars(torch.Tensor).get(n, getattr(torch.Tensor, n)) for n in NAMES}, "torch.nonzero": torch.nonzero,
-            "own": sorted(n for n in NAMES if n in vars(torch.Tensor))}
-
-
-def test_each_explicit_read_is_counted_once():
-    t, one = torch.tensor([0.0, 2.0, 3.0]), torch.tensor(3)
-    with ExplicitHostReads() as c:
-        t.cpu()
-        t[1].item()
-        t.tolist()
-        int(one)
-        float(one)
-        bool(one)
-        [10, 20, 30, 40][one]  # __index__
-        t.nonzero()
-        torch.nonzero(t)
-        _ = t * 2 + 1  # device work reads nothing
-    assert c.count == 9
-
-
-def test_the_patched_methods_are_restored_on_exit_even_after_an_error():
-    before = _state()
-    with pytest.raises(ValueError), ExplicitHostReads():
-        assert _state() != before
-        raise ValueError("boom")
-    assert _state() == before
-    with ExplicitHostReads() as c:
-        pass
-    assert _state() == before and c.count == 0
-    torch.ones(2).tolist()  # still works, uncounted
-    assert c.count == 0
-
-
-def test_nested_counters_both_count_and_restore_at_the_last_exit():
-    before = _state()
-    with ExplicitHostReads() as outer:
-        torch.ones(1).item()
-        with ExplicitHostReads() as inner:
-            torch.ones(1).item()
-        assert _state() != before  # the outer one is still active
-        torch.ones(1).item()
-    assert (outer.count, inner.count) == (3, 1)
-    assert _state() == before
-
-
-def test_reads_of_other_threads_are_not_counted():
-    go, done = threading.Event(), threading.Event()
-
-    def other() -> None:
-        go.wait(timeout=10)
-        for _ in range(5):
-            torch.ones(2).tolist()
-            int(torch.tensor(1))
-        done.set()
-
-    worker = threading.Thread(target=other)
-    worker.start()
-    with ExplicitHostReads() as c:
-        go.set()
-        assert done.wait(timeout=10)
-        torch.ones(1).item()
-    worker.join()
-    assert c.count == 1
-
-
-def test_another_threads_counter_counts_its_own_thread_only():
-    counts: dict[str, int] = {}
-    ready, release = threading.Barrier(2), threading.Event()
-
-    def other() -> None:
-        with ExplicitHostReads() as c:
-            ready.wait(timeout=10)
-            torch.ones(1).item()
-            release.wait(timeout=10)
-        counts["other"] = c.count
-
-    worker = threading.Thread(target=other)
-    worker.start()
-    with ExplicitHostReads() as mine:
-        ready.wait(timeout=10)
-        torch.ones(3).tolist()
-        torch.ones(3).tolist()
-        release.set()
-        worker.join()  # the other counter exits first: the methods stay patched for this one
-        torch.ones(1).item()
-    assert (mine.count, counts["other"]) == (3, 1)
-    assert _state()["own"] == []
 
 
 def test_the_counter_of_each_device_names_what_it_counts():
     cpu = host_sync_counter(torch.device("cpu"))
-    assert isinstance(cpu, ExplicitHostReads) and cpu.counter.startswith("explicit-host-reads")
-    assert "CPU has no device to wait for" in cpu.counter
-    npu = SimpleNamespace(type="npu")  # torch.device("npu") needs torch_npu
-    assert "explicit-host-reads" in host_sync_counter(npu).counter  # type: ignore[arg-type]
+    assert isinstance(cpu, HostSyncCount) and cpu.counter == HOST_SYNC_METHOD
+    assert "upper bound" in cpu.counter
     cuda = host_sync_counter(torch.device("cuda"))
     assert isinstance(cuda, HostSyncCounter) and cuda.counter == "cuda-sync-debug-mode"
+
+
+def test_the_cpu_counter_counts_the_entering_thread_only():
+    def elsewhere() -> None:
+        torch.ones(2).tolist()
+        torch.ones(1).item()
+
+    with host_sync_counter(torch.device("cpu")) as c:
+        torch.ones(1).item()
+        t = threading.Thread(target=elsewhere)
+        t.start()
+        t.join()
+        int(torch.tensor(3))
+    assert c.count == 2
+
+
+def test_counters_nest_and_both_see_an_inner_read():
+    with host_sync_counter(torch.device("cpu")) as outer:
+        torch.ones(1).item()
+        with host_sync_counter(torch.device("cpu")) as inner:
+            torch.ones(3).tolist()
+    assert (outer.count, inner.count) == (2, 1)
 
 
 def test_the_cuda_counter_reports_nothing_on_cpu():

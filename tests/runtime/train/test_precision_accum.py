@@ -249,9 +249,8 @@ def test_a_stop_inside_a_window_stops_at_its_end_and_resumes_exactly(tmp_path, d
                                                           "host_syncs_per_step")}
 
     assert strip(final) == strip(straight)
-    # the CPU counter's figure, labelled as such (explicit host reads of the training thread)
-    assert straight["host_syncs_counter"].startswith("explicit-host-reads")
-    assert straight["host_syncs_per_step"] >= 1
+    # counted on CUDA only (its sync debug mode); the CPU proxy is bench train's
+    assert straight["host_syncs_counter"] is None and straight["host_syncs_per_step"] is None
     assert final["metrics"] == straight["metrics"]
     assert final["optimizer_updates"] == updates
 
