@@ -250,6 +250,10 @@ class DistributedConfig(_Strict):
     max_shard_rows: int | None = Field(
         None, ge=1, description="most embedding rows one rank may hold; a plan needing more is rejected")
     timeout_s: float = Field(120.0, gt=0.0, description="a peer silent this long is dead: every rank exits")
+    bucket_cap_mb: float = Field(
+        25.0, gt=0.0, description="dense-gradient bucket size (MiB): each bucket is all-reduced as soon as "
+        "backward has filled it (DDP's bucket_cap_mb); smaller buckets start sooner, larger ones cost fewer "
+        "collectives")
 
 
 class PipelineConfig(_Strict):

@@ -120,7 +120,8 @@ class Engine:
         self.held: tuple[torch.Tensor, torch.Tensor] | None = None
         self._window_open = False
         # the dense gradients live in buckets all-reduced as backward produces them (through the issuer)
-        self.reducer = BucketedAllReduce(self.dense_params, ctx.world, self._submit_dense, lanes=self.lanes)
+        self.reducer = BucketedAllReduce(self.dense_params, ctx.world, self._submit_dense, lanes=self.lanes,
+                                         bucket_bytes=int(cfg.distributed.bucket_cap_mb * 2**20))
         self._dense_launched: float | None = None
         self._updated: Marker | None = None  # compute lane, after the last sparse update
         self._staged: dict[int, Any] = {}  # id(host tensor) -> its device copy, for the step's batch
