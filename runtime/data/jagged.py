@@ -7,6 +7,7 @@ The primitives on offsets (``lengths_to_offsets``, ``segment_ids``, ``positions`
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 
@@ -74,7 +75,7 @@ class JaggedBatch:
         return self.offsets[1:] - self.offsets[:-1]
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> JaggedBatch:
-        moved = {}
+        moved: dict[str, Any] = {}
         for f in fields(self):
             v = getattr(self, f.name)
             moved[f.name] = v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v
@@ -83,7 +84,7 @@ class JaggedBatch:
     def pin_memory(self) -> JaggedBatch:
         """A copy in page-locked host memory, so that ``to(device, non_blocking=True)`` overlaps (from pageable
         memory the driver stages the copy synchronously). Needs an accelerator (CUDA / Ascend)."""
-        pinned = {}
+        pinned: dict[str, Any] = {}
         for f in fields(self):
             v = getattr(self, f.name)
             pinned[f.name] = v.pin_memory() if isinstance(v, torch.Tensor) else v
