@@ -6,12 +6,16 @@ Modules: ``engine`` (relay inference on HSTU), ``cache`` (device LRU + DRAM expa
 ``ring`` (consistent hashing with bounded load), ``placement`` / ``etcd_store`` (placement stores),
 ``local`` (router + ranker processes on one machine), ``loadgen`` (open-loop load), ``demo``; the seams
 a simulation replaces: ``clock`` (injected time), ``transport`` / ``transport_local`` (how the router reaches
-rankers), ``backend`` (the tensor math the compute loop calls).
+rankers), ``backend`` (the tensor math the compute loop calls); and what it replays: ``step_log`` (the steps and
+request CPU a ranker logs in service), ``cost_profile`` (cost models fitted to them, with their tails) and
+``cost_paper_scale`` (the 0.2B HSTU on an H200, as a model).
 
 Other packages import from here, never a submodule: the model artefact's loaders, ``RelayEngine``,
 ``KVArena``, the router (``Router``, ``RouterConfig``, ``start_router``, ``TriggerConfig``), ``spawn_ranker``, the load
 generator, ``serve_demo``, and the seams (``Clock``, ``SystemClock``, ``ManualClock``, ``ComputeBackend``,
-``RankerTransport``, ``HttpTransport``, ``InProcessTransport``). Exports load lazily, so importing this package (as ``grstack --help`` does,
+``RankerTransport``, ``HttpTransport``, ``InProcessTransport``), and the cost profiles (``CostProfile``,
+``CostModel``, ``fit_steps``, ``fit_requests``, ``fit_hops``, ``PaperScale``, ``paper_scale_profile``,
+``with_host_costs``). Exports load lazily, so importing this package (as ``grstack --help`` does,
 through ``serve.cli``) stays light.
 """
 
@@ -24,7 +28,10 @@ if TYPE_CHECKING:
     from grstack.runtime.serve.artifact import load_ranking_model, load_serving_model, write_untrained_model
     from grstack.runtime.serve.backend import ComputeBackend
     from grstack.runtime.serve.clock import Clock, ManualClock, SystemClock
+    from grstack.runtime.serve.cost_paper_scale import PaperScale, paper_scale_profile, with_host_costs
+    from grstack.runtime.serve.cost_profile import CostModel, CostProfile, fit_hops, fit_requests, fit_steps
     from grstack.runtime.serve.demo import serve_demo
+    from grstack.runtime.serve.dram_tier import DramTier
     from grstack.runtime.serve.engine import RelayEngine
     from grstack.runtime.serve.gc_pauses import frozen_heap, recorded_gc_pauses
     from grstack.runtime.serve.kv_arena import KVArena
@@ -51,9 +58,18 @@ _EXPORTS = {
     "ManualClock": "grstack.runtime.serve.clock",
     "SystemClock": "grstack.runtime.serve.clock",
     "HttpTransport": "grstack.runtime.serve.transport",
+    "PaperScale": "grstack.runtime.serve.cost_paper_scale",
+    "paper_scale_profile": "grstack.runtime.serve.cost_paper_scale",
+    "with_host_costs": "grstack.runtime.serve.cost_paper_scale",
+    "CostModel": "grstack.runtime.serve.cost_profile",
+    "CostProfile": "grstack.runtime.serve.cost_profile",
+    "fit_hops": "grstack.runtime.serve.cost_profile",
+    "fit_requests": "grstack.runtime.serve.cost_profile",
+    "fit_steps": "grstack.runtime.serve.cost_profile",
     "RankerTransport": "grstack.runtime.serve.transport",
     "InProcessTransport": "grstack.runtime.serve.transport_local",
     "serve_demo": "grstack.runtime.serve.demo",
+    "DramTier": "grstack.runtime.serve.dram_tier",
     "RelayEngine": "grstack.runtime.serve.engine",
     "frozen_heap": "grstack.runtime.serve.gc_pauses",
     "recorded_gc_pauses": "grstack.runtime.serve.gc_pauses",
@@ -74,11 +90,15 @@ _EXPORTS = {
 __all__ = [
     "Clock",
     "ComputeBackend",
+    "CostModel",
+    "CostProfile",
+    "DramTier",
     "GiveUp",
     "HttpTransport",
     "InProcessTransport",
     "KVArena",
     "ManualClock",
+    "PaperScale",
     "RankerTransport",
     "RelayEngine",
     "Request",
@@ -86,10 +106,14 @@ __all__ = [
     "RouterConfig",
     "SystemClock",
     "TriggerConfig",
+    "fit_hops",
+    "fit_requests",
+    "fit_steps",
     "frozen_heap",
     "latency_summary",
     "load_ranking_model",
     "load_serving_model",
+    "paper_scale_profile",
     "poisson_times",
     "recorded_gc_pauses",
     "run_open_loop",
@@ -97,6 +121,7 @@ __all__ = [
     "spawn_ranker",
     "start_router",
     "violations_to_fail",
+    "with_host_costs",
     "write_untrained_model",
 ]
 

@@ -10,6 +10,10 @@ is a token range of it (bytes = tokens x bytes per token), :meth:`TieredKVCache.
 (evicting device entries LRU to DRAM until one fits, compacting when enough tokens are free but scattered),
 an evicted entry is copied out to host memory and its range freed, and a promoted one is copied into a fresh
 range.
+
+The DRAM tier is a :class:`grstack.runtime.serve.dram_tier.DramTier`: the cache makes its own from
+``dram_bytes``/``dram_ttl_s``, or is given one that the replicas of a server share (``dram``; its budget and TTL
+then apply). A prefix another replica evicted there is promoted by whichever replica asks for it.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from typing import Literal
 import numpy as np
 
 from grstack.runtime.serve.clock import Now, SystemClock
+from grstack.runtime.serve.dram_tier import DramTier
 from grstack.runtime.serve.engine import PrefixKV
+from grstack.runtime.serve.eviction import choose_victim
 from grstack.runtime.serve.kv_arena import ArenaKV, KVArena
 from grstack.runtime.serve.prefix import prefix_hash
 
@@ -47,7 +53,11 @@ class _Entry:
     version: str
     kv: PrefixKV
     nbytes: int
-    expires: float = 0.0  # DRAM tier only
+    used: float = 0.0  # clock of the last put or hit (cost-aware eviction)
+
+    @property
+    def tokens(self) -> int:
+        return self.kv.length
 
 
 @dataclass
@@ -63,21 +73,34 @@ class TieredKVCache:
     stats: CacheStats = field(default_factory=CacheStats)
     arena: KVArena | None = None  # the device tier's storage (device_bytes should be its capacity_bytes)
     head: int = 0  # contextual tokens at the start of every prefix (a model with user context), not events
+    dram: DramTier | None = None  # a DRAM tier shared with other replicas (None: this cache's own)
+    # seconds to get a prefix of n tokens back: device evictions prefer the cheapest per byte and least recent
+    # (runtime/serve/eviction.py); None: LRU
+    evict_cost_s: Callable[[int], float] | None = None
+    evict_candidates: int = 64  # the least recently used entries the cost-aware choice scans
 
     def __post_init__(self) -> None:
         self._device: OrderedDict[str, _Entry] = OrderedDict()
-        self._dram: OrderedDict[str, _Entry] = OrderedDict()
         self._promoting: dict[tuple[str, str], asyncio.Future[PrefixKV | None]] = {}
         self.device_used = 0
-        self.dram_used = 0
+        if self.dram is None:
+            self.dram = DramTier(self.dram_bytes, self.dram_ttl_s, self.clock)
+        else:
+            self.dram_bytes, self.dram_ttl_s = self.dram.capacity_bytes, self.dram.ttl_s
+        self._dram: DramTier = self.dram
+
+    @property
+    def dram_used(self) -> int:
+        """Bytes held by the DRAM tier (all its replicas' entries when it is shared)."""
+        return self._dram.used_bytes
 
     # -- inspection ---------------------------------------------------------------------------------
     def tier_of(self, user: str, version: str) -> Tier | None:
         e = self._device.get(user)
         if e is not None and e.version == version:
             return "device"
-        e = self._dram.get(user)
-        if e is not None and e.version == version and e.expires > self.clock():
+        d = self._dram.get(user)
+        if d is not None and d.version == version:
             return "dram"
         return None
 
@@ -88,10 +111,8 @@ class TieredKVCache:
         them; decided exactly: the hash of the new history's first ``P`` events equals the cached version, ``P``
         the cached prefix's events), else None. Such an entry can be extended by the new events instead of
         prefilling from scratch."""
-        now = self.clock()
-        for tier in (self._device, self._dram):
-            e = tier.get(user)
-            if e is None or (tier is self._dram and e.expires <= now):
+        for e in (self._device.get(user), self._dram.get(user)):
+            if e is None:
                 continue
             p = e.kv.length - self.head
             if 0 < p < len(items) and prefix_hash(items[:p], timestamps[:p],
@@ -101,7 +122,7 @@ class TieredKVCache:
         return None
 
     def entries(self, tier: Tier) -> int:
-        return len(self._device if tier == "device" else self._dram)
+        return len(self._device) if tier == "device" else len(self._dram)
 
     # -- mutation -----------------------------------------------------------------------------------
     def put(self, user: str, version: str, kv: PrefixKV) -> bool:
@@ -118,7 +139,7 @@ class TieredKVCache:
                 self.stats.rejected_too_large += 1
                 return False
             kv = stored
-        self._device[user] = _Entry(version, kv, nbytes)
+        self._device[user] = _Entry(version, kv, nbytes, self.clock())
         self.device_used += nbytes
         self._evict_device()
         return True
@@ -153,46 +174,34 @@ class TieredKVCache:
         if e is not None:
             self.device_used -= e.nbytes
             e.kv.release()
-        e = self._dram.pop(user, None)
-        if e is not None:
-            self.dram_used -= e.nbytes
+        self._dram.drop(user)  # a host copy gives its buffer back to its pool
 
     def _evict_device(self) -> None:
         while self.device_used > self.device_bytes and self._device:
             self._evict_one()
 
     def _evict_one(self) -> None:
-        user, e = self._device.popitem(last=False)
+        user = choose_victim(self._device.items(), self.clock(), self.evict_cost_s, self.evict_candidates)
+        assert user is not None  # callers evict only from a non-empty tier
+        e = self._device.pop(user)
         self.device_used -= e.nbytes
         self.stats.evictions_to_dram += 1
         self._to_dram(user, e)
         e.kv.release()  # an arena range is freed once the copy out is made (and nobody computes on it)
 
     def _to_dram(self, user: str, e: _Entry) -> None:
-        if e.nbytes > self.dram_bytes or self.dram_ttl_s <= 0:
+        if e.nbytes > self._dram.capacity_bytes or self._dram.ttl_s <= 0:  # refused before any copy is made
             self.stats.dram_dropped += 1
             return
         self.expire()
         host = self.to_host(e.kv)
         if isinstance(host, ArenaKV):  # never keep views of a range that is about to be reused
             host = host.to(host.arena.device)
-        self._dram[user] = _Entry(e.version, host, e.nbytes, self.clock() + self.dram_ttl_s)
-        self.dram_used += e.nbytes
-        while self.dram_used > self.dram_bytes:
-            _, old = self._dram.popitem(last=False)
-            self.dram_used -= old.nbytes
-            self.stats.dram_dropped += 1
+        self.stats.dram_dropped += self._dram.put(user, e.version, host, e.nbytes)
 
     def expire(self) -> int:
         """Drops DRAM entries past their TTL (oldest first: insertion order is expiry order)."""
-        now, n = self.clock(), 0
-        while self._dram:
-            user, e = next(iter(self._dram.items()))
-            if e.expires > now:
-                break
-            del self._dram[user]
-            self.dram_used -= e.nbytes
-            n += 1
+        n = self._dram.expire()
         self.stats.dram_expired += n
         return n
 
@@ -205,6 +214,7 @@ class TieredKVCache:
         e = self._device.get(user)
         if e is not None and e.version == version:
             self._device.move_to_end(user)
+            e.used = self.clock()
             self.stats.device_hits += count
             return e.kv, "device"
         key = (user, version)
@@ -217,17 +227,16 @@ class TieredKVCache:
             self.stats.misses += count
             return None, None
         self.expire()
-        e = self._dram.get(user)
-        if e is None or e.version != version:
+        d = self._dram.take(user, version)
+        if d is None:
             self.stats.misses += count
             return None, None
         fut: asyncio.Future[PrefixKV | None] = asyncio.get_running_loop().create_future()
         self._promoting[key] = fut
-        del self._dram[user]
-        self.dram_used -= e.nbytes
         try:
-            kv = await self.to_device(e.kv) if self.to_device is not None else e.kv
+            kv = await self.to_device(d.kv) if self.to_device is not None else d.kv
         except BaseException as exc:
+            d.kv.release()
             fut.set_result(None)
             del self._promoting[key]
             if isinstance(exc, Exception):
@@ -236,9 +245,11 @@ class TieredKVCache:
             raise
         self.stats.promotions += 1
         self.stats.dram_hits += count
-        current = self._device.get(user) or self._dram.get(user)
-        if current is None and self.put(user, version, kv):  # nobody stored a newer version while we copied
+        newer = self._device.get(user) is not None or self._dram.get(user) is not None  # stored while we copied
+        if not newer and self.put(user, version, kv):
             kv = self._device[user].kv  # with an arena: the copy in its fresh range
+        if kv is not d.kv:  # the host copy is read by nobody now (a promotion's copy is queued before this)
+            d.kv.release()
         fut.set_result(kv)
         del self._promoting[key]
         return kv, "dram"

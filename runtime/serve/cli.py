@@ -130,6 +130,11 @@ def _ranker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dram-cache-mb", type=non_negative_float, default=2048, help="host-DRAM expander budget")
     g.add_argument("--dram-ttl-s", type=non_negative_float, default=600,
                    help="how long evicted prefixes stay in DRAM")
+    g.add_argument("--kv-dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                   help="dtype the cached K/V are kept in (default: the model's, exact); bf16 halves a prefix's "
+                        "bytes, compute stays in the model's dtype")
+    g.add_argument("--eviction", choices=("lru", "cost"), default="lru",
+                   help="device-tier eviction: lru, or cost (cheapest to recompute per byte, least recent first)")
     g.add_argument("--max-suffix", type=positive_int, default=None,
                    help="short-term tokens kept per rank (default min(64, max_len/4)); the long-term prefix "
                         "keeps the last max_len - max_suffix")
@@ -214,7 +219,8 @@ def ranker_config(args: argparse.Namespace, max_len: int) -> Any:
                         max_step_tokens=args.max_step_tokens,
                         admission_margin_ms=_margin(getattr(args, "admission_margin_ms", 5.0)),
                         cache_misses=getattr(args, "cache_misses", True),
-                        lease_ttl_s=getattr(args, "lease_ttl_s", 5.0), num_threads=args.threads)
+                        lease_ttl_s=getattr(args, "lease_ttl_s", 5.0), num_threads=args.threads,
+                        kv_dtype=getattr(args, "kv_dtype", None), eviction=getattr(args, "eviction", "lru"))
 
 
 def _margin(ms: float) -> float | None:
@@ -235,6 +241,10 @@ def ranker_flags(args: argparse.Namespace) -> list[str]:
            "--log-level", args.log_level]
     if args.max_suffix is not None:
         out += ["--max-suffix", str(args.max_suffix)]
+    if getattr(args, "kv_dtype", None) is not None:
+        out += ["--kv-dtype", args.kv_dtype]
+    if getattr(args, "eviction", "lru") != "lru":
+        out += ["--eviction", args.eviction]
     return out
 
 

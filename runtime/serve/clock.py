@@ -31,6 +31,11 @@ class Clock(Protocol):
         ...
 
 
+def thread_cpu() -> float:
+    """CPU seconds of the calling thread: what a request costs the event loop's core, whoever else shares it."""
+    return time.thread_time()
+
+
 class SystemClock:
     """The process's monotonic clock; looked up at each call, so it is the one the interpreter has now."""
 

@@ -35,7 +35,7 @@ from grstack.runtime.serve.prefix import prefix_hash, truncate_prefix
 if TYPE_CHECKING:
     from grstack.runtime.model import HSTU
 
-__all__ = ["PrefixKV", "PrefixTokens", "RankItem", "RelayEngine", "prefix_hash"]
+__all__ = ["KV_DTYPES", "PrefixKV", "PrefixTokens", "RankItem", "RelayEngine", "prefix_hash", "resolve_kv_dtype"]
 
 # Item ids, timestamps or action bits of events: a request's lists or arrays.
 Ints = Sequence[int] | np.ndarray
@@ -74,25 +74,6 @@ class PrefixKV:
                 self.ready.synchronize()
         move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
         return PrefixKV([move(k) for k in self.keys], [move(v) for v in self.values], move(self.timestamps))
-
-    def to_host_async(self, stream: Any) -> PrefixKV:
-        """A copy in pinned host memory made on the CUDA side ``stream`` without blocking the caller (the event
-        loop): the copy waits for the work that produced the tensors, the sources stay allocated until it has
-        run (``record_stream``), and :meth:`to` waits for the result's ``ready`` event before reading it."""
-        src = [*self.keys, *self.values, self.timestamps]
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            dst = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in src]
-            ready = torch.cuda.Event()
-            ready.record(stream)
-        for t in src:
-            t.record_stream(stream)
-        n = len(self.keys)
-        return PrefixKV(dst[:n], dst[n:2 * n], dst[-1], ready)
-
-    def pin_memory(self) -> PrefixKV:
-        return PrefixKV([k.pin_memory() for k in self.keys], [v.pin_memory() for v in self.values],
-                        self.timestamps.pin_memory())
 
     # A prefix held in a KV arena (runtime/serve/kv_arena.py, ArenaKV) overrides these: room reserved after
     # it for in-place growth, and the hold/pin protocol of its arena range. Plain tensors need none of it.
@@ -150,11 +131,30 @@ class PrefixTokens:
         return PrefixTokens(self.items[start:stop], self.ts[start:stop], acts, self.context)
 
 
+KV_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+             "fp16": torch.float16, "float16": torch.float16}
+
+
+def resolve_kv_dtype(kv_dtype: str | torch.dtype | None, default: torch.dtype) -> torch.dtype:
+    """The torch dtype a ``kv_dtype`` setting names (None: ``default``, the model's)."""
+    if kv_dtype is None:
+        return default
+    if isinstance(kv_dtype, torch.dtype):
+        return kv_dtype
+    try:
+        return KV_DTYPES[kv_dtype.strip().lower()]
+    except KeyError:
+        raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {kv_dtype!r}") from None
+
+
 class RelayEngine:
     """Stateless compute on one device; the caller owns caching and scheduling."""
 
     def __init__(self, model: HSTU, *, device: torch.device | str = "cpu", max_suffix: int = 64,
-                 chunk: int = 256, backend: str | None = None) -> None:
+                 chunk: int = 256, backend: str | None = None, kv_dtype: str | torch.dtype | None = None) -> None:
+        """``kv_dtype``: what cached K/V are kept in ("fp32"/"bf16"/"fp16" or a torch dtype; None: the model's
+        own dtype, exact). A narrower dtype halves a prefix's bytes; compute still runs in the model's dtype
+        (a cached prefix is widened at each call), so only the stored K/V are rounded."""
         if getattr(model, "rank_head", None) is None or not hasattr(model, "encode_with_prefix"):
             raise ValueError("relay serving needs an HSTU model with a ranking head")
         if not getattr(model, "cached_prefix_exact", True):
@@ -173,7 +173,11 @@ class RelayEngine:
         # fused Triton on CUDA), resolved once: it fixes the layout the cached K/V are kept in
         # (self.model.prefix_layout(self.backend)).
         self.backend = kernels.select_backend(self.device, backend)
-        self.kv_bytes_per_token = model.kv_elements_per_token * 4 + 8  # fp32 K/V and an int64 timestamp
+        self.compute_dtype: torch.dtype = self.model.item_emb.weight.dtype  # type: ignore[assignment]
+        self.kv_dtype = resolve_kv_dtype(kv_dtype, self.compute_dtype)
+        self.kv_element_size = torch.empty(0, dtype=self.kv_dtype).element_size()
+        # K/V of every layer in the cache's dtype and an int64 timestamp
+        self.kv_bytes_per_token = model.kv_elements_per_token * self.kv_element_size + 8
         # What the model reads besides items and times: each event's action bits (candidates get the "to be
         # predicted" vector), and the user's context as ``head`` tokens at the start of every prefix.
         action_emb = getattr(model, "action_emb", None)
@@ -252,7 +256,15 @@ class RelayEngine:
 
     def empty_prefix(self) -> PrefixKV:
         keys, values = self.model.empty_prefix_kv(self.backend)
-        return PrefixKV(keys, values, torch.zeros(0, dtype=torch.int64, device=self.device))
+        return PrefixKV(self._stored(keys), self._stored(values), torch.zeros(0, dtype=torch.int64, device=self.device))
+
+    def _stored(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Tensors as the cache keeps them (its K/V dtype); no copy when already so."""
+        return [t if t.dtype == self.kv_dtype else t.to(self.kv_dtype) for t in tensors]
+
+    def _computed(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Cached K/V as the model computes with them (its dtype); no copy when the cache keeps that dtype."""
+        return [t if t.dtype == self.compute_dtype else t.to(self.compute_dtype) for t in tensors]
 
     # -- prefill ------------------------------------------------------------------------------------
     def _model_inputs(self, actions: np.ndarray | None, context: np.ndarray | None,
@@ -279,13 +291,16 @@ class RelayEngine:
         extra = self._model_inputs(actions, context, n)
         if prefix.room >= n:  # reserved in a KV arena: write the new K/V in place, no concatenation
             grown = prefix.grown(n)  # type: ignore[attr-defined]
-            self.model.prefill_kv(ids_t, ts_t, prefix.keys, prefix.values, prefix.timestamps,
-                                  backend=self.backend, out=(grown.keys, grown.values), **extra)
+            # attend over the prefix as the model computes (widened when the cache is narrower); the new
+            # tokens' K/V are written (and rounded to the cache's dtype) into the reserved range in place
+            self.model.prefill_kv(ids_t, ts_t, self._computed(prefix.keys), self._computed(prefix.values),
+                                  prefix.timestamps, backend=self.backend, out=(grown.keys, grown.values), **extra)
             grown.timestamps[prefix.length:].copy_(ts_t)
             return grown
-        keys, values = self.model.prefill_kv(ids_t, ts_t, prefix.keys, prefix.values, prefix.timestamps,
+        keys, values = self.model.prefill_kv(ids_t, ts_t, self._computed(prefix.keys),
+                                             self._computed(prefix.values), prefix.timestamps,
                                              backend=self.backend, **extra)
-        return PrefixKV(keys, values, torch.cat([prefix.timestamps, ts_t]))
+        return PrefixKV(self._stored(keys), self._stored(values), torch.cat([prefix.timestamps, ts_t]))
 
     @torch.no_grad()
     def extend_many(self, prefixes: Sequence[PrefixKV], items: Sequence[np.ndarray],
@@ -328,12 +343,13 @@ class RelayEngine:
             dest = ([tail(grown[b].keys, b) if b in grown else None for b in live],
                     [tail(grown[b].values, b) if b in grown else None for b in live])
         _, new_k, new_v = self.model.encode_with_prefix(
-            ids_t, ts_t, offsets, [prefixes[b].keys for b in live], [prefixes[b].values for b in live],
+            ids_t, ts_t, offsets, [self._computed(prefixes[b].keys) for b in live],
+            [self._computed(prefixes[b].values) for b in live],
             [prefixes[b].timestamps for b in live], return_kv=len(grown) < len(live), backend=self.backend,
             kv_out=dest, **extra)
         split_ts = torch.split(ts_t, lens)
-        split_k = [torch.split(k, lens, dim=layout.seq_dim) for k in new_k]
-        split_v = [torch.split(v, lens, dim=layout.seq_dim) for v in new_v]
+        split_k = [torch.split(k, lens, dim=layout.seq_dim) for k in self._stored(new_k)]
+        split_v = [torch.split(v, lens, dim=layout.seq_dim) for v in self._stored(new_v)]
         for j, b in enumerate(live):
             p = prefixes[b]
             if b in grown:
@@ -392,8 +408,8 @@ class RelayEngine:
         offsets = np.concatenate([[0], np.cumsum(lens)]).tolist()
         extra: dict[str, Any] = {"actions": self._tensor(np.concatenate(acts))} if self.action_bits else {}
         x, _, _ = self.model.encode_with_prefix(
-            ids_t, ts_t, self._tensor(offsets), [p.keys for p in prefixes], [p.values for p in prefixes],
-            [p.timestamps for p in prefixes], num_targets=self._tensor(nts), backend=self.backend, **extra)
+            ids_t, ts_t, self._tensor(offsets), [self._computed(p.keys) for p in prefixes],
+            [self._computed(p.values) for p in prefixes], [p.timestamps for p in prefixes], num_targets=self._tensor(nts), backend=self.backend, **extra)
         cand_rows = self._tensor(np.concatenate([np.arange(offsets[b + 1] - n, offsets[b + 1])
                                                  for b, n in enumerate(nts)]))
         logits = self.model.rank_logits(x[cand_rows], ids_t[cand_rows]).float()

@@ -26,6 +26,11 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MAX_BODY = web.AppKey("max_body_bytes", int)
 # milliseconds left of a rank's budget: set by a client or the router, honoured by router and ranker
 DEADLINE_HEADER = "X-Grstack-Deadline-Ms"
+# Where a rank's time went, on its way back (each process's own clock; only differences are read): the ranker's
+# handler, the router's answering attempt's round trip to it, and the router's handler.
+RANKER_MS_HEADER = "X-Grstack-Ranker-Ms"
+FORWARD_MS_HEADER = "X-Grstack-Forward-Ms"
+ROUTER_MS_HEADER = "X-Grstack-Router-Ms"
 
 
 class RequestError(Exception):

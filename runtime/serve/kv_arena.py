@@ -54,16 +54,19 @@ class ArenaBlock:
         return self.refs > 0
 
 
-def bytes_per_token(model: HSTU) -> int:
-    """Arena bytes of one cached prefix token: every layer's keys and values, and an int64 timestamp."""
-    keys, _ = model.empty_prefix_kv()
-    return model.kv_elements_per_token * keys[0].element_size() + 8
+def bytes_per_token(model: HSTU, kv_dtype: torch.dtype | None = None) -> int:
+    """Arena bytes of one cached prefix token: every layer's keys and values (in ``kv_dtype``; None: the
+    model's), and an int64 timestamp."""
+    dtype = kv_dtype if kv_dtype is not None else model.empty_prefix_kv()[0][0].dtype
+    return model.kv_elements_per_token * torch.empty(0, dtype=dtype).element_size() + 8
 
 
 class KVArena:
     """Per-layer keys/values [capacity tokens] and a timestamp row; first-fit allocator over token ranges."""
 
-    def __init__(self, model: HSTU, capacity_tokens: int, *, backend: str | None = None) -> None:
+    def __init__(self, model: HSTU, capacity_tokens: int, *, backend: str | None = None,
+                 kv_dtype: torch.dtype | None = None) -> None:
+        """``kv_dtype``: what the K/V are kept in (None: the model's dtype; the engine's ``kv_dtype``)."""
         if capacity_tokens <= 0:
             raise ValueError(f"capacity_tokens must be positive, got {capacity_tokens}")
         # Each layer's keys/values as the model lays out a prefix (heads, dims, dtype, device), 0 tokens long.
@@ -75,13 +78,13 @@ class KVArena:
         def tensor(empty: torch.Tensor) -> torch.Tensor:
             shape = list(empty.shape)
             shape[self.layout.seq_dim] = self.capacity
-            return empty.new_empty(shape)
+            return empty.new_empty(shape, dtype=kv_dtype if kv_dtype is not None else empty.dtype)
 
         with torch.no_grad():
             self.keys = [tensor(k) for k in empty_keys]
             self.values = [tensor(v) for v in empty_values]
             self.timestamps = torch.empty(self.capacity, dtype=torch.int64, device=self.device)
-        self.bytes_per_token = bytes_per_token(model)
+        self.bytes_per_token = bytes_per_token(model, kv_dtype)
         self._free: list[tuple[int, int]] = [(0, self.capacity)]  # (start, length), sorted, coalesced
         self._blocks: set[ArenaBlock] = set()
         self._lock = threading.Lock()
@@ -89,9 +92,10 @@ class KVArena:
         self.moved_tokens = 0
 
     @classmethod
-    def from_budget(cls, model: HSTU, budget_bytes: int, *, backend: str | None = None) -> KVArena:
+    def from_budget(cls, model: HSTU, budget_bytes: int, *, backend: str | None = None,
+                    kv_dtype: torch.dtype | None = None) -> KVArena:
         """The largest arena that fits ``budget_bytes`` (the device cache budget)."""
-        return cls(model, budget_bytes // bytes_per_token(model), backend=backend)
+        return cls(model, budget_bytes // bytes_per_token(model, kv_dtype), backend=backend, kv_dtype=kv_dtype)
 
     # -- inspection ---------------------------------------------------------------------------------
     @property
@@ -281,16 +285,6 @@ class ArenaKV(PrefixKV):
         """A copy out of the arena (always a copy, even on the arena's own device: the range is reused)."""
         move = lambda t: t.to(device, non_blocking=non_blocking, copy=True)  # noqa: E731
         return PrefixKV([move(k) for k in self.keys], [move(v) for v in self.values], move(self.timestamps))
-
-    def to_host_async(self, stream: Any) -> PrefixKV:
-        """As :meth:`PrefixKV.to_host_async`; later work on the current stream (which may write this range
-        once it is freed) waits for the copy, without blocking the caller."""
-        out = PrefixKV(self.keys, self.values, self.timestamps).to_host_async(stream)
-        torch.cuda.current_stream(self.arena.device).wait_event(out.ready)
-        return out
-
-    def pin_memory(self) -> PrefixKV:
-        return self.to("cpu").pin_memory()
 
     def pin(self) -> bool:
         return self.arena.pin(self.block)

@@ -18,6 +18,9 @@ dropped before it is computed and answered 504 with the reason. A miss computed 
 for the user's next visits (``cache_misses``). ``GET /v1/profile`` returns the latency profile measured at
 start-up (the router's trigger fits its latency model to it); ``/healthz`` is liveness, ``/readyz``
 readiness (model loaded, warmed up, profiled), ``/metrics`` Prometheus, ``/openapi.json`` the API.
+``GET /v1/steps?since=N&requests_since=M`` returns what service cost: every compute step (kind, sizes, seconds)
+and each answered request's CPU outside the steps (parse, encode, reply), from bounded rings
+(runtime/serve/step_log.py), which ``grstack bench serve --calibrate`` fits a cost profile to.
 """
 
 from __future__ import annotations
@@ -39,12 +42,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from grstack.runtime.device import synchronize
 from grstack.runtime.serve.backend import ComputeBackend
 from grstack.runtime.serve.cache import TieredKVCache
-from grstack.runtime.serve.clock import Clock, SystemClock, wait_for
+from grstack.runtime.serve.clock import Clock, Now, SystemClock, thread_cpu, wait_for
+from grstack.runtime.serve.dram_tier import DramTier
 from grstack.runtime.serve.engine import PrefixKV, RankItem, RelayEngine, prefix_hash
+from grstack.runtime.serve.eviction import recompute_seconds
 from grstack.runtime.serve.gc_pauses import GcPauseMetric
+from grstack.runtime.serve.host_pool import HostPool, evict_to_host
 from grstack.runtime.serve.http import (
     DEADLINE_HEADER,
     MAX_BODY,
+    RANKER_MS_HEADER,
     RequestError,
     error_response,
     json_errors,
@@ -52,8 +59,8 @@ from grstack.runtime.serve.http import (
     model_response,
     openapi_document,
     openapi_handler,
-    parse_body,
     parse_deadline_ms,
+    parse_json,
     route_template,
 )
 from grstack.runtime.serve.kv_arena import KVArena
@@ -70,8 +77,10 @@ from grstack.runtime.serve.schemas import (
     Profile,
     RankRequest,
     RankResponse,
+    StepsResponse,
 )
 from grstack.runtime.serve.security import ServerSecurity, guard
+from grstack.runtime.serve.step_log import RequestCpu, StepLog
 
 if TYPE_CHECKING:
     from grstack.runtime.model import HSTU
@@ -115,6 +124,11 @@ class RankerConfig:
     # prefills write in place, rank batches read views (no per-batch concatenation). None: $GRSTACK_KV_ARENA
     # (1/0) if set, else on for CUDA only.
     kv_arena: bool | None = None
+    kv_dtype: str | None = None  # the cached K/V's dtype: "fp32" | "bf16" | "fp16" (None: the model's, exact)
+    # device-tier eviction: "lru", or "cost": the cheapest to recompute per byte and least recent first (the
+    # start-up profile's prefill times; runtime/serve/eviction.py)
+    eviction: str = "lru"
+    step_log: int = 16384  # records each of the step and request rings keeps (GET /v1/steps)
 
 
 class _Metrics:
@@ -189,18 +203,26 @@ class RankerService:
     def __init__(self, model: HSTU, tasks: list[str], config: RankerConfig | None = None,
                  store: PlacementStore | None = None, user_vocab: dict[str, list[str]] | None = None,
                  action_names: Sequence[str] | None = None, clock: Clock | None = None,
-                 backend: ComputeBackend | None = None) -> None:
+                 backend: ComputeBackend | None = None, cpu: Now = thread_cpu, dram: DramTier | None = None) -> None:
         """``clock``: the time of TTLs, deadlines and latencies (the system's when None); ``backend``: the tensor
-        math the scheduler and the profiler call (the engine when None; a stand-in keeps everything else real)."""
+        math the scheduler and the profiler call (the engine when None; a stand-in keeps everything else real);
+        ``cpu``: what a request's CPU segments are read from (the event loop thread's CPU time); ``dram``: the
+        server's DRAM tier shared with the other replicas in this process (None: this replica's own, of
+        ``config.dram_cache_bytes`` and ``config.dram_ttl_s``)."""
         self.config = cfg = config or RankerConfig()
+        if cfg.eviction not in ("lru", "cost"):
+            raise ValueError(f"eviction must be 'lru' or 'cost', got {cfg.eviction!r}")
         self.clock: Clock = clock if clock is not None else SystemClock()
+        self.cpu = cpu
+        self.steps = StepLog(cfg.step_log)
         self.tasks = list(tasks)
         self.num_items = int(model.num_items)
         device = torch.device(cfg.device)
         if device.type == "cpu" and cfg.num_threads:
             # One replica per core: more threads than cores makes small ops spin (10-100x slower under load).
             torch.set_num_threads(cfg.num_threads)
-        self.engine = RelayEngine(model, device=device, max_suffix=cfg.max_suffix, chunk=cfg.chunk)
+        self.engine = RelayEngine(model, device=device, max_suffix=cfg.max_suffix, chunk=cfg.chunk,
+                                  kv_dtype=cfg.kv_dtype)
         self.backend: ComputeBackend = backend if backend is not None else self.engine
         bits = self.engine.action_bits
         names = list(action_names) if action_names is not None else [t for t in tasks if t != "next"]
@@ -222,16 +244,21 @@ class RankerService:
                 self._vocab[f] = {str(t): i + 1 for i, t in enumerate(tokens)}
         # On CUDA an eviction's device-to-host copy runs on a side stream, so the event loop never blocks on it.
         copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        to_host = (lambda kv: kv.to_host_async(copy_stream)) if copy_stream is not None else (lambda kv: kv.to("cpu"))
+        # Evicted prefixes are copied into a bounded, reused host pool (pinned on CUDA): no allocation per eviction.
+        dram_budget = dram.capacity_bytes if dram is not None else cfg.dram_cache_bytes
+        self.host_pool = HostPool(dram_budget + dram_budget // 4, device=device)
+        to_host = evict_to_host(self.host_pool, copy_stream)
         use_arena = cfg.kv_arena
         if use_arena is None:  # GRSTACK_KV_ARENA=1/0 overrides the by-device default (operators, tests)
             env = os.environ.get(KV_ARENA_ENV)
             use_arena = env.strip().lower() not in ("0", "false", "no", "") if env is not None else device.type == "cuda"
-        self.arena = (KVArena.from_budget(self.engine.model, cfg.device_cache_bytes, backend=self.engine.backend)
-                      if use_arena else None)
+        self.arena = (KVArena.from_budget(self.engine.model, cfg.device_cache_bytes, backend=self.engine.backend,
+                                          kv_dtype=self.engine.kv_dtype) if use_arena else None)
         self.cache = TieredKVCache(cfg.device_cache_bytes, cfg.dram_cache_bytes, cfg.dram_ttl_s, to_host=to_host,
                                    to_device=self._to_device if device.type != "cpu" else None, arena=self.arena,
-                                   head=self.engine.head, clock=self.clock)
+                                   head=self.engine.head, clock=self.clock, dram=dram,
+                                   evict_cost_s=recompute_seconds(lambda: self.profile)
+                                   if cfg.eviction == "cost" else None)
         self.metrics = _Metrics(self)
         self.scheduler = ComputeScheduler(self.backend, max_batch=cfg.max_batch, clock=self.clock,
                                           on_batch=self.metrics.batch.observe, max_queue=cfg.max_queue,
@@ -239,6 +266,7 @@ class RankerService:
                                           retry_after_s=cfg.retry_after_s, max_step_tokens=cfg.max_step_tokens,
                                           on_tokens=self._on_tokens, on_compute=self._on_compute,
                                           reserve=self.cache.reserve if self.arena is not None else None,
+                                          steps=self.steps,
                                           admission_margin_s=None if cfg.admission_margin_ms is None
                                           else cfg.admission_margin_ms / 1e3)
         self.store = store
@@ -409,7 +437,10 @@ class RankerService:
         self._prefills_computed += 1
         return kv, timing.compute_ms, 0 if base is None else base.length - self.engine.head
 
-    async def prefill(self, req: PrefillRequest) -> PrefillResponse:
+    async def prefill(self, req: PrefillRequest, cpu: RequestCpu | None = None) -> PrefillResponse:
+        """``cpu``: where the request's encode and reply CPU are added (the handler logs them)."""
+        cpu = cpu if cpu is not None else RequestCpu()
+        c0 = self.cpu()
         _check_items("long_term.items", req.long_term.items, self.num_items)
         actions = self._event_actions("long_term", req.long_term)
         context, ckey = self._user_context(req.user_features)
@@ -419,6 +450,7 @@ class RankerService:
         user = req.user_id
         key = (user, version)
         compute_ms, reused = 0.0, 0
+        cpu.encode_s += self.cpu() - c0
         kv: PrefixKV | None = None
         if self.cache.tier_of(user, version) is not None:
             kv, tier = await self.cache.lookup(user, version, count=False)  # a signal is not a cache hit
@@ -438,12 +470,19 @@ class RankerService:
             computed, compute_ms, reused = await asyncio.shield(task)
             kv = computed
         self.metrics.prefills.labels(status).inc()
-        return PrefillResponse(user_id=user, replica=self.replica_id, prefix_hash=version, prefix_len=len(items),
-                               status=status, kv_bytes=kv.nbytes, compute_ms=compute_ms, reused_len=reused)
+        c1 = self.cpu()
+        out = PrefillResponse(user_id=user, replica=self.replica_id, prefix_hash=version, prefix_len=len(items),
+                              status=status, kv_bytes=kv.nbytes, compute_ms=compute_ms, reused_len=reused)
+        cpu.reply_s += self.cpu() - c1
+        return out
 
     # -- rank ---------------------------------------------------------------------------------------
-    async def rank(self, req: RankRequest, deadline: float | None = None) -> RankResponse:
-        """``deadline``: the scheduler clock's time by which the answer is due (None: no deadline)."""
+    async def rank(self, req: RankRequest, deadline: float | None = None,
+                   cpu: RequestCpu | None = None) -> RankResponse:
+        """``deadline``: the scheduler clock's time by which the answer is due (None: no deadline); ``cpu``: where
+        the request's encode and reply CPU are added (the handler logs them)."""
+        cpu = cpu if cpu is not None else RequestCpu()
+        c0 = self.cpu()
         if len(req.candidates) > self.config.max_candidates:
             raise RequestError(422, f"candidates: {len(req.candidates)} candidates, this ranker accepts at most "
                                     f"{self.config.max_candidates}")
@@ -460,6 +499,7 @@ class RankerService:
         truncated = (len(req.long_term.items) - len(item.long_items)
                      + len(req.short_term.items) - len(item.short_items))
         version = prefix_hash(item.long_items, item.long_ts, item.long_actions, ckey)
+        cpu.encode_s += self.cpu() - c0
         kv, tier, joined, joined_ms = None, None, False, 0.0
         if len(item.long_items):
             kv, tier = await self.cache.lookup(req.user_id, version)
@@ -507,11 +547,40 @@ class RankerService:
         self._ranks += 1
         cache = tier or "miss"
         self.metrics.latency.labels(cache).observe(self.clock() - t0)
-        return RankResponse(user_id=req.user_id, replica=self.replica_id, tasks=self.tasks,
-                            scores=logits.cpu().tolist(), cache=cache, prefix_hash=version,
-                            prefix_len=len(item.long_items), short_len=len(item.short_items), truncated=truncated,
-                            queue_ms=timing.queue_ms, compute_ms=timing.compute_ms,
-                            reused_len=0 if base is None else base.length - eng.head, joined_ms=joined_ms)
+        c1 = self.cpu()
+        out = RankResponse(user_id=req.user_id, replica=self.replica_id, tasks=self.tasks,
+                           scores=logits.cpu().tolist(), cache=cache, prefix_hash=version,
+                           prefix_len=len(item.long_items), short_len=len(item.short_items), truncated=truncated,
+                           queue_ms=timing.queue_ms, compute_ms=timing.compute_ms,
+                           reused_len=0 if base is None else base.length - eng.head, joined_ms=joined_ms)
+        cpu.reply_s += self.cpu() - c1
+        return out
+
+    def log_request(self, arrived: float, req: PrefillRequest | RankRequest, cpu: RequestCpu) -> str:
+        """Logs an answered request's CPU; returns its time since ``arrived`` (scheduler clock) for the
+        :data:`RANKER_MS_HEADER` of its answer."""
+        if isinstance(req, RankRequest):
+            endpoint, events, cands = "rank", len(req.long_term.items) + len(req.short_term.items), len(req.candidates)
+        else:
+            endpoint, events, cands = "prefill", len(req.long_term.items), 0
+        self.steps.request(arrived, endpoint, events, cands, cpu)
+        return f"{(self.scheduler.clock() - arrived) * 1e3:.3f}"
+
+    def steps_since(self, since: int = 0, requests_since: int = 0) -> StepsResponse:
+        """The step and request records numbered above ``since`` / ``requests_since`` (``GET /v1/steps``)."""
+        steps, sdrop = self.steps.steps.since(since)
+        reqs, rdrop = self.steps.requests.since(requests_since)
+        return StepsResponse.model_validate(
+            {"replica": self.replica_id, "capacity": self.steps.steps.capacity,
+             "steps": [{"seq": r.seq, "t": r.t, "kind": r.kind, "batch": r.batch, "tokens": r.tokens,
+                        "context": r.context, "pairs": r.pairs, "seconds": r.seconds} for r in steps],
+             "steps_dropped": sdrop,
+             "requests": [{"seq": r.seq, "t": r.t, "endpoint": r.endpoint, "events": r.events,
+                           "candidates": r.candidates, "parse_s": r.parse_s, "encode_s": r.encode_s,
+                           "reply_s": r.reply_s} for r in reqs],
+             "requests_dropped": rdrop,
+             "next_since": max(since, self.steps.steps.appended),
+             "next_requests_since": max(requests_since, self.steps.requests.appended)})
 
     def stats(self) -> CacheStatsModel:
         s = self.cache.stats
@@ -540,6 +609,8 @@ ROUTES: list[dict[str, Any]] = [
     {"method": "GET", "path": "/v1/profile", "summary": "latency profile measured at start-up",
      "responses": {200: Profile, 503: Health}},
     {"method": "GET", "path": "/v1/stats", "summary": "prefix cache counters", "responses": {200: CacheStatsModel}},
+    {"method": "GET", "path": "/v1/steps", "summary": "compute steps and request CPU logged in service "
+     "(query: since, requests_since)", "responses": {200: StepsResponse}},
     {"method": "GET", "path": "/healthz", "summary": "liveness", "responses": {200: Health}},
     {"method": "GET", "path": "/readyz", "summary": "readiness: warmed up and profiled",
      "responses": {200: Health, 503: Health}},
@@ -572,10 +643,24 @@ def make_ranker_app(service: RankerService, security: ServerSecurity | None = No
                           middlewares=[count, json_errors, guard(security or ServerSecurity()), overload])
     app[MAX_BODY] = service.config.max_body_bytes
 
+    def answered(arrived: float, req: PrefillRequest | RankRequest, cpu: RequestCpu,
+                 model: PrefillResponse | RankResponse) -> web.Response:
+        c0 = service.cpu()
+        resp = model_response(model)
+        cpu.reply_s += service.cpu() - c0
+        resp.headers[RANKER_MS_HEADER] = service.log_request(arrived, req, cpu)
+        return resp
+
     async def prefill(request: web.Request) -> web.Response:
+        arrived = service.scheduler.clock()
         if not service.ready:
             raise RequestError(503, "ranker is starting")
-        return model_response(await service.prefill(await parse_body(request, PrefillRequest)))
+        body = await request.read()  # raises 413 over client_max_size
+        cpu = RequestCpu()
+        c0 = service.cpu()
+        req = parse_json(body, PrefillRequest)
+        cpu.parse_s = service.cpu() - c0
+        return answered(arrived, req, cpu, await service.prefill(req, cpu))
 
     async def rank(request: web.Request) -> web.Response:
         arrived = service.scheduler.clock()
@@ -583,11 +668,27 @@ def make_ranker_app(service: RankerService, security: ServerSecurity | None = No
             raise RequestError(503, "ranker is starting")
         budget_ms = parse_deadline_ms(request.headers.get(DEADLINE_HEADER))
         deadline = None if budget_ms is None else arrived + budget_ms / 1e3
-        req = await parse_body(request, RankRequest)
+        body = await request.read()
+        cpu = RequestCpu()
+        c0 = service.cpu()
+        req = parse_json(body, RankRequest)
+        cpu.parse_s = service.cpu() - c0
         if deadline is not None and service.scheduler.clock() >= deadline:
             service.metrics.shed.labels("deadline").inc()
             raise DeadlineExceeded("deadline passed on arrival; dropped before compute")
-        return model_response(await service.rank(req, deadline))
+        return answered(arrived, req, cpu, await service.rank(req, deadline, cpu))
+
+    async def steps(request: web.Request) -> web.Response:
+        def count(name: str) -> int:
+            try:
+                value = int(request.query.get(name, "0"))
+            except ValueError:
+                raise RequestError(422, f"{name}: expected a record number, got {request.query[name]!r}") from None
+            if value < 0:
+                raise RequestError(422, f"{name}: a record number is not negative ({value})")
+            return value
+
+        return model_response(service.steps_since(count("since"), count("requests_since")))
 
     async def profile(_: web.Request) -> web.Response:
         if service.profile is None:
@@ -609,6 +710,7 @@ def make_ranker_app(service: RankerService, security: ServerSecurity | None = No
     app.router.add_post("/v1/rank", rank)
     app.router.add_get("/v1/profile", profile)
     app.router.add_get("/v1/stats", stats)
+    app.router.add_get("/v1/steps", steps)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics_handler(service.metrics.registry))

@@ -13,7 +13,13 @@ from aiohttp import web
 from prometheus_client import Counter
 
 from grstack.runtime.serve.clock import Now, SystemClock
-from grstack.runtime.serve.http import DEADLINE_HEADER, RequestError, error_response
+from grstack.runtime.serve.http import (
+    DEADLINE_HEADER,
+    FORWARD_MS_HEADER,
+    RANKER_MS_HEADER,
+    RequestError,
+    error_response,
+)
 from grstack.runtime.serve.placement import Replica
 from grstack.runtime.serve.router_config import RouterConfig
 from grstack.runtime.serve.router_health import ReplicaHealth
@@ -144,9 +150,13 @@ class Forwarder:
                             "and --ranker-cert", rid, status)
                 last_error = f"{rid}: refused the router's credentials (HTTP {status})"
                 continue
-            self.health.record_success(rid, self.clock() - t0)
+            took = self.clock() - t0
+            self.health.record_success(rid, took)
+            hops = {FORWARD_MS_HEADER: f"{took * 1e3:.3f}"}
+            if RANKER_MS_HEADER in headers:  # what of the round trip the ranker spent: the link is the rest
+                hops[RANKER_MS_HEADER] = headers[RANKER_MS_HEADER]
             return web.Response(status=status, body=payload, content_type="application/json",
-                                headers={"X-Grstack-Route": kind, "X-Grstack-Attempts": str(attempt + 1)})
+                                headers={"X-Grstack-Route": kind, "X-Grstack-Attempts": str(attempt + 1), **hops})
         if shed_retry_after is not None:
             self._shed.labels(shed_reason).inc()
             return error_response(503, f"overloaded: every ranker tried refused it ({last_error})",

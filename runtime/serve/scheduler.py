@@ -32,7 +32,9 @@ fails.
 
 Accounting (read by ``GET /v1/stats``): prefix tokens computed, tokens a from-scratch prefill would have
 computed for the same work, incremental prefills, and compute-thread time by kind (``prefill``,
-``rank_cached``, ``rank_full``; a batched chunk step's time is split over its members by tokens).
+``rank_cached``, ``rank_full``; a batched chunk step's time is split over its members by tokens). Every call of
+the tensor math is also logged, with its sizes, in a bounded ring (``steps``, :class:`StepLog`; read by
+``GET /v1/steps``), which is what a cost profile is fitted to.
 
 This module is the executor loop and the public API; admission (queue bounds, deadline prediction and the step
 cost models) is :class:`AdmissionPolicy` (scheduler_admission.py), the jobs and queues scheduler_jobs.py, the
@@ -57,6 +59,7 @@ from grstack.runtime.serve.clock import Now, SystemClock
 from grstack.runtime.serve.engine import PrefixKV, PrefixTokens, RankItem
 from grstack.runtime.serve.scheduler_admission import AdmissionPolicy, PredictedLate, QueueFull, StepCost
 from grstack.runtime.serve.scheduler_jobs import Hit, Job, Timing, WorkQueues, step_shares
+from grstack.runtime.serve.step_log import StepLog
 
 __all__ = ["COMPUTE_KINDS", "ComputeScheduler", "DeadlineExceeded", "PredictedLate", "QueueFull", "StepCost",
            "Timing", "step_shares"]
@@ -88,6 +91,7 @@ class ComputeScheduler:
     # None: no prediction. Else a rank predicted to finish later than its deadline minus this is refused at
     # admission (:class:`PredictedLate`); the margin is the answer's way back to the caller
     admission_margin_s: float | None = None
+    steps: StepLog = field(default_factory=StepLog)  # every step run, with its sizes and seconds (bounded)
 
     def __post_init__(self) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ranker-compute")
@@ -154,6 +158,18 @@ class ComputeScheduler:
         """Raises :class:`PredictedLate` when a rank joining the prefill behind ``fut`` would be late
         (:meth:`AdmissionPolicy.check_join`); call it before :meth:`boost`."""
         self.admission.check_join(fut, deadline)
+
+    def _timed(self, fn: Callable[..., Any], *args: Any) -> tuple[Any, float, float]:
+        """Compute thread: ``fn(*args)``, when it started and its seconds on the clock (the thread hop excluded:
+        what the math costs, which is what the step log records)."""
+        t0 = self.clock()
+        out = fn(*args)
+        return out, t0, self.clock() - t0
+
+    @staticmethod
+    def _suffix(item: RankItem) -> int:
+        """Tokens a rank computes after its prefix: its short-term events and its candidates."""
+        return len(item.short_items) + len(item.candidates)
 
     def _expired(self, deadline: float | None, now: float | None = None) -> bool:
         return deadline is not None and (self.clock() if now is None else now) >= deadline
@@ -317,8 +333,8 @@ class ComputeScheduler:
         t0 = self.clock()
         self._expect(self.hit_cost.predict(len(batch)))
         try:
-            out = await loop.run_in_executor(self._executor, self.engine.rank_cached,
-                                             [h.kv for h in batch], [h.item for h in batch])
+            out, began, seconds = await loop.run_in_executor(self._executor, self._timed, self.engine.rank_cached,
+                                                             [h.kv for h in batch], [h.item for h in batch])
         except Exception as exc:
             for h in batch:
                 if not h.future.done():
@@ -328,6 +344,8 @@ class ComputeScheduler:
             self.queues.running_until = None
             self._account("rank_cached", self.clock() - t0)
         self.hit_cost.add(len(batch), self.clock() - t0)
+        self.steps.step(began, "rank_cached", [self._suffix(h.item) for h in batch], [h.kv.length for h in batch],
+                        seconds)
         end = self.clock()
         for h, logits in zip(batch, out, strict=True):
             if not h.future.done():
@@ -362,7 +380,7 @@ class ComputeScheduler:
         self._expect(self.full_cost.predict(tokens))
         try:
             items = [item for j in batch if (item := j.item) is not None]  # short misses: all rank requests
-            out = await loop.run_in_executor(self._executor, self.engine.rank_full, items)
+            out, began, seconds = await loop.run_in_executor(self._executor, self._timed, self.engine.rank_full, items)
         except Exception as exc:
             for j in batch:
                 if not j.future.done():
@@ -372,6 +390,8 @@ class ComputeScheduler:
             self.queues.running_until = None
             self._account("rank_full", self.clock() - t0)
         self.full_cost.add(tokens, self.clock() - t0)
+        self.steps.step(began, "rank_full", [j.tokens + self._suffix(i) for j, i in zip(batch, items, strict=True)],
+                        [0] * len(batch), seconds)
         self._count_tokens(tokens, tokens)
         end = self.clock()
         for j, logits in zip(batch, out, strict=True):
@@ -397,9 +417,10 @@ class ComputeScheduler:
         return list(zip(jobs, self.admission.shares([j.remaining for j in jobs]), strict=False))
 
     def _compute_chunks(self, plan: list[tuple[Job, int]]) -> tuple[list[PrefixKV], list[torch.Tensor | None],
-                                                                      float, float]:
+                                                                      float, float, float]:
         """Compute thread: each job's next ``n`` tokens, all in one call, then one cached-prefix ranking of the
-        misses whose prefix is complete. Returns the new prefixes, logits, and the two parts' seconds."""
+        misses whose prefix is complete. Returns the new prefixes, logits, when it started and the two parts'
+        seconds."""
         t0 = self.clock()
         jobs = [j for j, _ in plan]
         chunks = [j.next_chunk(n) for j, n in plan]
@@ -412,7 +433,7 @@ class ComputeScheduler:
             out = self.engine.rank_cached([kvs[b] for b in done], [jobs[b].item for b in done])  # type: ignore[misc]
             for b, lg in zip(done, out, strict=True):
                 logits[b] = lg
-        return kvs, logits, t1 - t0, self.clock() - t1
+        return kvs, logits, t0, t1 - t0, self.clock() - t1
 
     async def _step_chunks(self, loop: asyncio.AbstractEventLoop, queue: deque[Job]) -> None:
         plan = self._collect(queue)
@@ -443,8 +464,20 @@ class ComputeScheduler:
                     self._fail(j, one)
         finally:
             self.queues.running_until = None
-        for jobs, firsts, (kvs, logits, extend_s, rank_s) in groups:
+        for jobs, firsts, (kvs, logits, began, extend_s, rank_s) in groups:
+            self._log_chunks(jobs, kvs, logits, began, extend_s, rank_s)
             self._apply(jobs, firsts, kvs, logits, extend_s, rank_s)
+
+    def _log_chunks(self, jobs: list[Job], kvs: list[PrefixKV], logits: list[torch.Tensor | None], began: float,
+                    extend_s: float, rank_s: float) -> None:
+        """A chunk step's two calls in the step log (before :meth:`_apply` moves each job to its new K/V)."""
+        self.steps.step(began, "extend_many", [kv.length - j.kv.length for j, kv in zip(jobs, kvs, strict=True)],
+                        [j.kv.length for j in jobs], extend_s)
+        ranked = [(item, kv) for j, kv, lg in zip(jobs, kvs, logits, strict=True)
+                  if lg is not None and (item := j.item) is not None]
+        if ranked:
+            self.steps.step(began + extend_s, "rank_cached", [self._suffix(item) for item, _ in ranked],
+                            [kv.length for _, kv in ranked], rank_s)
 
     def _expect(self, seconds: float) -> None:
         self.queues.running_until = self.clock() + seconds

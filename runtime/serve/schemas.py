@@ -193,3 +193,42 @@ class CacheStatsModel(_Model):
     incremental_prefills: int = Field(0, description="prefills and misses that extended a cached older prefix")
     joined_ranks: int = Field(0, description="ranks that found their prefix being prefilled and joined it (their "
                                              "answer says cache 'device'; counted as misses above)")
+
+
+class StepEntry(_Model):
+    """One compute step (runtime/serve/step_log.py, StepRecord)."""
+
+    seq: int
+    t: float = Field(description="when it started, on the ranker's clock (seconds)")
+    kind: Literal["rank_cached", "rank_full", "extend_many"]
+    batch: int = Field(description="users in the step")
+    tokens: int = Field(description="new tokens computed")
+    context: int = Field(description="cached prefix tokens attended to, summed over the batch")
+    pairs: int = Field(description="attention query-key pairs (n·c + n(n+1)/2 per user)")
+    seconds: float
+
+
+class RequestEntry(_Model):
+    """One request's CPU on the ranker's event-loop thread outside the steps (step_log.py, RequestRecord)."""
+
+    seq: int
+    t: float
+    endpoint: Literal["rank", "prefill"]
+    events: int
+    candidates: int
+    parse_s: float
+    encode_s: float
+    reply_s: float
+
+
+class StepsResponse(_Model):
+    """``GET /v1/steps?since=N``: the records numbered above ``since`` still in the rings."""
+
+    replica: str
+    capacity: int = Field(description="records each ring holds")
+    steps: list[StepEntry]
+    steps_dropped: int = Field(description="step records above since overwritten before this read")
+    requests: list[RequestEntry]
+    requests_dropped: int
+    next_since: int = Field(description="the last step number returned or known: pass it as since next time")
+    next_requests_since: int

@@ -8,13 +8,21 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Mapping
 from typing import TYPE_CHECKING
+from urllib.parse import parse_qs, urlsplit
 
 from pydantic import BaseModel
 
 from grstack.runtime.serve.clock import Now, SystemClock, wait_for
-from grstack.runtime.serve.http import DEADLINE_HEADER, RequestError, parse_deadline_ms, parse_json
+from grstack.runtime.serve.http import (
+    DEADLINE_HEADER,
+    RANKER_MS_HEADER,
+    RequestError,
+    parse_deadline_ms,
+    parse_json,
+)
 from grstack.runtime.serve.scheduler import DeadlineExceeded, QueueFull
 from grstack.runtime.serve.schemas import ErrorResponse, Health, PrefillRequest, RankRequest
+from grstack.runtime.serve.step_log import RequestCpu
 from grstack.runtime.serve.transport import Reply, Unreachable
 
 if TYPE_CHECKING:
@@ -75,6 +83,13 @@ class InProcessTransport:
             return _model(service.profile)
         if path == "/v1/stats":
             return _model(service.stats())
+        if urlsplit(path).path == "/v1/steps":
+            query = parse_qs(urlsplit(path).query)
+            try:
+                since = [int(query.get(k, ["0"])[0]) for k in ("since", "requests_since")]
+            except ValueError:
+                return _error(422, "since, requests_since: expected record numbers")
+            return _model(service.steps_since(*since))
         return _error(404, "Not Found")
 
     async def _bounded(self, call: Awaitable[Reply], timeout_s: float) -> Reply:
@@ -96,12 +111,29 @@ class InProcessTransport:
             raise RequestError(503, "ranker is starting")
         budget_ms = parse_deadline_ms(headers.get(DEADLINE_HEADER))
         deadline = None if budget_ms is None else arrived + budget_ms / 1e3
+        cpu = RequestCpu()
+        c0 = service.cpu()
         req = parse_json(body, RankRequest)
+        cpu.parse_s = service.cpu() - c0
         if deadline is not None and service.scheduler.clock() >= deadline:
             raise DeadlineExceeded("deadline passed on arrival; dropped before compute")
-        return _model(await service.rank(req, deadline))
+        return self._answered(service, arrived, req, cpu, await service.rank(req, deadline, cpu))
 
     async def _prefill(self, service: RankerService, body: bytes) -> Reply:
+        arrived = service.scheduler.clock()
         if not service.ready:
             raise RequestError(503, "ranker is starting")
-        return _model(await service.prefill(parse_json(body, PrefillRequest)))
+        cpu = RequestCpu()
+        c0 = service.cpu()
+        req = parse_json(body, PrefillRequest)
+        cpu.parse_s = service.cpu() - c0
+        return self._answered(service, arrived, req, cpu, await service.prefill(req, cpu))
+
+    @staticmethod
+    def _answered(service: RankerService, arrived: float, req: PrefillRequest | RankRequest, cpu: RequestCpu,
+                  model: BaseModel) -> Reply:
+        """The answer as the HTTP app gives it, its CPU logged and its time in the ranker in the header."""
+        c0 = service.cpu()
+        reply = _model(model)
+        cpu.reply_s += service.cpu() - c0
+        return Reply(reply.status, reply.body, {**reply.headers, RANKER_MS_HEADER: service.log_request(arrived, req, cpu)})

@@ -35,6 +35,14 @@ Both budgets are inclusive: a request that lands exactly on a budget is admitted
 that is already live (same user, same prefix hash) is admitted again without being charged twice; if the
 ranker answers that it computed it all the same (it had evicted the prefix), :meth:`charge` charges it.
 
+**Resident footprint, contended load** (at scale, where device memory and compute are scarce; off by
+default). ``footprint_tier="device"``: a ranker's footprint budget is a fraction of its *device* capacity,
+not device + DRAM: a pre-inferred prefix must be resident in device memory when its rank comes, one in DRAM
+costs a promotion. ``footprint_hold_s``: a prefix stays charged that long after its rank was routed, since
+the rank still has to queue and read it from device memory. ``contended_busy_fraction``: on a ranker whose
+compute thread is at least that busy, loads are charged in full whatever the follow-through, since each
+prefill then delays ranks queued behind it.
+
 Per ranker: once the router has a :class:`RankerLoad` report for the replica a signal goes to, the budgets
 are that ranker's (2, 3 above are the fallback for a ranker that reports nothing):
 
@@ -154,12 +162,22 @@ class TriggerConfig:
     # the load budget charges the share of recent admissions whose rank did not follow (module doc)
     follow_window: int = 512  # charged admissions whose outcome is counted
     follow_min_samples: int = 32  # below this many, every load is charged in full
+    # Budgets at scale (module doc, "Resident footprint, contended load"); the defaults keep the rules above.
+    footprint_tier: str = "cache"  # "cache": a ranker's footprint is of device + DRAM; "device": device only
+    footprint_hold_s: float = 0.0  # a routed rank's prefix stays charged this long (its rank still reads it)
+    contended_busy_fraction: float | None = None  # a ranker at least this busy: loads are charged in full
 
     def __post_init__(self) -> None:
         if not 0.0 < self.slo_percentile < 100.0:
             raise ValueError(f"slo_percentile must be in (0, 100), got {self.slo_percentile}")
         if not 0.0 < self.min_idle_fraction <= 1.0:
             raise ValueError(f"min_idle_fraction must be in (0, 1], got {self.min_idle_fraction}")
+        if self.footprint_tier not in ("cache", "device"):
+            raise ValueError(f"footprint_tier must be 'cache' or 'device', got {self.footprint_tier!r}")
+        if self.footprint_hold_s < 0:
+            raise ValueError(f"footprint_hold_s must be >= 0, got {self.footprint_hold_s}")
+        if self.contended_busy_fraction is not None and not 0.0 <= self.contended_busy_fraction <= 1.0:
+            raise ValueError(f"contended_busy_fraction must be in [0, 1], got {self.contended_busy_fraction}")
         if self.follow_window < 1 or not 0 <= self.follow_min_samples <= self.follow_window:
             raise ValueError(f"follow_min_samples must be in [0, follow_window] and follow_window >= 1, got "
                              f"{self.follow_min_samples} and {self.follow_window}")
@@ -185,6 +203,7 @@ class RankerLoad:
         self.queued = 0
         self.resident_bytes = 0
         self.capacity_bytes = 0
+        self.device_capacity_bytes = 0
 
     def observe(self, stats: dict[str, Any], now: float) -> None:
         self.at = now
@@ -202,8 +221,8 @@ class RankerLoad:
         self.backlog_tokens = int(stats.get("prefill_backlog_tokens", 0) or 0)
         self.queued = int(stats.get("queued", 0) or 0)
         self.resident_bytes = int(stats.get("device_bytes", 0) or 0) + int(stats.get("dram_bytes", 0) or 0)
-        self.capacity_bytes = (int(stats.get("device_capacity_bytes", 0) or 0)
-                               + int(stats.get("dram_capacity_bytes", 0) or 0))
+        self.device_capacity_bytes = int(stats.get("device_capacity_bytes", 0) or 0)
+        self.capacity_bytes = self.device_capacity_bytes + int(stats.get("dram_capacity_bytes", 0) or 0)
 
     def _keep(self, history: deque[tuple[float, float]], total: float, now: float) -> None:
         """Appends a cumulative counter's sample, keeping about ``window_s`` of them (a counter that goes
@@ -283,6 +302,7 @@ class SequenceAwareTrigger:
         self._outcomes: deque[list[bool]] = deque()
         self._pending_outcome: OrderedDict[str, list[bool]] = OrderedDict()  # at most follow_window users
         self._followed = 0
+        self._ranked: set[str] = set()  # users whose live charge is the hold after their rank was routed
 
     @property
     def speculative_share(self) -> float:
@@ -367,6 +387,7 @@ class SequenceAwareTrigger:
             self._release(user)
 
     def _release(self, user: str) -> None:
+        self._ranked.discard(user)
         live = self._live.pop(user, None)
         if live is not None:
             self._live_bytes -= live[1]
@@ -386,6 +407,9 @@ class SequenceAwareTrigger:
         if load is not None:
             ranker_cache = (cfg.ranker_cache_fraction * load.capacity_bytes if load.capacity_bytes > 0
                             else cfg.ranker_cache_budget_bytes)
+        if load is not None and cfg.footprint_tier == "device":  # prefixes must be resident in device memory
+            ranker_cache = (cfg.ranker_cache_fraction * load.device_capacity_bytes if load.device_capacity_bytes > 0
+                            else cfg.ranker_cache_budget_bytes)
         if ranker_cache is not None:
             replaced = live[1] if live is not None and live[3] == replica else 0
             if self._replica_bytes.get(replica, 0) - replaced + nbytes > ranker_cache:
@@ -395,7 +419,7 @@ class SequenceAwareTrigger:
             if self._live_bytes - replaced + nbytes > cfg.cache_budget_bytes:
                 return "cache-budget"
         measured = load.load_ms(self.model) if load is not None else None
-        spec = self.speculative_share
+        spec = self._charged_share(load)
         if measured is not None and cfg.ranker_prefill_budget_ms is not None:
             pending = self.pending_ms(replica or "")
             share = cfg.ranker_prefill_budget_ms * cfg.report_interval_s / cfg.window_s
@@ -405,6 +429,15 @@ class SequenceAwareTrigger:
         elif spec * (self._load_sum() + prefill) > cfg.prefill_budget_ms:
             return "load-budget"
         return None
+
+    def _charged_share(self, load: RankerLoad | None) -> float:
+        """The share of a load the budget charges: all of it on a ranker at least ``contended_busy_fraction``
+        busy (pre-inference then queues in front of ranks), else the speculative share."""
+        threshold = self.config.contended_busy_fraction
+        busy = load.busy_fraction if load is not None else None
+        if threshold is not None and busy is not None and busy >= threshold:
+            return 1.0
+        return self.speculative_share
 
     def live_version(self, user: str) -> str | None:
         """The prefix version of ``user`` this trigger admitted and still counts as cached, if any."""
@@ -424,7 +457,8 @@ class SequenceAwareTrigger:
             return Decision(True, "admitted", full, prefill, nbytes)
         live = self._live.get(user)
         if live is not None and live[0] == version:
-            self._live[user] = (version, live[1], now + self.config.footprint_ttl_s, live[3])
+            if user not in self._ranked:  # a post-rank hold keeps its own expiry
+                self._live[user] = (version, live[1], now + self.config.footprint_ttl_s, live[3])
             return Decision(True, "live", full, prefill, nbytes)
         if live is None and self._served.get(user) == version:
             return Decision(True, "live", full, prefill, nbytes)
@@ -478,4 +512,11 @@ class SequenceAwareTrigger:
             self._served.move_to_end(user)
             while len(self._served) > SERVED_MAX:
                 self._served.popitem(last=False)
-        self._release(user)
+        hold = self.config.footprint_hold_s
+        if live is not None and hold > 0 and user not in self._ranked:
+            now = self.clock()
+            self._live[user] = (live[0], live[1], min(live[2], now + hold), live[3])
+            self._ranked.add(user)
+            return
+        if user not in self._ranked:
+            self._release(user)
