@@ -1,15 +1,16 @@
 """``grstack bench serve``: relay-race serving measured as a cascade (docs/bench-serve.md has the protocol).
 
-A trace of user visits (``serve_trace``: KuaiRand-like synthetic users, Zipf activity, bursts of visits in
-sessions, long-term histories that grow between sessions) is replayed open-loop against two ranker
-processes behind an in-process router: each visit sends the pre-infer signal at its time and the rank request
-a cascade gap later. Pre-inference runs on the clock, on the same rankers, warm-up included; nothing is
-pre-loaded. Every mode (baseline, relay, and the ablations no_trigger, no_affinity, no_expander) gets ranker
-processes of its own, so no mode inherits another's caches, and the modes' points run interleaved (each sweep
-step measures every mode in turn), so that the host's speed drifting over the run hits them alike. A point
-passes when its P99 (failed or shed ranks count as infinite) is within the SLO, fixed before measuring; a
-mode's limit is the largest swept value for which it and every smaller swept value pass, and its sweep stops
-at the first failing point.
+A trace of user visits (``serve_trace``: KuaiRand-like synthetic users and history lengths, Zipf activity,
+bursts of visits in sessions, sessions at least the DRAM TTL apart, signals whose rank does not always come)
+is replayed open-loop against two ranker processes behind an in-process router: each visit sends the
+pre-infer signal at its time and the rank request a cascade gap later. Pre-inference runs on the clock, on the
+same rankers, warm-up included; nothing is pre-loaded. Every mode (the baselines full inference and
+prefix_cache, relay, and the ablations no_trigger, no_affinity, no_expander) gets ranker processes of its own,
+so no mode inherits another's caches, and the modes' points run interleaved (each sweep step measures every
+mode in turn), so that the host's speed drifting over the run hits them alike. A point passes when its P99
+(failed or shed ranks count as infinite) is within the SLO, fixed before measuring; a mode's limit is the
+largest swept value for which it and every smaller swept value pass, and its sweep stops at the first
+failing point.
 """
 
 from __future__ import annotations
@@ -29,7 +30,14 @@ from pathlib import Path
 from typing import Any
 
 from grstack.runtime.bench import cpu_pinning, host_cpu
-from grstack.runtime.bench.serve_trace import Population, Trace, TraceConfig, build_trace, population
+from grstack.runtime.bench.serve_trace import (
+    Population,
+    Trace,
+    TraceConfig,
+    build_trace,
+    max_long_bound,
+    population,
+)
 
 # The QPS sweep runs at 512 tokens (both presets): on two 1-thread rankers sharing 2 cores with the load
 # generator, the baseline can fail 1024-token histories at every QPS down to the floor, which would leave
@@ -43,9 +51,22 @@ QUICK: dict[str, Any] = {"users": 2000, "lengths": [256, 512, 1024, 2048], "leng
 FULL: dict[str, Any] = {"users": 10_000, "lengths": [256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192],
                         "length_qps": 20.0, "qps": [10.0, 20.0, 30.0, 40.0, 60.0, 80.0, 120.0, 160.0, 240.0, 320.0],
                         "qps_length": 512, "repeats": 3, "qps_floor": 2.5}
-MODES = ("baseline", "relay", "no_trigger", "no_affinity", "no_expander")
+MODES = ("baseline", "prefix_cache", "relay", "no_trigger", "no_affinity", "no_expander")
+# The two baselines relay is compared with (relay_vs_full, relay_vs_prefix_cache): full inference, and an LLM
+# server's automatic prefix cache (a rank's KV kept on the device for the user's next requests; nothing
+# pre-inferred on the retrieval signal, no DRAM tier).
+BASELINES = ("baseline", "prefix_cache")
 ABLATIONS = ("no_trigger", "no_affinity", "no_expander")
 RANKERS = 2  # per mode, the protocol's (--rankers)
+DEVICE_CACHE_MB = 64  # each ranker's device tier (--device-cache-mb)
+DRAM_CACHE_MB = 1024  # each ranker's DRAM tier, in the modes that have one
+DRAM_TTL_S = 600.0  # the rankers' DRAM TTL; the trace keeps a user's sessions at least this far apart
+# cached bytes per prefix token of the benchmark's model (write_untrained_model's defaults: 2 blocks x 2 heads
+# x (dqk 32 + dv 32) fp32 keys and values, and an int64 timestamp): what the trace's cache pressure reads
+KV_BYTES_PER_TOKEN = 2 * 2 * (32 + 32) * 4 + 8
+CACHE_PRESSURE = 10.0  # the visited users' prefixes need this many times all rankers' device tiers
+FOLLOW_THROUGH = 0.8  # share of pre-infer signals whose rank comes
+TRACES = ("protocol", "uniform")  # --trace: the relay-testing protocol, or the earlier uniform trace
 # The rankers run at this niceness. This process is the load generator and the router; on a real test bed both
 # have cores of their own. Sharing cores at equal priority, the load generator's event loop waits for a core
 # behind the rankers' compute, and that wait lands in every latency it measures (docs/bench-serve.md, System
@@ -88,12 +109,17 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="base length of the QPS sweep (default 512)")
     parser.add_argument("--repeats", type=ca.positive_int, default=None,
                         help="trace seeds per point (default 3; --quick 1)")
-    parser.add_argument("--measured", type=ca.positive_int, default=1000, help="measured rank requests per point (>= 1000 "
-                                                                  "in the protocol)")
-    parser.add_argument("--warmup", type=ca.non_negative_int, default=250, help="visits sent before measuring (default 250)")
+    parser.add_argument("--measured", type=ca.positive_int, default=None, help="measured rank requests per point (default "
+                                                                  "1000, the protocol's minimum)")
+    parser.add_argument("--warmup", type=ca.non_negative_int, default=None, help="visits sent before measuring (default 250)")
     parser.add_argument("--qps-floor", type=ca.positive_float, default=None,
                         help="a mode failing the lowest QPS is probed down by halves to this (default 2.5; "
                              "--quick 10)")
+    parser.add_argument("--trace", choices=TRACES, default="protocol",
+                        help="protocol: heterogeneous lengths, follow-through 0.8, sessions a DRAM TTL apart, sized "
+                             "for 10x cache pressure (docs/bench-serve.md); uniform: every user the same base "
+                             "length, every signal followed, sessions compressed (the trace of results before "
+                             "2026-12-04)")
     parser.add_argument("--min-user-gap-s", type=ca.non_negative_float, default=1.0,
                         help="one user's consecutive visits are at least this far apart (default 1 s)")
     parser.add_argument("--rankers", type=ca.positive_int, default=RANKERS,
@@ -103,7 +129,18 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--harness-cpus", default=None,
                         help="CPUs this process (load generator and routers) runs on, e.g. 0 (Linux; default: any)")
     parser.add_argument("--seed", type=ca.seed, default=0, help="seed of the synthetic users and traces")
+    parser.add_argument("--calibrate", nargs="?", const="", default=None, type=_profile_file, metavar="FILE",
+                        help="instead of the sweeps: run the rankers at a few load points and write the cost "
+                             "profile fitted to their logged steps to FILE (default OUT/cost-profile.json)")
+    parser.add_argument("--calibrate-points", default=None, metavar="L:Q,...",
+                        help="--calibrate's load points as length:qps pairs (default: the preset's)")
     parser.set_defaults(func=run)
+
+
+def _profile_file(text: str) -> str:
+    from grstack.runtime import cli_args as ca
+
+    return ca.output_file(text) if text else text
 
 
 @dataclass
@@ -126,18 +163,32 @@ class Settings:
     rankers: int = RANKERS
     ranker_cpus: frozenset[int] | None = None
     harness_cpus: frozenset[int] | None = None
+    trace_kind: str = "protocol"
     pops: dict[int, Population] = field(default_factory=dict)
 
     def trace_config(self, length: int, qps: float, repeat: int) -> TraceConfig:
+        if self.trace_kind == "uniform":  # one base length, every signal followed, no TTL or cache sizing
+            return TraceConfig(users=self.users, length=length, qps=qps, warmup=self.warmup,
+                               measured=self.measured, gap_ms=self.gap_ms, max_short=MAX_SUFFIX,
+                               candidates=CANDIDATES, min_user_gap_s=self.min_user_gap_s, seed=self.seed + repeat,
+                               length_dist="fixed", follow_through=1.0, dram_ttl_s=DRAM_TTL_S,
+                               keep_sessions_apart=False)
         return TraceConfig(users=self.users, length=length, qps=qps, warmup=self.warmup, measured=self.measured,
                            gap_ms=self.gap_ms, max_short=MAX_SUFFIX, candidates=CANDIDATES,
-                           min_user_gap_s=self.min_user_gap_s, seed=self.seed + repeat)
+                           min_user_gap_s=self.min_user_gap_s, seed=self.seed + repeat,
+                           follow_through=FOLLOW_THROUGH, dram_ttl_s=DRAM_TTL_S,
+                           kv_bytes_per_token=KV_BYTES_PER_TOKEN,
+                           device_cache_bytes=self.rankers * (DEVICE_CACHE_MB << 20), cache_pressure=CACHE_PRESSURE,
+                           pressure_length=min(*self.lengths, self.qps_length))
 
-    def trace(self, length: int, qps: float, repeat: int) -> Trace:
+    def population(self, repeat: int) -> Population:
         seed = self.seed + repeat
         if seed not in self.pops:
             self.pops[seed] = population(self.users, seed)
-        return build_trace(self.pops[seed], self.trace_config(length, qps, repeat))
+        return self.pops[seed]
+
+    def trace(self, length: int, qps: float, repeat: int) -> Trace:
+        return build_trace(self.population(repeat), self.trace_config(length, qps, repeat))
 
     def point_seconds(self, qps: float) -> float:
         return (self.warmup + self.measured) / qps + POINT_OVERHEAD_S
@@ -228,6 +279,12 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def versus(mode: dict[str, Any], against: dict[str, Any]) -> dict[str, float | None]:
+    """A mode's limits over another's: the fields of every comparison in the JSON."""
+    return {"max_len_ratio": ratio(mode["max_len_at_slo"], against["max_len_at_slo"]),
+            "slo_qps_ratio": ratio(mode["max_qps_at_slo"], against["max_qps_at_slo"])}
+
+
 # -- one point ----------------------------------------------------------------------------------------
 def encode(trace: Trace, tag: str) -> tuple[list[Any], dict[int, int]]:
     """The trace as loadgen requests (a signal and a rank per visit; warm-up ranks not measured), and the
@@ -247,10 +304,11 @@ def encode(trace: Trace, tag: str) -> tuple[list[Any], dict[int, int]]:
                 "candidates": v.candidates.tolist(), "timestamp": int(v.t)}
         pre = f'{{"user_id": "{user}", "long_term": {lt}}}'.encode()
         body = f'{{"user_id": "{user}", "long_term": {lt}, {json.dumps(rest)[1:]}'.encode()
-        rank = Request(v.rank_s, "/v1/rank", body, user, k >= trace.config.warmup)
         reqs.append(Request(v.wall_s, "/v1/prefill", pre, user, False))
-        reqs.append(rank)
-        visit_of[id(rank)] = k
+        if v.ranked:  # else the signal's rank never comes (the trace's follow-through)
+            rank = Request(v.rank_s, "/v1/rank", body, user, k >= trace.config.warmup)
+            reqs.append(rank)
+            visit_of[id(rank)] = k
     return reqs, visit_of
 
 
@@ -419,6 +477,8 @@ def combine(runs: list[dict[str, Any]], slo_ms: float) -> dict[str, Any]:
     decisions: Counter[str] = Counter()
     for r in runs:
         decisions.update(r.get("trigger_decisions", {}))
+    # what cross-visit reuse alone could serve of the trace (serve_trace.reuse_flags), beside the hit rate
+    reuse = [r["trace"]["reuse_share"] for r in runs if (r.get("trace") or {}).get("reuse_share") is not None]
     return {"n": sum(r["n"] for r in runs), "planned": sum(r["planned"] for r in runs),
             "stopped_early": any(r["stopped_early"] for r in runs),
             "p50_ms": float(np.median([r["p50_ms"] for r in runs])),
@@ -428,6 +488,7 @@ def combine(runs: list[dict[str, Any]], slo_ms: float) -> dict[str, Any]:
             "prefill_cpu_share": float(np.mean(shares)) if shares else None,
             "compute_ms_per_visit": float(np.median(per_visit)) if per_visit else None,
             "trigger_decisions": dict(sorted(decisions.items())),
+            "reuse_share": float(np.mean(reuse)) if reuse else None,
             "host_cpu": host_cpu.mean_usage([r["host_cpu"] for r in runs if r.get("host_cpu")]),
             "gc_pauses": gc_over(runs),
             "device_bytes": last["device_bytes"], "dram_bytes": last["dram_bytes"], "repeats": runs}
@@ -446,7 +507,10 @@ class ModeRun:
     idle_pids: tuple[int, ...] = ()  # the other modes' rankers, idle while this mode is measured
 
 
-async def measure_once(m: ModeRun, sweep: str, length: int, qps: float, repeat: int) -> dict[str, Any]:
+async def measure_once(m: ModeRun, sweep: str, length: int, qps: float, repeat: int,
+                       results_out: list[Any] | None = None, whole: bool = False) -> dict[str, Any]:
+    """One run of a point's trace; ``results_out``: where the load generator's results are added; ``whole``:
+    send all of it even once its P99 is certain to miss the SLO (a calibration wants every step)."""
     from grstack.runtime.serve import (
         GiveUp,
         frozen_heap,
@@ -461,7 +525,7 @@ async def measure_once(m: ModeRun, sweep: str, length: int, qps: float, repeat: 
     planned = sum(r.measure for r in reqs)
     # A sweep point stops sending once its P99 is certain to miss the SLO (the overload run is sent whole:
     # it measures what is served and shed, not a pass/fail).
-    give_up = None if sweep == "overload" else GiveUp(s.slo_ms, violations_to_fail(planned))
+    give_up = None if sweep == "overload" or whole else GiveUp(s.slo_ms, violations_to_fail(planned))
     before = await _ranker_state(m.session, m.ranker_urls)
     decided = await _trigger_counts(m.session, m.router_url)
     gc0 = await _ranker_gc(m.session, m.ranker_urls)
@@ -478,6 +542,8 @@ async def measure_once(m: ModeRun, sweep: str, length: int, qps: float, repeat: 
     after = await _ranker_state(m.session, m.ranker_urls)
     decisions = trigger_deltas(decided, await _trigger_counts(m.session, m.router_url))
     visits = sum(r.request.path == "/v1/rank" for r in results)
+    if results_out is not None:
+        results_out.extend(results)
     out = {"trace_seed": s.seed + repeat, **summarize(results, s.slo_ms, planned),
            **state_deltas(before, after, visits), "trigger_decisions": decisions, "host_cpu": cpu, "gc_pauses": gc_pauses,
            "trace": trace.shape}
@@ -552,16 +618,21 @@ def point_from(m: ModeRun, sweep: str, length: int, qps: float, runs: list[dict[
 
 def ranker_args(mode: str) -> list[str]:
     """The baseline ranks every visit by full inference: its rankers keep no prefix at all, not even the ones
-    their misses computed (which the other modes cache for the user's next visits)."""
+    their misses computed (which the other modes cache for the user's next visits). prefix_cache's keep what
+    their ranks computed, on the device tier only (an LLM server's automatic prefix cache); no_expander's too."""
+    dram = 0 if mode in ("no_expander", "prefix_cache") else DRAM_CACHE_MB
     return ["--device", "cpu", "--threads", "1", "--max-suffix", str(MAX_SUFFIX), "--max-candidates",
-            str(CANDIDATES), "--device-cache-mb", "64", "--dram-cache-mb", "0" if mode == "no_expander" else "1024",
-            *(["--no-cache-misses"] if mode == "baseline" else []), "--log-level", "WARNING"]
+            str(CANDIDATES), "--device-cache-mb", str(DEVICE_CACHE_MB), "--dram-cache-mb", str(dram),
+            "--dram-ttl-s", f"{DRAM_TTL_S:g}", *(["--no-cache-misses"] if mode == "baseline" else []),
+            "--log-level", "WARNING"]
 
 
 def router_config(mode: str, urls: list[str], slo_ms: float) -> Any:
     from grstack.runtime.serve import RouterConfig, TriggerConfig
 
-    return RouterConfig(rankers=tuple(urls), relay=mode != "baseline", affinity=mode != "no_affinity",
+    # the baselines ignore the retrieval signal: nothing is pre-inferred (prefix_cache still routes by affinity,
+    # as a prefix-aware LLM router does, so a user's next rank finds what her last one left)
+    return RouterConfig(rankers=tuple(urls), relay=mode not in BASELINES, affinity=mode != "no_affinity",
                         trigger=TriggerConfig(slo_ms=slo_ms, admit_all=mode == "no_trigger"),
                         rank_budget_ms=slo_ms, prefill_budget_per_replica_ms=500.0)
 
@@ -685,8 +756,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    modes = {"baseline": result["baseline"], "relay": result["relay"], **result["ablations"]}
-    for (mode, res), style in zip(modes.items(), ("o-", "s-", "^--", "v--", "d--"), strict=False):
+    modes = {m: result[m] for m in (*BASELINES, "relay")} | result["ablations"]
+    for (mode, res), style in zip(modes.items(), ("o-", "x-", "s-", "^--", "v--", "d--"), strict=False):
         for ax, sweep, key in ((axes[0], "length", "length"), (axes[1], "qps", "qps")):
             pts = sorted((p for p in res["points"] if p["sweep"] == sweep), key=lambda p: p[key])
             ax.plot([p[key] for p in pts], [_capped(p["p99_ms"]) for p in pts], style, label=mode)
@@ -709,7 +780,9 @@ def _relay_totals(res: dict[str, Any]) -> dict[str, Any]:
     pts = res["points"]
     answered = [(p["hit_rate"], p["n"]) for p in pts if p["hit_rate"] is not None]
     shares = [p["prefill_cpu_share"] for p in pts if p["prefill_cpu_share"] is not None]
+    reuse = [(p["reuse_share"], p["n"]) for p in pts if p.get("reuse_share") is not None]
     return {"hit_rate": (sum(h * n for h, n in answered) / sum(n for _, n in answered)) if answered else None,
+            "reuse_share": (sum(r * n for r, n in reuse) / sum(n for _, n in reuse)) if reuse else None,
             "prefill_cpu_share": sum(shares) / len(shares) if shares else None,
             "device_bytes": pts[-1]["device_bytes"] if pts else None,
             "dram_bytes": pts[-1]["dram_bytes"] if pts else None}
@@ -744,9 +817,36 @@ async def host_load(seconds: float = 3.0) -> dict[str, Any]:
     return load
 
 
-async def bench(s: Settings) -> dict[str, Any]:
+def write_model(s: Settings) -> tuple[Path, int, list[Trace]]:
+    """The benchmark's model (untrained, long enough for the longest history a point's trace sends), its
+    max_len, and the first trace of each repeat."""
     from grstack.runtime.serve import write_untrained_model
 
+    probe = [s.trace(s.qps_length, s.length_qps, rep) for rep in range(s.repeats)]
+    # users' bases are heterogeneous (a multiple of the length) and which users visit depends on the QPS: the
+    # bound covers any visit of the population at the longest length
+    longest = max(*s.lengths, s.qps_length)
+    bound = max(max_long_bound(s.population(rep), s.trace_config(longest, s.length_qps, rep))
+                for rep in range(s.repeats))
+    growth = bound - longest
+    max_len = bound + MAX_SUFFIX
+    checkpoint = write_untrained_model(s.out / "model.pt", num_items=probe[0].num_items, max_len=max_len,
+                                       seed=s.seed)
+    _log(f"model: untrained HSTU (d=64, 2 blocks, 2 heads), max_len {max_len} (longest length {longest}, heavier users' "
+         f"bases and growth {growth} "
+         f"+ {MAX_SUFFIX}); trace: {probe[0].shape}")
+    return checkpoint, max_len, probe
+
+
+def warn_pressure(shape: dict[str, Any]) -> None:
+    """Logs a trace whose visited users' prefixes fall short of the protocol's cache pressure."""
+    got, want = shape.get("cache_pressure"), shape.get("cache_pressure_target")
+    if got is not None and want is not None and got < want:
+        _log(f"warning: the visited users' prefixes need {got:.1f}x the rankers' device tiers, below the "
+             f"protocol's {want:g}x: the population ({shape['population_users']} users) is too small for it")
+
+
+async def bench(s: Settings) -> dict[str, Any]:
     t0 = time.monotonic()
     if s.harness_cpus is not None:
         threads = cpu_pinning.pin_this_process(s.harness_cpus)
@@ -755,14 +855,8 @@ async def bench(s: Settings) -> dict[str, Any]:
     if s.ranker_cpus is not None:
         _log(f"rankers pinned to CPUs {cpu_pinning.format_cpus(s.ranker_cpus)}")
     idle = await host_load()
-    # which visits a trace holds does not depend on the length: its growth is the same at every point
-    probe = [s.trace(s.qps_length, s.length_qps, rep) for rep in range(s.repeats)]
-    growth = max(t.max_long for t in probe) - s.qps_length
-    max_len = max(*s.lengths, s.qps_length) + growth + MAX_SUFFIX
-    checkpoint = write_untrained_model(s.out / "model.pt", num_items=probe[0].num_items, max_len=max_len,
-                                       seed=s.seed)
-    _log(f"model: untrained HSTU (d=64, 2 blocks, 2 heads), max_len {max_len} (longest length + growth {growth} "
-         f"+ {MAX_SUFFIX}); trace: {probe[0].shape}")
+    checkpoint, max_len, probe = write_model(s)
+    warn_pressure(probe[0].shape)
     kept: list[dict[str, Any]] = []
     _log(f"starting {len(MODES)} x {s.rankers} rankers (every mode's, kept for both sweeps; points run interleaved "
          f"across modes); about {s.total_seconds() / 60:.1f} min if every swept point runs (sweeps stop at their "
@@ -783,18 +877,23 @@ async def bench(s: Settings) -> dict[str, Any]:
                                            "rankers": s.rankers, "ranker_nice": RANKER_NICE,
                                            "ranker_cpus": _cpus(s.ranker_cpus),
                                            "harness_cpus": _cpus(s.harness_cpus),
-                                           "schedule": "interleaved",
+                                           "schedule": "interleaved", "trace": s.trace_kind,
                                            "warmup_visits": s.warmup,
                                            "lengths": s.lengths, "length_qps": s.length_qps, "qps": s.qps,
-                                           "qps_length": s.qps_length, "qps_floor": s.qps_floor, "max_len": max_len}}
+                                           "qps_length": s.qps_length, "qps_floor": s.qps_floor, "max_len": max_len,
+                                           "device_cache_mb": DEVICE_CACHE_MB, "dram_cache_mb": DRAM_CACHE_MB,
+                                           "dram_ttl_s": DRAM_TTL_S, "follow_through": FOLLOW_THROUGH,
+                                           "cache_pressure_target": CACHE_PRESSURE,
+                                           "kv_bytes_per_token": KV_BYTES_PER_TOKEN}}
     base = modes["baseline"]
     result["baseline"] = base
+    result["prefix_cache"] = modes["prefix_cache"]
     result["relay"] = {**modes["relay"], **_relay_totals(modes["relay"])}
-    result["max_len_ratio"] = ratio(result["relay"]["max_len_at_slo"], base["max_len_at_slo"])
-    result["slo_qps_ratio"] = ratio(result["relay"]["max_qps_at_slo"], base["max_qps_at_slo"])
-    result["ablations"] = {a: {**modes[a], "max_len_ratio": ratio(modes[a]["max_len_at_slo"], base["max_len_at_slo"]),
-                               "slo_qps_ratio": ratio(modes[a]["max_qps_at_slo"], base["max_qps_at_slo"])}
-                           for a in ABLATIONS}
+    # relay against full inference (also the top-level ratios, as before) and against prefix caching alone
+    result["relay_vs_full"] = versus(result["relay"], base)
+    result["relay_vs_prefix_cache"] = versus(result["relay"], modes["prefix_cache"])
+    result.update(result["relay_vs_full"])
+    result["ablations"] = {a: {**modes[a], **versus(modes[a], base)} for a in ABLATIONS}
     rp = modes["relay"]["points"]
     result["prefill_tokens"] = {"computed": _tokens(rp, "prefill_tokens_computed"),
                                 "without_incremental": _tokens(rp, "prefill_tokens_without_incremental")}
@@ -834,7 +933,7 @@ def _brief(result: dict[str, Any]) -> dict[str, Any]:
     def strip(res: dict[str, Any]) -> dict[str, Any]:
         return {**res, "points": [{k: v for k, v in p.items() if k != "repeats"} for p in res["points"]]}
 
-    out = {**result, "baseline": strip(result["baseline"]), "relay": strip(result["relay"])}
+    out = {**result, **{m: strip(result[m]) for m in (*BASELINES, "relay")}}
     out["ablations"] = {k: strip(v) for k, v in result["ablations"].items()}
     return out
 
@@ -859,10 +958,12 @@ def settings_from(args: argparse.Namespace) -> Settings:
                  lengths=[int(x) for x in floats("--lengths", args.lengths, preset["lengths"])],
                  length_qps=args.length_qps or preset["length_qps"], qps=floats("--qps", args.qps, preset["qps"]),
                  qps_length=args.qps_length or preset["qps_length"], repeats=args.repeats or preset["repeats"],
-                 slo_ms=args.slo_ms, gap_ms=args.cascade_gap_ms, measured=args.measured, warmup=args.warmup,
+                 slo_ms=args.slo_ms, gap_ms=args.cascade_gap_ms,
+                 measured=1000 if args.measured is None else args.measured,
+                 warmup=250 if args.warmup is None else args.warmup,
                  seed=args.seed, out=Path(args.out),
                  qps_floor=args.qps_floor or preset["qps_floor"], min_user_gap_s=args.min_user_gap_s,
-                 rankers=args.rankers,
+                 rankers=args.rankers, trace_kind=args.trace,
                  ranker_cpus=cpu_pinning.parse_cpus("--ranker-cpus", args.ranker_cpus) if args.ranker_cpus else None,
                  harness_cpus=(cpu_pinning.parse_cpus("--harness-cpus", args.harness_cpus)
                                if args.harness_cpus else None))
@@ -881,6 +982,10 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.calibrate is not None:
+        from grstack.runtime.bench.serve_calibrate import run_calibrate
+
+        return run_calibrate(args)
     s = settings_from(args)
     if s.measured < 1000:
         _log(f"--measured {s.measured}: below the protocol's 1,000 measured ranks per point (a smoke run)")

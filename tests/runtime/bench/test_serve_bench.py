@@ -29,18 +29,21 @@ def test_tiny_run_reports_every_mode_the_overload_run_and_the_score_check(tmp_pa
     assert out["slo_ms"] == 5000.0
     assert (proto["ranker_cpus"], proto["harness_cpus"]) == (str(cpus[-1]), str(cpus[0]))
     # interleaved: every mode's 48-token point ran before any mode's 64-token point
-    modes = (out["baseline"], out["relay"], *out["ablations"].values())
+    modes = (out["baseline"], out["prefix_cache"], out["relay"], *out["ablations"].values())
     started = {length: [p["started_s"] for m in modes for p in m["points"] if p["sweep"] == "length"
                         and p["length"] == length] for length in (48, 64)}
-    assert proto["schedule"] == "interleaved" and len(started[48]) == len(started[64]) == 5
+    assert proto["schedule"] == "interleaved" and len(started[48]) == len(started[64]) == 6
     assert max(started[48]) < min(started[64])
-    for mode in (out["baseline"], out["relay"], *out["ablations"].values()):
+    for mode in modes:
         assert {"points", "max_len_at_slo", "max_qps_at_slo"} <= set(mode)
         assert all(p["n"] == p["planned"] == 30 and not p["stopped_early"] for p in mode["points"])
     assert set(out["ablations"]) == {"no_trigger", "no_affinity", "no_expander"}
     for ab in out["ablations"].values():
         assert "max_len_ratio" in ab and "slo_qps_ratio" in ab
     assert all(p["hit_rate"] in (0.0, None) for p in out["baseline"]["points"])  # relay off: every rank is full
+    # relay against both baselines, with the same fields; the top-level ratios are relay_vs_full's
+    assert set(out["relay_vs_full"]) == set(out["relay_vs_prefix_cache"]) == {"max_len_ratio", "slo_qps_ratio"}
+    assert {k: out[k] for k in out["relay_vs_full"]} == out["relay_vs_full"]
     # pre-infer every visit: the signal 20 ms ahead finds (or is joined by) most ranks
     assert any((p["hit_rate"] or 0) > 0 for p in out["ablations"]["no_trigger"]["points"])
     for key in ("max_len_ratio", "slo_qps_ratio", "max_abs_score_diff"):
@@ -67,10 +70,14 @@ def test_tiny_run_reports_every_mode_the_overload_run_and_the_score_check(tmp_pa
         assert g["rankers"]["count"] >= g["rankers"]["over_25ms"] >= g["rankers"]["over_50ms"] >= 0
     # every relay visit's signal was decided by the trigger, and the point says how
     assert all(sum(p["trigger_decisions"].values()) >= 38 for p in out["relay"]["points"])
-    assert all(set(p["trigger_decisions"]) <= {"disabled"} for p in out["baseline"]["points"])  # relay off
+    for base in ("baseline", "prefix_cache"):  # relay off: no signal pre-infers anything
+        assert all(set(p["trigger_decisions"]) <= {"disabled"} for p in out[base]["points"])
     assert out["capacity"]["slo_qps_ratio_bound"] == pytest.approx(
         out["capacity"]["relay"]["ceiling_qps"] / out["baseline"]["max_qps_at_slo"])
-    assert {"users", "top1pct_population_visit_share", "prefix_grew_fraction"} <= set(out["trace"])
+    assert {"users", "top1pct_population_visit_share", "prefix_grew_fraction", "reuse_share", "cache_pressure",
+            "follow_through", "session_gap_wall_s_min"} <= set(out["trace"])
+    assert out["trace"]["ranked_fraction"] < 1.0 and proto["follow_through"] == 0.8 and proto["dram_ttl_s"] == 600
+    assert "reuse_share" in out["relay"] and all("reuse_share" in p for p in out["prefix_cache"]["points"])
     # relay cache hits (topped up by no_trigger's) recomputed by full inference in fp32
     assert out["score_diff_samples"]["n"] > 0 and out["max_abs_score_diff"] <= 1e-4
     assert (tmp_path / "serve-p99.png").stat().st_size > 0

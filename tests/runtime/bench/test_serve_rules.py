@@ -176,6 +176,7 @@ def test_ranker_counters_become_deltas_and_absent_fields_none():
 
 
 def test_score_samples_follow_each_rank_request_to_its_visit_whatever_the_answer_order():
+    import itertools
     import json
 
     from grstack.runtime.bench.serve import encode, keep_for_score_check
@@ -185,9 +186,13 @@ def test_score_samples_follow_each_rank_request_to_its_visit_whatever_the_answer
     trace = build_trace(population(cfg.users, cfg.seed), cfg)
     reqs, visit_of = encode(trace, "t")
     ranks = [r for r in reqs if r.path == "/v1/rank"]
-    assert len(ranks) == len(trace.visits) and sum(r.measure for r in ranks) == cfg.measured
+    assert sum(r.path == "/v1/prefill" for r in reqs) == len(trace.visits)  # every visit signals
+    assert len(ranks) == sum(v.ranked for v in trace.visits) < len(trace.visits)  # not every signal is followed
+    assert sum(r.measure for r in ranks) == cfg.measured
+    pairs = [(p, r) for p, r in itertools.pairwise(reqs) if r.path == "/v1/rank"]
+    assert len(pairs) == len(ranks) and all(p.path == "/v1/prefill" for p, _ in pairs)
     assert all(json.loads(p.body)["long_term"] == json.loads(r.body)["long_term"]
-               for p, r in zip(reqs[::2], reqs[1::2], strict=True))  # a signal carries its rank's prefix
+               for p, r in pairs)  # a rank follows its own visit's signal, with the same prefix
     answers = [Result(r, 200, 1.0, {"cache": "device", "scores": json.loads(r.body)["candidates"]})
                for r in reversed(ranks)]  # answers in another order than the visits
     kept = []

@@ -1,10 +1,20 @@
 """``bench serve``'s visit trace: seeded, warm-up then measured visits, histories that grow only between
-sessions, signals a jittered cascade gap before their ranks, the point's mean rate, and Zipf-like skew."""
+sessions, signals a jittered cascade gap before their ranks, the point's mean rate, and Zipf-like skew
+(the new protocol's own properties: test_serve_trace_protocol.py)."""
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from grstack.runtime.bench.serve_trace import TraceConfig, build_trace, population, zipf_weights
+from grstack.runtime.bench.serve_trace import (
+    TraceConfig,
+    base_lengths,
+    build_trace,
+    population,
+    signals_needed,
+    zipf_weights,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -32,7 +42,8 @@ def test_same_seed_same_trace_other_seed_other_trace(pop, trace):
 
 
 def test_warmup_then_measured_visits_in_send_order(trace):
-    assert len(trace.visits) == CFG.warmup + CFG.measured
+    ranked = [k for k, v in enumerate(trace.visits) if v.ranked and k >= CFG.warmup]
+    assert len(ranked) == CFG.measured and ranked[-1] == len(trace.visits) - 1  # ends at the last measured rank
     walls = [v.wall_s for v in trace.visits]
     assert walls == sorted(walls) and walls[0] == 0.0
     by_user: dict[int, list[int]] = {}
@@ -41,7 +52,11 @@ def test_warmup_then_measured_visits_in_send_order(trace):
     assert all(ts == sorted(ts) for ts in by_user.values())  # each user's visits keep their stream order
 
 
-def test_long_term_fixed_within_a_session_and_grows_between_sessions(trace):
+def test_long_term_fixed_within_a_session_and_grows_between_sessions(pop):
+    # sessions a few seconds apart (a short TTL), so a point holds several of a user's sessions
+    cfg = replace(CFG, dram_ttl_s=0.5)
+    trace = build_trace(pop, cfg)
+    base = base_lengths(pop, cfg)
     by_session, last_by_user = {}, {}
     grew = 0
     for v in trace.visits:
@@ -57,8 +72,8 @@ def test_long_term_fixed_within_a_session_and_grows_between_sessions(trace):
             assert np.array_equal(v.long_items[:len(prev[1])], prev[1])
             grew += len(v.long_items) > len(prev[1])
         last_by_user[v.user] = (v.session, v.long_items)
-        assert len(v.long_items) >= CFG.length  # the per-point base, then the window's events
-        assert v.long_ts[-1] < v.short_ts[0] or len(v.long_items) == CFG.length
+        assert len(v.long_items) >= base[v.user]  # the user's base, then the window's events
+        assert v.long_ts[-1] < v.short_ts[0] or len(v.long_items) == base[v.user]
         assert 1 <= len(v.short_items) <= CFG.max_short and len(v.candidates) == CFG.candidates
     assert grew > 0, "no history grew: the trace does not exercise incremental prefixes"
     assert trace.shape["prefix_grew_fraction"] > 0
@@ -83,7 +98,7 @@ def test_mean_rate_is_the_points_qps_and_a_user_never_visits_faster_than_the_gap
         last[v.user] = v.wall_s
         counts[v.user] = counts.get(v.user, 0) + 1
     # a higher QPS comes from more users, each capped at what fits the point at one visit per gap
-    assert max(counts.values()) <= int(0.5 * n / qps / CFG.min_user_gap_s) + 1
+    assert max(counts.values()) <= int(0.5 * signals_needed(CFG) / qps / CFG.min_user_gap_s) + 1
     assert t.shape["user_gap_wall_s_min"] >= CFG.min_user_gap_s - 1e-9
 
 
@@ -108,4 +123,4 @@ def test_shape_reports_what_the_json_promises(trace):
     for key in ("users", "visits_per_user_p50", "visits_per_user_p99", "top1pct_population_visit_share",
                 "sessions_per_user_mean", "mean_long_term_len", "prefix_grew_fraction"):
         assert key in trace.shape
-    assert trace.shape["visits"] == CFG.warmup + CFG.measured
+    assert trace.shape["visits"] == len(trace.visits) and trace.shape["measured"] == CFG.measured

@@ -1,0 +1,43 @@
+"""``grstack bench serve --calibrate`` on a tiny trace: the real rankers and router at two load points, and a cost
+profile of every step kind, the request CPU and the hops fitted to what they logged, written and printed."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from grstack.runtime.serve import CostProfile
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+TINY = ["--quick", "--calibrate-points", "48:20,300:20", "--users", "200", "--measured", "40", "--warmup", "10",
+        "--cascade-gap-ms", "20", "--min-user-gap-s", "0.2"]
+
+
+def test_calibrate_writes_and_prints_a_profile_of_what_the_rankers_logged(tmp_path):
+    path = tmp_path / "profile.json"
+    proc = subprocess.run([sys.executable, "-P", "-m", "grstack.runtime.cli", "bench", "serve", "--calibrate",
+                           str(path), *TINY, "--out", str(tmp_path / "work")], capture_output=True, text=True,
+                          timeout=170)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert printed == json.loads(path.read_text())
+    p = CostProfile.load(path)
+    assert p.source == "calibrated" and p.version == 1
+    assert [(pt["length"], pt["qps"], pt["n"]) for pt in p.host["points"]] == [(48, 20.0, 40), (300, 20.0, 40)]
+    assert p.host["cores"] >= 1 and p.host["torch"]
+    assert set(p.steps) == {"rank_cached", "rank_full", "extend_many"}  # relay: prefills, hits and short misses
+    for m in p.steps.values():
+        assert m.samples > 0 and all(c >= 0 for c in m.coef) and m.predict({"batch": 1, "tokens": 64, "context": 64, "pairs": 4096}) > 0
+        tails = m.tails()
+        assert tails["p50"] <= tails["p90"] <= tails["p99"] <= tails["max"]
+    assert {"rank.parse", "rank.encode", "rank.reply"} <= set(p.requests)
+    answered = sum(pt["n"] - sum(pt["errors_by_kind"].values()) for pt in p.host["points"])  # measured ones
+    assert set(p.hops) == {"harness", "router", "link"}
+    hops = {m.samples for m in p.hops.values()}
+    assert len(hops) == 1 and answered <= hops.pop() <= 2 * 50  # every answered rank (warm-up too) had its headers
+    assert p.requests["rank.parse"].samples >= answered
+    log = json.loads((tmp_path / "profile-log.json").read_text())  # what it was fitted to, for refits
+    assert len(log["steps"]) >= sum(m.samples for m in p.steps.values()) > 0  # (a 0 s step is not fitted)
+    assert {s["kind"] for s in log["steps"]} == set(p.steps)
