@@ -25,6 +25,10 @@ KuaiRand-like data. Prints one JSON object on stdout; progress and details on st
   the dense all-reduce from launch to the end of its wait, the main thread's own collectives): the part of
   their time during which the compute thread was blocked, over their whole time (1.0: nothing overlapped;
   ``grstack.runtime.train.timing``).
+* ``blocked_comm_ms``: per setting, the median over the timed steps of the time the training thread was
+  blocked on communication in a step (every wait for a lookup, rows, gradient sends, the buckets, the stats;
+  at world size 1 the inline events): unlike ``exposed_comm_ratio``, events in flight at the same time do
+  not each count, so it is the step time communication actually costs the compute thread.
 * ``collectives``: a short logged run (``steps``: 3 with ``--quick``, else 6; separate from the timed one,
   so logging does not disturb its timing) of every pipeline mode on the same ranks (``modes``: the four
   above and ``semi_async``, ``pipeline.semi_async`` being the alternative to DBP; ``pipeline_modes``), every
@@ -602,6 +606,8 @@ def run(args: argparse.Namespace) -> int:
     runs = call_ranks("grstack.runtime.train.harness:run_modes", world,
                       {"config": cfg.model_dump(mode="json"), "modes": modes, "steps": steps + warmup})[0]
     step_ms = {m: _median_after_warmup([r["step_ms"] for r in runs[m]["records"]], warmup) for m in SETTINGS}
+    blocked_ms = {m: _median_after_warmup([r["blocked_comm_ms"] for r in runs[m]["records"]], warmup)
+                  for m in SETTINGS}
     fwp = runs["fwp"]["records"][warmup:]
     exposed = sum(r["exposed_comm_ms"] for r in fwp) / max(sum(r["comm_ms"] for r in fwp), 1e-9)
     keys = {k: statistics.mean(r["unique_keys_per_microbatch"] for r in runs[m]["records"])
@@ -620,6 +626,7 @@ def run(args: argparse.Namespace) -> int:
         "imbalance_cost_model": IMBALANCE_COST_MODEL,
         "imbalance_measured": measured,
         "step_ms": step_ms,
+        "blocked_comm_ms": blocked_ms,
         "exposed_comm_ratio": exposed,
         "microbatches": n,
         "unique_keys_per_microbatch": keys,

@@ -510,6 +510,7 @@ class Engine:
         self._staged = {}
         collective = sum(c.seconds for c in ctx.comms) - comm_before
         t_end = time.perf_counter()
+        blocked = clock.blocked_s()  # the main thread's waits of this step (measure forgets them)
         comm_total, exposed = clock.measure(t_start, t_end)
         step_s = t_end - t_start
         return {
@@ -523,6 +524,7 @@ class Engine:
             "compute_ms": 1e3 * compute,
             "sparse_update_ms": 1e3 * update_s,
             "exposed_comm_ms": 1e3 * exposed,
+            "blocked_comm_ms": 1e3 * blocked,
             "comm_ms": 1e3 * comm_total,
             "collective_ms": 1e3 * collective,
             "busy_ms": 1e3 * busy,

@@ -10,7 +10,7 @@ from grstack.runtime.cli import main
 pytestmark = pytest.mark.integration
 
 TRAIN_KEYS = {"imbalance_before", "imbalance_after", "imbalance_cost_model", "imbalance_measured", "step_ms",
-              "exposed_comm_ratio", "microbatches", "unique_keys_per_microbatch", "dbp_max_abs_diff",
+              "blocked_comm_ms", "exposed_comm_ratio", "microbatches", "unique_keys_per_microbatch", "dbp_max_abs_diff",
               "fwp_max_abs_diff", "tokens_per_second", "embedding_step_ms", "embedding_step_ratio",
               "embedding_step_ms_pipelined", "embedding_step_ratio_pipelined", "embedding_step_spread_ms",
               "embedding_ids", "cluster_ms_per_batch", "clustering", "events_read_fraction_max",
@@ -30,6 +30,9 @@ def test_bench_train_prints_the_promised_json(capsys):
         assert set(figures) >= SPLITS and all(0 <= figures[s] < 1 for s in SPLITS), figures
     assert m["cost_model"]["after"] <= m["cost_model"]["before"] and 0 <= m["noise_floor"] < 0.5
     assert "cost model" in out["imbalance_cost_model"] and 0 < out["exposed_comm_ratio"] <= 1
+    # the compute thread's waits, counted once: never more than the step itself
+    assert set(out["blocked_comm_ms"]) == set(out["step_ms"])
+    assert all(0 <= out["blocked_comm_ms"][m] <= out["step_ms"][m] for m in out["step_ms"])
     assert set(out["step_ms"]) == {"sync", "dbp", "fwp", "fwp_clustered"}
     assert set(out["unique_keys_per_microbatch"]) == {"random", "clustered"}
     assert out["embedding_step_ms"] == out["embedding_step_ms_pipelined"] == {"grstack": None, "torchrec": None}
