@@ -7,22 +7,12 @@ import datetime as dt
 from typing import Any
 
 import pytest
+from training_jobs import NOW, T0, job
 
-from grstack.operator import crds, names, training
+from grstack.operator import crds, training
 from grstack.operator.training import reconcile_training
 
 pytestmark = pytest.mark.unit
-
-NOW = dt.datetime(2026, 1, 1, 12, 0, 0, tzinfo=dt.UTC)
-T0 = "2026-01-01T11:00:00Z"
-
-
-def job(spec: dict[str, Any] | None = None, status: dict[str, Any] | None = None,
-        generation: int = 1) -> dict[str, Any]:
-    return {"apiVersion": names.API_VERSION, "kind": names.TRAINING_KIND,
-            "metadata": {"name": "demo", "namespace": "ns", "uid": "uid-1", "generation": generation},
-            "spec": {"image": "grstack:cpu", "workers": {"replicas": 2}, **(spec or {})},
-            "status": status or {}}
 
 
 def as_live(pods: list[dict[str, Any]], phase: str = "Running") -> list[dict[str, Any]]:

@@ -10,23 +10,13 @@ import typing
 from typing import Any
 
 import pytest
+from training_jobs import NOW, T0, job
 
 from grstack.operator import names, refusals, training
 from grstack.operator.models import GRTrainingJobStatus, TrainingState
 from grstack.operator.training import Pass, TrainingPlan, reconcile_training
 
 pytestmark = pytest.mark.unit
-
-NOW = dt.datetime(2026, 1, 1, 12, 0, 0, tzinfo=dt.UTC)
-T0 = "2026-01-01T11:00:00Z"
-
-
-def job(spec: dict[str, Any] | None = None, status: dict[str, Any] | None = None,
-        generation: int = 1) -> dict[str, Any]:
-    return {"apiVersion": names.API_VERSION, "kind": names.TRAINING_KIND,
-            "metadata": {"name": "demo", "namespace": "ns", "uid": "uid-1", "generation": generation},
-            "spec": {"image": "grstack:cpu", "workers": {"replicas": 2}, **(spec or {})},
-            "status": status or {}}
 
 
 def running(status: dict[str, Any], phase: str = "Running") -> list[dict[str, Any]]:
