@@ -533,6 +533,16 @@ class Pass:
         self.plan.requeue_after = seconds if self.plan.requeue_after is None else min(self.plan.requeue_after,
                                                                                       seconds)
 
+    def restart_gang(self, reason: str, message: str, event: tuple[str, str] = ("Warning", "Restarting"),
+                     requeue_s: float | None = 1.0) -> None:
+        """The whole gang restarts from the last checkpoint: state Restarting, an event, the pods dropped
+        (and a requeue, unless the pods' own deletion events will bring the next pass)."""
+        self.state("Restarting", reason, message)
+        self.event(*event, message)
+        self.drop_gang()
+        if requeue_s is not None:
+            self.requeue(requeue_s)
+
     def drop_gang(self) -> None:
         """The current gang goes on purpose (restart, suspend, release): delete it, forget its start."""
         self.plan.delete_pods += [p["metadata"]["name"] for p in self.current.values()
@@ -731,10 +741,7 @@ def _spec_changed(p: Pass) -> bool:
     fields = _changed(p.desired[rank], outdated[rank]) if outdated else ["workers.replicas"]
     msg = (f"spec changed (generation {p.generation}: {', '.join(fields)}); restarting all {p.replicas} workers "
            f"from the last checkpoint")
-    p.state("Restarting", "SpecChanged", msg)
-    p.event("Normal", "SpecChanged", msg)
-    p.drop_gang()
-    p.requeue(1.0)
+    p.restart_gang("SpecChanged", msg, event=("Normal", "SpecChanged"))
     return True
 
 
@@ -773,10 +780,7 @@ def _failed(p: Pass) -> bool:
         p.status["disruptions"] = count
         text = (f"pod {pod['metadata']['name']} was disrupted ({why}); restarting all {p.replicas} workers from "
                 f"the last checkpoint (disruption {count}: not counted against backoffLimit={limit})")
-        p.state("Restarting", "WorkerDisrupted", text)
-        p.event("Warning", "Restarting", text)
-        p.drop_gang()
-        p.requeue(1.0)
+        p.restart_gang("WorkerDisrupted", text)
         return True
     lost = [r for r in range(p.replicas) if r not in current]
     if failed:
@@ -794,9 +798,7 @@ def _failed(p: Pass) -> bool:
     p.status["restarts"] = restarts + 1
     text = (f"{msg}; restarting all {p.replicas} workers from the last checkpoint "
             f"(restart {restarts + 1} of {limit})")
-    p.state("Restarting", reason, text)
-    p.event("Warning", "Restarting", text)
-    p.drop_gang()
+    p.restart_gang(reason, text, requeue_s=None)
     return True
 
 
