@@ -25,7 +25,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +129,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--harness-cpus", default=None,
                         help="CPUs this process (load generator and routers) runs on, e.g. 0 (Linux; default: any)")
     parser.add_argument("--seed", type=ca.seed, default=0, help="seed of the synthetic users and traces")
+    parser.add_argument("--modes", default=None, metavar="M,...",
+                        help=f"the modes to measure (default all: {','.join(MODES)}); baseline and relay are "
+                             "always among them")
     parser.add_argument("--calibrate", nargs="?", const="", default=None, type=_profile_file, metavar="FILE",
                         help="instead of the sweeps: run the rankers at a few load points and write the cost "
                              "profile fitted to their logged steps to FILE (default OUT/cost-profile.json)")
@@ -164,6 +167,7 @@ class Settings:
     ranker_cpus: frozenset[int] | None = None
     harness_cpus: frozenset[int] | None = None
     trace_kind: str = "protocol"
+    modes: tuple[str, ...] = MODES
     pops: dict[int, Population] = field(default_factory=dict)
 
     def trace_config(self, length: int, qps: float, repeat: int) -> TraceConfig:
@@ -193,7 +197,7 @@ class Settings:
     def point_seconds(self, qps: float) -> float:
         return (self.warmup + self.measured) / qps + POINT_OVERHEAD_S
 
-    def total_seconds(self, modes: int = len(MODES), probe: bool = False) -> float:
+    def total_seconds(self, modes: int | None = None, probe: bool = False) -> float:
         """Every mode when every swept point runs (a failing sweep stops earlier), plus the overload run;
         ``probe``: plus the points below a failing lowest QPS (slow: a point at 2.5 QPS takes
         (warm-up + measured) / 2.5 s)."""
@@ -204,7 +208,8 @@ class Settings:
         while probe and lower >= self.qps_floor:
             pts.append(self.point_seconds(lower))
             lower /= 2
-        return START_S + modes * self.repeats * sum(pts) + self.point_seconds(3 * self.qps[0])
+        n = len(self.modes) if modes is None else modes
+        return START_S + n * self.repeats * sum(pts) + self.point_seconds(3 * self.qps[0])
 
 
 def _log(msg: str) -> None:
@@ -756,7 +761,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    modes = {m: result[m] for m in (*BASELINES, "relay")} | result["ablations"]
+    modes = {m: result[m] for m in (*BASELINES, "relay") if m in result} | result["ablations"]
     for (mode, res), style in zip(modes.items(), ("o-", "x-", "s-", "^--", "v--", "d--"), strict=False):
         for ax, sweep, key in ((axes[0], "length", "length"), (axes[1], "qps", "qps")):
             pts = sorted((p for p in res["points"] if p["sweep"] == sweep), key=lambda p: p[key])
@@ -858,10 +863,10 @@ async def bench(s: Settings) -> dict[str, Any]:
     checkpoint, max_len, probe = write_model(s)
     warn_pressure(probe[0].shape)
     kept: list[dict[str, Any]] = []
-    _log(f"starting {len(MODES)} x {s.rankers} rankers (every mode's, kept for both sweeps; points run interleaved "
+    _log(f"starting {len(s.modes)} x {s.rankers} rankers (every mode's, kept for both sweeps; points run interleaved "
          f"across modes); about {s.total_seconds() / 60:.1f} min if every swept point runs (sweeps stop at their "
          f"first failure)")
-    async with mode_runs(MODES, checkpoint, s, kept, t0) as runs:
+    async with mode_runs(s.modes, checkpoint, s, kept, t0) as runs:
         modes = await sweep_modes(runs)
     base_qps = modes["baseline"]["max_qps_at_slo"]
     offered = 3.0 * (base_qps if base_qps is not None else min(s.qps))
@@ -887,13 +892,15 @@ async def bench(s: Settings) -> dict[str, Any]:
                                            "kv_bytes_per_token": KV_BYTES_PER_TOKEN}}
     base = modes["baseline"]
     result["baseline"] = base
-    result["prefix_cache"] = modes["prefix_cache"]
+    if "prefix_cache" in modes:
+        result["prefix_cache"] = modes["prefix_cache"]
     result["relay"] = {**modes["relay"], **_relay_totals(modes["relay"])}
     # relay against full inference (also the top-level ratios, as before) and against prefix caching alone
     result["relay_vs_full"] = versus(result["relay"], base)
-    result["relay_vs_prefix_cache"] = versus(result["relay"], modes["prefix_cache"])
+    result["relay_vs_prefix_cache"] = (versus(result["relay"], modes["prefix_cache"]) if "prefix_cache" in modes
+                                       else None)
     result.update(result["relay_vs_full"])
-    result["ablations"] = {a: {**modes[a], **versus(modes[a], base)} for a in ABLATIONS}
+    result["ablations"] = {a: {**modes[a], **versus(modes[a], base)} for a in ABLATIONS if a in modes}
     rp = modes["relay"]["points"]
     result["prefill_tokens"] = {"computed": _tokens(rp, "prefill_tokens_computed"),
                                 "without_incremental": _tokens(rp, "prefill_tokens_without_incremental")}
@@ -933,7 +940,7 @@ def _brief(result: dict[str, Any]) -> dict[str, Any]:
     def strip(res: dict[str, Any]) -> dict[str, Any]:
         return {**res, "points": [{k: v for k, v in p.items() if k != "repeats"} for p in res["points"]]}
 
-    out = {**result, **{m: strip(result[m]) for m in (*BASELINES, "relay")}}
+    out = {**result, **{m: strip(result[m]) for m in (*BASELINES, "relay") if m in result}}
     out["ablations"] = {k: strip(v) for k, v in result["ablations"].items()}
     return out
 
@@ -975,6 +982,12 @@ def settings_from(args: argparse.Namespace) -> Settings:
     for flag, ok in checks:
         if not ok:
             raise UserError(f"{flag}: must be positive (--warmup and --cascade-gap-ms may be 0)")
+    if args.modes is not None:
+        chosen = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+        unknown = [m for m in chosen if m not in MODES]
+        if unknown:
+            raise UserError(f"--modes: unknown mode {unknown[0]!r} (one of {', '.join(MODES)})")
+        s = replace(s, modes=tuple(m for m in MODES if m in {*chosen, "baseline", "relay"}))
     if max(*s.lengths, s.qps_length) > MAX_LENGTH:
         raise UserError(f"--lengths/--qps-length: at most {MAX_LENGTH} events (a request carries at most 100,000 "
                         f"with the growth)")

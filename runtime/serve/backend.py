@@ -20,6 +20,11 @@ class ComputeBackend(Protocol):
     """Prefix K/V building and ranking on one device; stateless, the caller owns caching and scheduling."""
 
     @property
+    def kv_bytes_per_token(self) -> int:
+        """Cached bytes per prefix token (what the trigger's and the tiers' byte budgets count)."""
+        ...
+
+    @property
     def chunk(self) -> int:
         """Tokens of one prefill chunk; a miss with no more history than this is one full inference."""
         ...

@@ -30,7 +30,7 @@ import contextlib
 import functools
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -66,7 +66,13 @@ from grstack.runtime.serve.http import (
 from grstack.runtime.serve.kv_arena import KVArena
 from grstack.runtime.serve.placement import PlacementStore, Replica
 from grstack.runtime.serve.prefix import context_key
-from grstack.runtime.serve.scheduler import ComputeScheduler, DeadlineExceeded, QueueFull, Timing
+from grstack.runtime.serve.scheduler import (
+    ComputeRunner,
+    ComputeScheduler,
+    DeadlineExceeded,
+    QueueFull,
+    Timing,
+)
 from grstack.runtime.serve.schemas import (
     MAX_BODY_BYTES,
     CacheStatsModel,
@@ -203,12 +209,17 @@ class RankerService:
     def __init__(self, model: HSTU, tasks: list[str], config: RankerConfig | None = None,
                  store: PlacementStore | None = None, user_vocab: dict[str, list[str]] | None = None,
                  action_names: Sequence[str] | None = None, clock: Clock | None = None,
-                 backend: ComputeBackend | None = None, cpu: Now = thread_cpu, dram: DramTier | None = None) -> None:
+                 backend: ComputeBackend | None = None, cpu: Now = thread_cpu, dram: DramTier | None = None,
+                 runner: ComputeRunner | None = None,
+                 promote: Callable[[PrefixKV], Awaitable[PrefixKV]] | None = None,
+                 to_host: Callable[[PrefixKV], PrefixKV] | None = None) -> None:
         """``clock``: the time of TTLs, deadlines and latencies (the system's when None); ``backend``: the tensor
         math the scheduler and the profiler call (the engine when None; a stand-in keeps everything else real);
         ``cpu``: what a request's CPU segments are read from (the event loop thread's CPU time); ``dram``: the
         server's DRAM tier shared with the other replicas in this process (None: this replica's own, of
-        ``config.dram_cache_bytes`` and ``config.dram_ttl_s``)."""
+        ``config.dram_cache_bytes`` and ``config.dram_ttl_s``); ``runner``: where the scheduler's compute runs (its
+        own thread when None); ``promote``/``to_host``: how a prefix moves from DRAM to the device and back (the
+        device's copies when None; a simulated replica charges the transfer time instead)."""
         self.config = cfg = config or RankerConfig()
         if cfg.eviction not in ("lru", "cost"):
             raise ValueError(f"eviction must be 'lru' or 'cost', got {cfg.eviction!r}")
@@ -247,7 +258,7 @@ class RankerService:
         # Evicted prefixes are copied into a bounded, reused host pool (pinned on CUDA): no allocation per eviction.
         dram_budget = dram.capacity_bytes if dram is not None else cfg.dram_cache_bytes
         self.host_pool = HostPool(dram_budget + dram_budget // 4, device=device)
-        to_host = evict_to_host(self.host_pool, copy_stream)
+        to_host = to_host if to_host is not None else evict_to_host(self.host_pool, copy_stream)
         use_arena = cfg.kv_arena
         if use_arena is None:  # GRSTACK_KV_ARENA=1/0 overrides the by-device default (operators, tests)
             env = os.environ.get(KV_ARENA_ENV)
@@ -255,7 +266,8 @@ class RankerService:
         self.arena = (KVArena.from_budget(self.engine.model, cfg.device_cache_bytes, backend=self.engine.backend,
                                           kv_dtype=self.engine.kv_dtype) if use_arena else None)
         self.cache = TieredKVCache(cfg.device_cache_bytes, cfg.dram_cache_bytes, cfg.dram_ttl_s, to_host=to_host,
-                                   to_device=self._to_device if device.type != "cpu" else None, arena=self.arena,
+                                   to_device=promote if promote is not None
+                                   else self._to_device if device.type != "cpu" else None, arena=self.arena,
                                    head=self.engine.head, clock=self.clock, dram=dram,
                                    evict_cost_s=recompute_seconds(lambda: self.profile)
                                    if cfg.eviction == "cost" else None)
@@ -266,7 +278,7 @@ class RankerService:
                                           retry_after_s=cfg.retry_after_s, max_step_tokens=cfg.max_step_tokens,
                                           on_tokens=self._on_tokens, on_compute=self._on_compute,
                                           reserve=self.cache.reserve if self.arena is not None else None,
-                                          steps=self.steps,
+                                          steps=self.steps, runner=runner,
                                           admission_margin_s=None if cfg.admission_margin_ms is None
                                           else cfg.admission_margin_ms / 1e3)
         self.store = store
@@ -415,7 +427,7 @@ class RankerService:
         return Profile(replica=self.replica_id, max_len=eng.max_len, max_suffix=eng.max_suffix,
                        max_candidates=cfg.max_candidates, candidates=cfg.profile_candidates, lengths=out_l,
                        full_ms=full, cached_ms=cached, prefill_ms=prefill,
-                       kv_bytes_per_token=eng.kv_bytes_per_token, tasks=self.tasks, num_items=self.num_items,
+                       kv_bytes_per_token=math.kv_bytes_per_token, tasks=self.tasks, num_items=self.num_items,
                        action_names=self.action_names, user_fields=self.user_fields)
 
     # -- prefill ------------------------------------------------------------------------------------

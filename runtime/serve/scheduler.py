@@ -49,7 +49,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -69,6 +69,27 @@ COMPUTE_KINDS = ("prefill", "rank_cached", "rank_full")
 
 class DeadlineExceeded(Exception):
     """The request's deadline passed before its compute ran; it was dropped, not computed."""
+
+
+class ComputeRunner(Protocol):
+    """Runs one call of the tensor math off the event loop and returns its result."""
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+class ThreadRunner:
+    """The ranker's one compute thread (torch releases the GIL: the event loop keeps serving meanwhile)."""
+
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ranker-compute")
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
 
 
 @dataclass
@@ -92,9 +113,12 @@ class ComputeScheduler:
     # admission (:class:`PredictedLate`); the margin is the answer's way back to the caller
     admission_margin_s: float | None = None
     steps: StepLog = field(default_factory=StepLog)  # every step run, with its sizes and seconds (bounded)
+    # where the tensor math runs: one compute thread (None), or a stand-in holding a simulated replica's core on
+    # virtual time (runtime/serve/virtual_time.py)
+    runner: ComputeRunner | None = None
 
     def __post_init__(self) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ranker-compute")
+        self.runner: ComputeRunner = self.runner if self.runner is not None else ThreadRunner()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.dropped_expired = 0
@@ -141,11 +165,11 @@ class ComputeScheduler:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        self._executor.shutdown(wait=True)
+        self.runner.close()
 
     async def run_sync(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Runs ``fn`` on the compute thread (profiling, warm-up) outside the queues."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        return await self.runner.run(fn, *args)
 
     def depth(self) -> dict[str, int]:
         return self.queues.depth()
@@ -333,7 +357,7 @@ class ComputeScheduler:
         t0 = self.clock()
         self._expect(self.hit_cost.predict(len(batch)))
         try:
-            out, began, seconds = await loop.run_in_executor(self._executor, self._timed, self.engine.rank_cached,
+            out, began, seconds = await self.runner.run(self._timed, self.engine.rank_cached,
                                                              [h.kv for h in batch], [h.item for h in batch])
         except Exception as exc:
             for h in batch:
@@ -380,7 +404,7 @@ class ComputeScheduler:
         self._expect(self.full_cost.predict(tokens))
         try:
             items = [item for j in batch if (item := j.item) is not None]  # short misses: all rank requests
-            out, began, seconds = await loop.run_in_executor(self._executor, self._timed, self.engine.rank_full, items)
+            out, began, seconds = await self.runner.run(self._timed, self.engine.rank_full, items)
         except Exception as exc:
             for j in batch:
                 if not j.future.done():
@@ -450,7 +474,7 @@ class ComputeScheduler:
         self._expect(self.token_cost.predict(sum(n for _, n in plan))
                      + (self.hit_cost.predict(ranked) if ranked else 0.0))
         try:
-            groups = [(batch, first, await loop.run_in_executor(self._executor, self._compute_chunks, plan))]
+            groups = [(batch, first, await self.runner.run(self._compute_chunks, plan))]
         except Exception as exc:
             if len(batch) == 1:
                 self._fail(batch[0], exc)
@@ -458,7 +482,7 @@ class ComputeScheduler:
             groups = []  # isolate the failing member: the others are computed one by one
             for (j, n), f in zip(plan, first, strict=True):
                 try:
-                    groups.append(([j], [f], await loop.run_in_executor(self._executor, self._compute_chunks,
+                    groups.append(([j], [f], await self.runner.run(self._compute_chunks,
                                                                          [(j, n)])))
                 except Exception as one:
                     self._fail(j, one)
