@@ -135,6 +135,31 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calibrate", nargs="?", const="", default=None, type=_profile_file, metavar="FILE",
                         help="instead of the sweeps: run the rankers at a few load points and write the cost "
                              "profile fitted to their logged steps to FILE (default OUT/cost-profile.json)")
+    g = parser.add_argument_group("simulation (--simulate: the real control plane on virtual time, "
+                                  "docs/bench-serve.md)")
+    g.add_argument("--simulate", action="store_true",
+                   help="instead of real rankers: validate the simulator against the stored real runs, then "
+                        "find every mode's limits at the paper-scale protocol on virtual time")
+    g.add_argument("--model", default="paper", metavar="paper|FILE",
+                   help="--simulate's costs: paper (a 0.2B HSTU in bf16 on an H200, a model) or a cost profile "
+                        "from --calibrate")
+    g.add_argument("--replicas", type=ca.positive_int, default=None, help="--simulate: rankers (default 2; full 8)")
+    g.add_argument("--servers", type=ca.positive_int, default=None,
+                   help="--simulate: servers the replicas are split over, one shared DRAM tier each (default 1)")
+    g.add_argument("--device-gb", type=ca.positive_float, default=None,
+                   help="--simulate: device KV tier per replica (default: the H200's memory beside the weights)")
+    g.add_argument("--dram-gb", type=ca.positive_float, default=None,
+                   help="--simulate: DRAM tier per server (default 1536)")
+    g.add_argument("--seeds", type=ca.positive_int, default=None, help="--simulate: trace seeds per point")
+    g.add_argument("--validation", default=None, metavar="DIR",
+                   help="--simulate: the stored real runs to validate against (default docs/results/serve-validation)")
+    g.add_argument("--no-validation", action="store_true", help="--simulate: skip the validation")
+    g.add_argument("--plan", action="store_true",
+                   help="--simulate: the fewest replicas meeting --slo-ms at --qps Q, per device memory, relay "
+                        "and full inference")
+    g.add_argument("--device-gb-options", default=None, metavar="G,...",
+                   help="--plan: device memory per replica to plan for (default: a quarter, half and all of it)")
+    g.add_argument("--max-replicas", type=ca.positive_int, default=256, help="--plan: search up to this many")
     parser.add_argument("--calibrate-points", default=None, metavar="L:Q,...",
                         help="--calibrate's load points as length:qps pairs (default: the preset's)")
     parser.set_defaults(func=run)
@@ -995,6 +1020,10 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.simulate:
+        from grstack.runtime.bench.serve_simulate import run_simulate
+
+        return run_simulate(args)
     if args.calibrate is not None:
         from grstack.runtime.bench.serve_calibrate import run_calibrate
 

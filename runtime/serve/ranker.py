@@ -194,8 +194,8 @@ def _bits(names: Sequence[str]) -> str:
     return ", ".join(f"{n} = {1 << b}" for b, n in enumerate(names))
 
 
-def _check_items(name: str, items: Sequence[int], num_items: int) -> None:
-    if items and max(items) > num_items:
+def _check_items(name: str, items: Sequence[int] | np.ndarray, num_items: int) -> None:
+    if len(items) and int(np.max(items)) > num_items:  # a list (parsed JSON) or an array (a simulator's request)
         i = next(i for i, x in enumerate(items) if x > num_items)
         raise RequestError(422, f"{name}[{i}]: item id {items[i]} is beyond the model's catalogue "
                                 f"(1..{num_items})")

@@ -7,7 +7,7 @@ the real control plane end to end. Answers are the ones the ranker's HTTP app gi
 from __future__ import annotations
 
 from collections.abc import Awaitable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 from urllib.parse import parse_qs, urlsplit
 
 from pydantic import BaseModel
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from grstack.runtime.serve.ranker import RankerService
 
 JSON = {"Content-Type": "application/json"}
+M = TypeVar("M", bound=BaseModel)
 
 
 def _model(model: BaseModel, status: int = 200) -> Reply:
@@ -53,6 +54,11 @@ class InProcessTransport:
 
     async def close(self) -> None:
         return None
+
+    def parse(self, body: bytes, model: type[M]) -> M:
+        """A request body as ``model``, as the HTTP app parses it (a simulator that built the request already
+        returns it)."""
+        return parse_json(body, model)
 
     def _service(self, url: str) -> RankerService:
         service = self.services.get(url)
@@ -113,7 +119,7 @@ class InProcessTransport:
         deadline = None if budget_ms is None else arrived + budget_ms / 1e3
         cpu = RequestCpu()
         c0 = service.cpu()
-        req = parse_json(body, RankRequest)
+        req = self.parse(body, RankRequest)
         cpu.parse_s = service.cpu() - c0
         if deadline is not None and service.scheduler.clock() >= deadline:
             raise DeadlineExceeded("deadline passed on arrival; dropped before compute")
@@ -125,7 +131,7 @@ class InProcessTransport:
             raise RequestError(503, "ranker is starting")
         cpu = RequestCpu()
         c0 = service.cpu()
-        req = parse_json(body, PrefillRequest)
+        req = self.parse(body, PrefillRequest)
         cpu.parse_s = service.cpu() - c0
         return self._answered(service, arrived, req, cpu, await service.prefill(req, cpu))
 

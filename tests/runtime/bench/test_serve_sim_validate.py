@@ -1,0 +1,75 @@
+"""The validation rules: a prediction within the measured repeats' spread, the knee within its bracket."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from grstack.runtime.bench.serve_sim_validate import (
+    HeldOutPoint,
+    compare,
+    knee_check,
+    load_validation,
+    summary,
+)
+from grstack.runtime.errors import UserError
+
+pytestmark = pytest.mark.unit
+
+
+def held(p99: float | None, lo: float | None, hi: float | None, **extra) -> HeldOutPoint:
+    m = {"p99_ms": p99, "p99_ms_min": lo, "p99_ms_max": hi, "hit_rate": 0.9, "compute_ms_per_visit": 5.0,
+         "n": 600, "errors_by_kind": {"shed_503": 6}, "trigger_decisions": {"admitted": 50, "not-at-risk": 50},
+         **extra}
+    return HeldOutPoint("relay", "qps", 512, 20.0, (1000, 1001, 1002), m)
+
+
+def test_within_the_repeat_spread() -> None:
+    pred = {"p99_ms": 30.0, "hit_rate": 0.91, "compute_ms_per_visit": 5.1, "n": 600,
+            "errors_by_kind": {"shed_503": 7}, "trigger_decisions": {"admitted": 52, "not-at-risk": 48}}
+    e = compare(held(31.0, 25.0, 40.0), pred, 100.0)
+    assert e["within"] and e["point"] == "512@20"
+    assert all(c["within"] for c in e["checks"].values())
+    assert not compare(held(31.0, 25.0, 29.0), pred, 100.0)["within"]
+
+
+def test_a_failed_measured_point_needs_a_failing_prediction() -> None:
+    failed = held(None, 80.0, None)
+    assert not compare(failed, {"p99_ms": 60.0}, 100.0)["within"]
+    assert compare(failed, {"p99_ms": 130.0}, 100.0)["within"]
+
+
+def test_secondary_checks_miss_beyond_five_percent() -> None:
+    e = compare(held(31.0, 25.0, 40.0), {"p99_ms": 30.0, "hit_rate": 1.0, "compute_ms_per_visit": 4.0}, 100.0)
+    assert e["checks"]["hit_rate"]["within"] is False
+    assert e["checks"]["compute_ms_per_visit"]["within"] is False
+    s = summary([e], [])
+    assert not s["all_within"] and any("hit_rate" in m for m in s["misses"])
+
+
+def test_knee_bracket() -> None:
+    grid = [10.0, 20.0, 30.0, 45.0, 60.0]
+    assert knee_check("relay", 45.0, grid, 52.0)["within"]
+    assert knee_check("relay", 45.0, grid, 44.0)["within"]  # one 5 % step below the bracket
+    assert not knee_check("relay", 45.0, grid, 66.0)["within"]
+    assert not knee_check("relay", 45.0, grid, 40.0)["within"]
+    assert knee_check("baseline", None, grid, None)["within"]
+
+
+def test_missing_or_malformed_files_name_the_file(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=r"cost-profile\.json: no such file"):
+        load_validation(tmp_path)
+    (tmp_path / "cost-profile.json").write_text("{}")
+    (tmp_path / "held-out.json").write_text(json.dumps({"protocol": {}}))
+    with pytest.raises(UserError, match=r"held-out\.json: not a held-out"):
+        load_validation(tmp_path)
+
+
+def test_the_stored_runs_load() -> None:
+    vs = load_validation(Path(__file__).resolve().parents[3] / "docs" / "results" / "serve-validation")
+    assert vs.modes() == ["baseline", "relay"]
+    assert len([p for p in vs.points if p.mode == "relay"]) >= 3
+    assert len([p for p in vs.points if p.mode == "baseline"]) >= 3
+    assert all(len(p.seeds) == 3 for p in vs.points)
