@@ -19,7 +19,6 @@ of ``serve.router_config`` — built in this process on a :class:`~grstack.runti
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import math
 import re
@@ -32,9 +31,14 @@ from prometheus_client import generate_latest
 
 from grstack.runtime.bench import serve as real
 from grstack.runtime.bench.serve_trace import Trace
-from grstack.runtime.serve.cost_profile import CostModel, CostProfile
-from grstack.runtime.serve.transport_local import InProcessTransport
-from grstack.runtime.serve.virtual_time import CoreSet, VirtualClock, VirtualComputeRunner
+from grstack.runtime.serve import (
+    CoreSet,
+    CostModel,
+    CostProfile,
+    InProcessTransport,
+    VirtualClock,
+    VirtualComputeRunner,
+)
 
 MB = 1 << 20
 _TRIGGER_LINE = re.compile(r'^grstack_router_trigger_total\{reason="([^"]+)"\} (\S+)$', re.MULTILINE)
@@ -64,14 +68,11 @@ class Deployment:
 def ranker_config(mode: str, dep: Deployment, max_len: int) -> Any:
     """The ranker's configuration for ``mode``: the benchmark's command line through the ranker CLI's parser,
     with the deployment's device tier (the DRAM tier is the server's, built by the deployment)."""
-    from grstack.runtime.serve import cli
+    from grstack.runtime.serve import ranker_config_from_flags
 
-    p = argparse.ArgumentParser()
-    cli._ranker_args(p)
-    args, _ = p.parse_known_args(real.ranker_args(mode))  # --log-level is the process's, not the ranker's
-    args.device_cache_mb = dep.device_cache_mb
-    args.dram_ttl_s = dep.dram_ttl_s
-    cfg = cli.ranker_config(args, max_len)
+    flags = [*real.ranker_args(mode), "--device-cache-mb", f"{dep.device_cache_mb!r}", "--dram-ttl-s",
+             f"{dep.dram_ttl_s!r}"]  # the later flag wins
+    cfg = ranker_config_from_flags(flags, max_len)
     cfg.num_threads = None  # torch runs nothing that matters here; keep the process's setting
     cfg.kv_arena = False  # the device tier's byte budget is the simulated one; no storage is allocated
     return cfg
@@ -155,11 +156,7 @@ class SimulatedDeployment:
         self.transport: SimulatedTransport | None = None
 
     async def start(self) -> None:
-        from grstack.runtime.serve.cost_backend import CostBackend
-        from grstack.runtime.serve.dram_tier import DramTier
-        from grstack.runtime.serve.engine import RelayEngine
-        from grstack.runtime.serve.ranker import RankerService
-        from grstack.runtime.serve.router import Router
+        from grstack.runtime.serve import CostBackend, DramTier, RankerService, RelayEngine, Router
 
         dep = self.dep
         dram_bytes = int(dep.dram_mb_per_server * MB) if _uses_dram(self.mode) else 0
@@ -219,9 +216,7 @@ class SimulatedDeployment:
 
 async def _send(dep: SimulatedDeployment, req: Any, scheduled: float, deadline_ms: float | None) -> Any:
     """One request through the router as the HTTP app does it, with the harness's and the router's hops."""
-    from grstack.runtime.serve.http import RequestError
-    from grstack.runtime.serve.loadgen import Result
-    from grstack.runtime.serve.schemas import PrefillRequest, RankRequest
+    from grstack.runtime.serve import PrefillRequest, RankRequest, RequestError, Result
 
     loop = asyncio.get_running_loop()
     hop = dep.costs.hop("harness") + dep.costs.hop("router")
@@ -279,8 +274,7 @@ def sim_requests(trace: Trace, tag: str) -> tuple[list[Any], dict[bytes, Any], d
     """The trace as :func:`grstack.runtime.bench.serve.encode` sends it — a signal per visit, its rank when it is
     followed, warm-up ranks not measured — with each request built as the model the HTTP app would parse (its
     body a short name for it), and each request's (events, candidates) for its CPU draws."""
-    from grstack.runtime.serve.loadgen import Request
-    from grstack.runtime.serve.schemas import Events, PrefillRequest, RankRequest
+    from grstack.runtime.serve import Events, PrefillRequest, RankRequest, Request
 
     reqs: list[Any] = []
     models: dict[bytes, Any] = {}

@@ -30,7 +30,7 @@ from grstack.runtime.bench import serve_sim_limits as search
 from grstack.runtime.bench import serve_sim_validate as validate
 from grstack.runtime.bench.serve_sim import Deployment, SimulatedDeployment, measure_point
 from grstack.runtime.bench.serve_trace import TraceConfig
-from grstack.runtime.serve.cost_profile import CostProfile
+from grstack.runtime.serve import CostProfile
 
 GB = 1 << 30
 MB = 1 << 20
@@ -152,7 +152,7 @@ def _strip(res: dict[str, Any]) -> dict[str, Any]:
 
 
 def paper_profile(host_costs: Path | None) -> CostProfile:
-    from grstack.runtime.serve.cost_paper_scale import paper_scale_profile, with_host_costs
+    from grstack.runtime.serve import paper_scale_profile, with_host_costs
 
     profile = paper_scale_profile()
     if host_costs is not None and host_costs.exists():
@@ -212,7 +212,7 @@ def _paper_settings(args: argparse.Namespace, preset: dict[str, Any], profile: C
 def capacity_qps(profile: CostProfile, dep: Deployment, length: int, relay: bool) -> float:
     """A start for the QPS bisection: what the replicas could serve at all at ``length`` (full inference of the
     prefix per visit, or one cached rank), from the profile's prediction."""
-    from grstack.runtime.serve.step_log import attention_pairs
+    from grstack.runtime.serve import attention_pairs
 
     n = length + real.MAX_SUFFIX + real.CANDIDATES
     if relay:
@@ -323,7 +323,7 @@ async def validation_part(directory: Path, seeds_only: bool = False) -> dict[str
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from grstack.runtime.serve.virtual_time import run_virtual
+    from grstack.runtime.serve import run_virtual
 
     t0 = time.perf_counter()
     quick = bool(args.quick)

@@ -15,7 +15,9 @@ Other packages import from here, never a submodule: the model artefact's loaders
 generator, ``serve_demo``, and the seams (``Clock``, ``SystemClock``, ``ManualClock``, ``ComputeBackend``,
 ``RankerTransport``, ``HttpTransport``, ``InProcessTransport``), and the cost profiles (``CostProfile``,
 ``CostModel``, ``fit_steps``, ``fit_requests``, ``fit_hops``, ``PaperScale``, ``paper_scale_profile``,
-``with_host_costs``). Exports load lazily, so importing this package (as ``grstack --help`` does,
+``with_host_costs``), and what the simulator builds a deployment from (``CostBackend``, ``RankerService``,
+``ranker_config_from_flags``, the virtual-time parts ``VirtualClock``, ``VirtualComputeRunner``, ``CoreSet``,
+``run_virtual``, and the request models). Exports load lazily, so importing this package (as ``grstack --help`` does,
 through ``serve.cli``) stays light.
 """
 
@@ -27,27 +29,35 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from grstack.runtime.serve.artifact import load_ranking_model, load_serving_model, write_untrained_model
     from grstack.runtime.serve.backend import ComputeBackend
+    from grstack.runtime.serve.cli import ranker_config_from_flags
     from grstack.runtime.serve.clock import Clock, ManualClock, SystemClock
+    from grstack.runtime.serve.cost_backend import CostBackend
     from grstack.runtime.serve.cost_paper_scale import PaperScale, paper_scale_profile, with_host_costs
     from grstack.runtime.serve.cost_profile import CostModel, CostProfile, fit_hops, fit_requests, fit_steps
     from grstack.runtime.serve.demo import serve_demo
     from grstack.runtime.serve.dram_tier import DramTier
     from grstack.runtime.serve.engine import RelayEngine
     from grstack.runtime.serve.gc_pauses import frozen_heap, recorded_gc_pauses
+    from grstack.runtime.serve.http import RequestError
     from grstack.runtime.serve.kv_arena import KVArena
     from grstack.runtime.serve.loadgen import (
         GiveUp,
         Request,
+        Result,
         latency_summary,
         poisson_times,
         run_open_loop,
         violations_to_fail,
     )
     from grstack.runtime.serve.local import spawn_ranker
+    from grstack.runtime.serve.ranker import RankerService
     from grstack.runtime.serve.router import Router, RouterConfig, start_router
+    from grstack.runtime.serve.schemas import Events, PrefillRequest, RankRequest
+    from grstack.runtime.serve.step_log import attention_pairs
     from grstack.runtime.serve.transport import HttpTransport, RankerTransport
     from grstack.runtime.serve.transport_local import InProcessTransport
     from grstack.runtime.serve.trigger import TriggerConfig
+    from grstack.runtime.serve.virtual_time import CoreSet, VirtualClock, VirtualComputeRunner, run_virtual
 
 _EXPORTS = {
     "load_ranking_model": "grstack.runtime.serve.artifact",
@@ -85,27 +95,51 @@ _EXPORTS = {
     "RouterConfig": "grstack.runtime.serve.router",
     "start_router": "grstack.runtime.serve.router",
     "TriggerConfig": "grstack.runtime.serve.trigger",
+    "CostBackend": "grstack.runtime.serve.cost_backend",
+    "CoreSet": "grstack.runtime.serve.virtual_time",
+    "VirtualClock": "grstack.runtime.serve.virtual_time",
+    "VirtualComputeRunner": "grstack.runtime.serve.virtual_time",
+    "run_virtual": "grstack.runtime.serve.virtual_time",
+    "RankerService": "grstack.runtime.serve.ranker",
+    "Result": "grstack.runtime.serve.loadgen",
+    "RequestError": "grstack.runtime.serve.http",
+    "Events": "grstack.runtime.serve.schemas",
+    "PrefillRequest": "grstack.runtime.serve.schemas",
+    "RankRequest": "grstack.runtime.serve.schemas",
+    "attention_pairs": "grstack.runtime.serve.step_log",
+    "ranker_config_from_flags": "grstack.runtime.serve.cli",
 }
 
 __all__ = [
     "Clock",
     "ComputeBackend",
+    "CoreSet",
+    "CostBackend",
     "CostModel",
     "CostProfile",
     "DramTier",
+    "Events",
     "GiveUp",
     "HttpTransport",
     "InProcessTransport",
     "KVArena",
     "ManualClock",
     "PaperScale",
+    "PrefillRequest",
+    "RankRequest",
+    "RankerService",
     "RankerTransport",
     "RelayEngine",
     "Request",
+    "RequestError",
+    "Result",
     "Router",
     "RouterConfig",
     "SystemClock",
     "TriggerConfig",
+    "VirtualClock",
+    "VirtualComputeRunner",
+    "attention_pairs",
     "fit_hops",
     "fit_requests",
     "fit_steps",
@@ -115,8 +149,10 @@ __all__ = [
     "load_serving_model",
     "paper_scale_profile",
     "poisson_times",
+    "ranker_config_from_flags",
     "recorded_gc_pauses",
     "run_open_loop",
+    "run_virtual",
     "serve_demo",
     "spawn_ranker",
     "start_router",

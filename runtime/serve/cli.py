@@ -223,6 +223,15 @@ def ranker_config(args: argparse.Namespace, max_len: int) -> Any:
                         kv_dtype=getattr(args, "kv_dtype", None), eviction=getattr(args, "eviction", "lru"))
 
 
+def ranker_config_from_flags(flags: list[str], max_len: int) -> Any:
+    """The configuration ``grstack serve ranker`` builds from ``flags`` (its ranker flags; others are ignored):
+    a simulated ranker is configured by the very command line a real one is given."""
+    p = argparse.ArgumentParser()
+    _ranker_args(p)
+    args, _ = p.parse_known_args(flags)
+    return ranker_config(args, max_len)
+
+
 def _margin(ms: float) -> float | None:
     return None if ms < 0 else ms
 

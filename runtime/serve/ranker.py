@@ -71,6 +71,7 @@ from grstack.runtime.serve.scheduler import (
     ComputeScheduler,
     DeadlineExceeded,
     QueueFull,
+    ThreadRunner,
     Timing,
 )
 from grstack.runtime.serve.schemas import (
@@ -278,7 +279,8 @@ class RankerService:
                                           retry_after_s=cfg.retry_after_s, max_step_tokens=cfg.max_step_tokens,
                                           on_tokens=self._on_tokens, on_compute=self._on_compute,
                                           reserve=self.cache.reserve if self.arena is not None else None,
-                                          steps=self.steps, runner=runner,
+                                          steps=self.steps,
+                                          runner=runner if runner is not None else ThreadRunner(),
                                           admission_margin_s=None if cfg.admission_margin_ms is None
                                           else cfg.admission_margin_ms / 1e3)
         self.store = store

@@ -115,10 +115,9 @@ class ComputeScheduler:
     steps: StepLog = field(default_factory=StepLog)  # every step run, with its sizes and seconds (bounded)
     # where the tensor math runs: one compute thread (None), or a stand-in holding a simulated replica's core on
     # virtual time (runtime/serve/virtual_time.py)
-    runner: ComputeRunner | None = None
+    runner: ComputeRunner = field(default_factory=ThreadRunner)
 
     def __post_init__(self) -> None:
-        self.runner: ComputeRunner = self.runner if self.runner is not None else ThreadRunner()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.dropped_expired = 0

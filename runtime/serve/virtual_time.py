@@ -34,7 +34,7 @@ class VirtualTimeStuck(RuntimeError):
     """Nothing is ready, no timer is due and no other thread woke the loop: the simulation cannot go on."""
 
 
-class _JumpingSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
+class _JumpingSelector(selectors.DefaultSelector):
     """Polls the real file descriptors without waiting; a wait of ``timeout`` becomes a jump of the loop's clock."""
 
     def __init__(self, loop: VirtualTimeLoop) -> None:
