@@ -92,6 +92,13 @@ async def read_logs(session: Any, url: str, since: tuple[int, int]) -> tuple[dic
     return got, (got["next_since"], got["next_requests_since"])
 
 
+async def read_startup_profile(session: Any, url: str) -> dict[str, Any]:
+    """A ranker's start-up latency profile (``GET /v1/profile``): what the router's trigger reads."""
+    async with session.get(url + "/v1/profile") as resp:
+        resp.raise_for_status()
+        return dict(await resp.json())
+
+
 def host_info(s: Settings) -> dict[str, Any]:
     """What the profile was measured on."""
     import torch
@@ -117,8 +124,12 @@ async def calibrate(s: Settings, points: list[tuple[int, float]],
     requests: list[dict[str, Any]] = []
     hops: dict[str, list[float]] = {}
     measured: list[dict[str, Any]] = []
+    startup: list[dict[str, Any]] = []
     async with mode_runs(modes, checkpoint, s, [], t0) as runs:
         since = {url: (0, 0) for m in runs.values() for url in m.ranker_urls}
+        for mode, m in runs.items():
+            for url in m.ranker_urls:
+                startup.append({"mode": mode, **await read_startup_profile(m.session, url)})
         for url in since:  # start-up (warm-up, profile) is not service: skip what is logged so far
             _, since[url] = await read_logs(next(iter(runs.values())).session, url, (0, 0))
         for length, qps in points:
@@ -146,7 +157,8 @@ async def calibrate(s: Settings, points: list[tuple[int, float]],
     profile = CostProfile(source="calibrated", host=host, model=model, steps=fit_steps(steps),
                           requests=fit_requests(requests), hops=fit_hops(hops),
                           notes=f"grstack bench serve --calibrate: {len(steps)} steps, {len(requests)} requests, "
-                                f"{len(hops.get('harness', []))} answered ranks at {len(points)} load points")
+                                f"{len(hops.get('harness', []))} answered ranks at {len(points)} load points",
+                          startup=startup)
     return profile, {"steps": steps, "requests": requests, "hops": hops}
 
 

@@ -78,6 +78,22 @@ def ranker_config(mode: str, dep: Deployment, max_len: int) -> Any:
     return cfg
 
 
+def startup_profile(own: Any, measured: list[dict[str, Any]], mode: str, index: int) -> Any:
+    """``own`` (the simulated ranker's start-up profile) with the latency curves a calibrated real ranker measured
+    at start-up: the ``index``-th of ``mode``'s (or of all when the calibration ran no ranker of ``mode``), cut to
+    ``own``'s longest length and interpolated there. Everything else (replica, sizes, tasks) stays ``own``'s."""
+    pool = [m for m in measured if m.get("mode") == mode] or measured
+    m = pool[index % len(pool)]
+    xs = [int(n) for n in m["lengths"]]
+    top = own.lengths[-1]
+    keep = [k for k, n in enumerate(xs) if n < top]
+    lengths = [xs[k] for k in keep] + ([top] if top <= xs[-1] else [])  # past the last: the cap ended it there
+    curves = {key: [float(m[key][k]) for k in keep]
+              + ([float(np.interp(top, xs, m[key]))] if top <= xs[-1] else [])
+              for key in ("full_ms", "cached_ms", "prefill_ms")}
+    return own.model_copy(update={"lengths": lengths, **curves})
+
+
 def _uses_dram(mode: str) -> bool:
     return mode not in ("no_expander", "prefix_cache")
 
@@ -179,8 +195,10 @@ class SimulatedDeployment:
             self.cores[url] = cores
         self.transport = SimulatedTransport(self.costs, self.cores, self.clock)
         self.transport.services.update(self.services)
-        for url, service in self.services.items():
+        for i, (url, service) in enumerate(self.services.items()):
             await service.start(url)
+            if self.profile.startup:  # what a real ranker measured at start-up, not its in-service costs
+                service.profile = startup_profile(service.profile, self.profile.startup, self.mode, i)
         self.router = Router(real.router_config(self.mode, list(self.services), self.slo_ms),
                              transport=self.transport, clock=self.clock)
         await self.router.start()

@@ -127,7 +127,10 @@ class CostProfile:
     """Costs of one deployment: compute steps by kind, a request's CPU by ``endpoint.phase`` (``rank.parse``
     ...), hops by name (``router``, ``harness``), host-device ``transfers`` (bytes per second by direction),
     the ``model`` they hold for and the ``host`` they were measured on; ``source`` says whether they were
-    measured (``calibrated``) or derived from data sheets (``model``)."""
+    measured (``calibrated``) or derived from data sheets (``model``). ``startup``: the latency profiles the
+    calibrated rankers measured at start-up (``GET /v1/profile``, on an idle core), which is what the real
+    trigger's risk test reads: a simulated ranker reports these rather than its in-service costs, which
+    differ from them (empty for a model: its costs have no spread, so a simulated start-up measures them)."""
 
     source: str
     host: dict[str, Any]
@@ -138,6 +141,7 @@ class CostProfile:
     transfers: dict[str, float] = field(default_factory=dict)
     notes: str = ""
     version: int = PROFILE_VERSION
+    startup: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -154,7 +158,8 @@ class CostProfile:
                 "steps": {k: m.to_json() for k, m in sorted(self.steps.items())},
                 "requests": {k: m.to_json() for k, m in sorted(self.requests.items())},
                 "hops": {k: m.to_json() for k, m in sorted(self.hops.items())},
-                "transfers": dict(self.transfers), "notes": self.notes}
+                "transfers": dict(self.transfers), "notes": self.notes,
+                **({"startup": list(self.startup)} if self.startup else {})}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> CostProfile:
@@ -168,7 +173,7 @@ class CostProfile:
         return cls(source=str(d["source"]), host=dict(d.get("host", {})), model=dict(d.get("model", {})),
                    steps=models("steps"), requests=models("requests"), hops=models("hops"),
                    transfers={k: float(v) for k, v in d.get("transfers", {}).items()}, notes=str(d.get("notes", "")),
-                   version=version)
+                   version=version, startup=[dict(x) for x in d.get("startup", [])])
 
     def save(self, path: str | Path) -> Path:
         p = Path(path)

@@ -30,13 +30,14 @@ def settings(tmp_path: Path, qps: float = 20.0) -> ss.SimSettings:
                           trace_kind="uniform")
 
 
-def point(tmp_path: Path, mode: str, tails: bool = False) -> tuple[dict, list[dict], float]:
+def point(tmp_path: Path, mode: str, tails: bool = False,
+          profile: CostProfile = PROFILE) -> tuple[dict, list[dict], float]:
     s = settings(tmp_path)
     model, tasks, max_len = ss._model(s)
     dep = Deployment(replicas=2, servers=1, device_cache_mb=64, dram_mb_per_server=512)
 
     async def main() -> tuple[dict, list[dict], float]:
-        d = SimulatedDeployment(mode, dep, PROFILE, model, tasks, 100.0, max_len, seed=5, tails=tails)
+        d = SimulatedDeployment(mode, dep, profile, model, tasks, 100.0, max_len, seed=5, tails=tails)
         await d.start()
         p = await measure_point(d, s.trace(256, 20.0, 0), "t", 100.0, whole=True)
         steps = [r.model_dump() for svc in d.services.values() for r in svc.steps_since(0, 0).steps]
@@ -72,6 +73,36 @@ def test_the_same_seed_gives_the_same_point(tmp_path: Path) -> None:
     a, _, _ = point(tmp_path, "relay", tails=True)
     b, _, _ = point(tmp_path, "relay", tails=True)
     assert a["latencies_ms"] == b["latencies_ms"]
+
+
+def test_a_calibrated_start_up_profile_is_what_the_trigger_reads(tmp_path: Path) -> None:
+    # the same costs, but the real rankers measured full inference at start-up as fast: no prefix is at risk, so
+    # nothing is pre-inferred and every rank is a miss (without it, most ranks hit: the test above)
+    fast = [{"mode": "relay", "lengths": [32, 4096], "full_ms": [0.01, 0.02], "cached_ms": [0.01, 0.01],
+             "prefill_ms": [0.01, 0.02]}]
+    relay, _, _ = point(tmp_path, "relay", profile=CostProfile(source="calibrated", host={}, model={}, steps=STEPS,
+                                                               startup=fast))
+    assert relay["hit_rate"] == 0.0
+    assert relay["trigger_decisions"] == {"not-at-risk": sum(relay["trigger_decisions"].values())}
+
+
+def test_start_up_curves_are_cut_and_interpolated_at_the_simulated_rankers_longest_length() -> None:
+    from grstack.runtime.bench.serve_sim import startup_profile
+    from grstack.runtime.serve.schemas import Profile
+
+    own = Profile(replica="r", max_len=600, max_suffix=64, max_candidates=64, candidates=64, lengths=[32, 64, 536],
+                  full_ms=[9.0, 9.0, 9.0], cached_ms=[9.0, 9.0, 9.0], prefill_ms=[9.0, 9.0, 9.0],
+                  kv_bytes_per_token=8, tasks=["next"], num_items=10)
+    real = [{"mode": "baseline", "lengths": [32, 64], "full_ms": [5.0, 5.0], "cached_ms": [5.0, 5.0],
+             "prefill_ms": [5.0, 5.0]},
+            {"mode": "relay", "lengths": [32, 256, 1024], "full_ms": [1.0, 2.0, 10.0], "cached_ms": [0.5, 0.5, 0.7],
+             "prefill_ms": [0.8, 1.5, 8.0]}]
+    got = startup_profile(own, real, "relay", 3)
+    assert got.lengths == [32, 256, 536] and got.replica == "r" and got.max_len == 600
+    assert got.full_ms == pytest.approx([1.0, 2.0, 2.0 + 8.0 * 280 / 768])
+    short = startup_profile(own.model_copy(update={"lengths": [32, 2048]}), real, "relay", 0)
+    assert short.lengths == [32, 256, 1024]  # the real ranker's profile stopped there (its cap): so does this one
+    assert startup_profile(own, real, "no_trigger", 2).full_ms == [5.0, 5.0]  # no ranker of that mode: any
 
 
 def test_plan_needs_a_rate() -> None:

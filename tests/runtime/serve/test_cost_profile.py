@@ -80,6 +80,12 @@ def test_profile_json_round_trip_keeps_every_model_and_its_tails(tmp_path: Path)
         assert q.steps["rank_cached"].draw(u, sizes) == p.steps["rank_cached"].draw(u, sizes)
     assert q.step_s("rank_cached", 3, 200, 100, 20_000) == pytest.approx(p.steps["rank_cached"].predict(sizes))
     assert set(q.requests) == {"rank.parse", "rank.encode", "rank.reply"} and set(q.hops) == {"harness"}
+    assert "startup" not in raw  # none measured: none written
+    measured = [{"mode": "relay", "lengths": [32, 64], "full_ms": [1.0, 2.5], "cached_ms": [0.5, 0.6],
+                 "prefill_ms": [0.8, 2.0]}]
+    with_startup = CostProfile.from_json({**raw, "startup": measured})
+    assert with_startup.startup == measured
+    assert CostProfile.load(with_startup.save(tmp_path / "s.json")).startup == measured
     raw["version"] = 99
     with pytest.raises(ValueError, match="version 99"):
         CostProfile.from_json(raw)
