@@ -136,7 +136,7 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="instead of the sweeps: run the rankers at a few load points and write the cost "
                              "profile fitted to their logged steps to FILE (default OUT/cost-profile.json)")
     g = parser.add_argument_group("simulation (--simulate: the real control plane on virtual time, "
-                                  "docs/bench-serve.md)")
+                                  "docs/serve-simulator.md)")
     g.add_argument("--simulate", action="store_true",
                    help="instead of real rankers: validate the simulator against the stored real runs, then "
                         "find every mode's limits at the paper-scale protocol on virtual time")
@@ -160,6 +160,8 @@ def register(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device-gb-options", default=None, metavar="G,...",
                    help="--plan: device memory per replica to plan for (default: a quarter, half and all of it)")
     g.add_argument("--max-replicas", type=ca.positive_int, default=256, help="--plan: search up to this many")
+    g.add_argument("--jobs", type=ca.positive_int, default=None,
+                   help="--simulate: worker processes the modes' searches run in (default: the cores, at most 6)")
     parser.add_argument("--calibrate-points", default=None, metavar="L:Q,...",
                         help="--calibrate's load points as length:qps pairs (default: the preset's)")
     parser.set_defaults(func=run)

@@ -77,8 +77,15 @@ def limit_of(points: Sequence[Point], key: str, slo_ms: float) -> LimitResult:
 
 async def find_limit(measure: Callable[[float], Awaitable[dict[str, Any]]], start: float, *, slo_ms: float,
                      key: str, resolution: float = 0.05, floor: float | None = None, ceiling: float | None = None,
-                     integer: bool = False, max_points: int = 24) -> LimitResult:
-    """Bisection on a monotone knee: ``measure(v)`` gives the point at ``v`` (with ``p99_ms`` and its interval)."""
+                     integer: bool = False, max_points: int = 24,
+                     settle: Callable[[float], Awaitable[dict[str, Any]]] | None = None,
+                     max_settle: int = 3) -> LimitResult:
+    """Bisection on a monotone knee: ``measure(v)`` gives the point at ``v`` (with ``p99_ms`` and its interval).
+
+    ``measure`` may stop sending once a point is certain to miss the SLO (``"whole": False``): its P99's lower
+    bound then counts the unsent ranks as 0 ms and can rarely show the point certainly failing, which leaves
+    the limit's interval open above. ``settle(v)`` measures ``v`` whole; the failing probed values above the
+    limit are re-measured with it, lowest first, until one certainly fails (at most ``max_settle``)."""
     seen: dict[float, dict[str, Any]] = {}
 
     def value(v: float) -> float:
@@ -123,6 +130,20 @@ async def find_limit(measure: Callable[[float], Awaitable[dict[str, Any]]], star
             lo = mid
         else:
             hi = mid
+    if settle is not None:
+        settled = 0
+        for v in sorted(seen):
+            p = seen[v]
+            if p["p99_ms"] <= slo_ms:
+                continue
+            if p["p99_ms_lo"] > slo_ms or settled >= max_settle:
+                break  # certainly failing already, or no more re-measures
+            if p.get("whole", True):
+                continue  # every rank was sent: its interval is what it is
+            seen[v] = await settle(v)
+            settled += 1
+            if seen[v]["p99_ms_lo"] > slo_ms:
+                break
     res = limit_of(list(seen.values()), key, slo_ms)
     res.lower_bound_only = lo is not None and hi is None
     return res

@@ -6,7 +6,7 @@ the tensor math and the host work replaced by a cost profile. Three parts, each 
 * ``validation`` — first: the simulator, calibrated on pinned real runs (``--calibrate``), predicts held-out real
   runs (other seeds and rates) that were measured and stored before; each entry says whether the prediction is
   within what the real runs showed (runtime/bench/serve_sim_validate.py). Nothing is fitted to the points judged.
-* ``scale`` and the limits — the paper-scale protocol (docs/bench-serve.md, "Simulated at paper scale"): a 0.2B
+* ``scale`` and the limits — the paper-scale protocol (docs/serve-simulator.md): a 0.2B
   HSTU in bf16 on H200s, ``--replicas`` per deployment on ``--servers`` servers sharing a DRAM tier each, the
   protocol trace; every mode's length and QPS limits found by bisection to 5 % with bootstrap 95 % intervals
   over the seeds' ranks (runtime/bench/serve_sim_limits.py), and the ratios with their intervals.
@@ -34,20 +34,20 @@ from grstack.runtime.serve import CostProfile
 
 GB = 1 << 30
 MB = 1 << 20
-# The stored real runs the validation reads (docs/bench-serve.md, "Validation first"): the profile calibrated on
+# The stored real runs the validation reads (docs/serve-simulator.md, "Validation first"): the profile calibrated on
 # pinned real runs and the held-out real benchmark it predicts.
 VALIDATION_DIR = Path(__file__).resolve().parents[2] / "docs" / "results" / "serve-validation"
 RESOLUTION = 0.05  # limits by bisection to this relative step
 MIN_LENGTH = 256  # the shortest median long-term length a length sweep probes
-LENGTH_QPS_PER_REPLICA = 50.0  # the length sweep's rate, per replica (docs/bench-serve.md)
+LENGTH_QPS_PER_REPLICA = 50.0  # the length sweep's rate, per replica (docs/serve-simulator.md)
 
-# The paper-scale protocol (docs/bench-serve.md, "Simulated at paper scale"), fixed before it was run.
+# The paper-scale protocol (docs/serve-simulator.md), fixed before it was run.
 PAPER_QUICK: dict[str, Any] = {"replicas": 2, "servers": 1, "users": 20_000, "seeds": 2, "measured": 1000,
                                "warmup": 250, "length_qps": None, "qps_length": 4096, "length_start": 4096}
 PAPER_FULL: dict[str, Any] = {"replicas": 8, "servers": 1, "users": 60_000, "seeds": 3, "measured": 10_000,
                               "warmup": 2000, "length_qps": None, "qps_length": 4096, "length_start": 4096}
 PAPER_SLO_MS = 100.0
-PAPER_DRAM_GB_PER_SERVER = 1536.0  # of a DGX H200's 2 TB system memory (docs/bench-serve.md)
+PAPER_DRAM_GB_PER_SERVER = 1536.0  # of a DGX H200's 2 TB system memory (docs/serve-simulator.md)
 PAPER_DEVICE_USABLE = 0.9  # of the H200's 141 GB, beside the weights (cost_paper_scale.PaperScale)
 
 
@@ -83,8 +83,10 @@ class Simulator:
         # points); the searches stop sending, as the real benchmark does, and keep an optimistic lower bound
         self.whole = whole
 
-    async def run(self, mode: str, sweep: str, length: int, qps: float, seeds: list[int]) -> dict[str, Any]:
+    async def run(self, mode: str, sweep: str, length: int, qps: float, seeds: list[int],
+                  whole: bool | None = None) -> dict[str, Any]:
         s = self.s
+        whole = self.whole if whole is None else whole
         runs = []
         for k, seed in enumerate(seeds):
             d = SimulatedDeployment(mode, self.dep, self.profile, self.model, self.tasks, s.slo_ms, self.max_len,
@@ -93,7 +95,7 @@ class Simulator:
             try:
                 trace = s.trace(length, qps, seed - s.seed)
                 runs.append(await measure_point(d, trace, f"{mode}-{sweep}-L{length}-q{qps:g}-s{seed}", s.slo_ms,
-                                                whole=self.whole))
+                                                whole=whole))
             finally:
                 await d.stop()
         self.points += 1
@@ -102,7 +104,7 @@ class Simulator:
         p99, _, hi = search.p99_interval(groups)
         lo = search.p99_interval(optimistic)[1]  # a seed that gave up: its unsent ranks could have been fast
         point = {"sweep": sweep, "length": length, "qps": qps, "seeds": seeds, **real.combine(runs, s.slo_ms),
-                 "p99_ms_pooled": p99, "p99_ms_lo": lo, "p99_ms_hi": hi}
+                 "p99_ms_pooled": p99, "p99_ms_lo": lo, "p99_ms_hi": hi, "whole": whole}
         point["p99_ms_median_of_seeds"] = point["p99_ms"]
         point["p99_ms"] = p99
         point["meets_slo"] = bool(p99 <= s.slo_ms)
@@ -118,14 +120,16 @@ async def length_limit(sim: Simulator, mode: str, qps: float, start: int, seeds:
     """A mode's median-length limit at ``qps``, by bisection to 5 %."""
     return await search.find_limit(lambda v: sim.run(mode, "length", int(v), qps, seeds), start,
                                    slo_ms=sim.s.slo_ms, key="length", resolution=RESOLUTION, floor=MIN_LENGTH,
-                                   ceiling=real.MAX_LENGTH, integer=True)
+                                   ceiling=real.MAX_LENGTH, integer=True,
+                                   settle=lambda v: sim.run(mode, "length", int(v), qps, seeds, whole=True))
 
 
 async def qps_limit(sim: Simulator, mode: str, length: int, start: float, seeds: list[int]) -> Any:
     """A mode's QPS limit at median length ``length``, by bisection to 5 %."""
     return await search.find_limit(lambda v: sim.run(mode, "qps", length, float(v), seeds), start,
                                    slo_ms=sim.s.slo_ms, key="qps", resolution=RESOLUTION, floor=start / 256,
-                                   ceiling=start * 64)
+                                   ceiling=start * 64,
+                                   settle=lambda v: sim.run(mode, "qps", length, float(v), seeds, whole=True))
 
 
 def qps_sweep_length(baseline_len: int | None) -> int:
@@ -223,39 +227,129 @@ def capacity_qps(profile: CostProfile, dep: Deployment, length: int, relay: bool
     return max(1.0, 0.5 * dep.replicas * dep.cores_per_replica / max(s, 1e-6))
 
 
-async def scale_part(args: argparse.Namespace, quick: bool) -> dict[str, Any]:
+@dataclass(frozen=True)
+class ScaleSetup:
+    """What every search of one paper-scale run shares; a worker process rebuilds its simulator from it."""
+
+    s: SimSettings
+    dep: Deployment
+    model_spec: str
+    checkpoint: str
+    max_len: int
+
+
+_WORKER: dict[str, Any] = {}
+
+
+def _worker_init(setup: ScaleSetup) -> None:
+    """A search worker: the profile and the model loaded once, one simulator for every search it runs."""
+    from grstack.runtime.serve import load_serving_model
+
+    model, tasks, _ = load_serving_model(Path(setup.checkpoint))
+    _WORKER["sim"] = Simulator(setup.s, setup.dep, load_profile(setup.model_spec), model, tasks, setup.max_len)
+
+
+def _search(job: tuple[str, str, float, float, list[int]]) -> tuple[Any, int]:
+    """One mode's limit (``kind`` length at rate ``at``, or qps at length ``at``) from ``start``: the limit and
+    the points it simulated."""
+    from grstack.runtime.serve import run_virtual
+
+    kind, mode, at, start, seeds = job
+    sim: Simulator = _WORKER["sim"]
+    before = sim.points
+    if kind == "length":
+        found = run_virtual(lambda: length_limit(sim, mode, at, int(start), seeds))
+    else:
+        found = run_virtual(lambda: qps_limit(sim, mode, int(at), start, seeds))
+    return found, sim.points - before
+
+
+class SearchPool:
+    """The modes' searches in ``jobs`` worker processes (each search is one mode's, independent of the others
+    and deterministic in its seeds, so the results do not depend on how they are spread); ``jobs`` 1 runs
+    them in this process."""
+
+    def __init__(self, setup: ScaleSetup, jobs: int) -> None:
+        self.setup, self.jobs, self.points = setup, jobs, 0
+        self._pool: Any = None
+
+    def __enter__(self) -> SearchPool:
+        if self.jobs > 1:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            self._pool = ProcessPoolExecutor(self.jobs, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=_worker_init, initargs=(self.setup,))
+        else:
+            _worker_init(self.setup)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+
+    def submit(self, jobs: list[tuple[str, str, float, float, list[int]]]) -> Any:
+        """Starts ``jobs``; the returned callable waits for them and gives their limits in order."""
+        if self._pool is None:
+            done = [_search(j) for j in jobs]
+            futures = None
+        else:
+            futures = [self._pool.submit(_search, j) for j in jobs]
+
+        def results() -> list[Any]:
+            got = done if futures is None else [f.result() for f in futures]
+            self.points += sum(n for _, n in got)
+            return [found for found, _ in got]
+        return results
+
+
+def default_jobs() -> int:
+    import os
+
+    return max(1, min(len(real.MODES), os.cpu_count() or 1))
+
+
+def scale_part(args: argparse.Namespace, quick: bool, before_wait: Any = None) -> dict[str, Any]:
+    """Every mode's length and QPS limits at the paper-scale protocol, the searches spread over ``--jobs``
+    worker processes; ``before_wait`` (the validation) runs here while the first searches run there."""
     preset = PAPER_QUICK if quick else PAPER_FULL
     profile = load_profile(args.model)
     dep = paper_deployment(profile, args.replicas or preset["replicas"], args.servers or preset["servers"],
                            args.device_gb, args.dram_gb)
     s = _paper_settings(args, preset, profile, dep)
     s.lengths = [s.qps_length, 4 * s.qps_length]
-    model, tasks, max_len = _model(s)
-    sim = Simulator(s, dep, profile, model, tasks, max_len)
+    checkpoint, max_len, _ = real.write_model(s)
     seeds = [s.seed + k for k in range(s.seeds)]
     length_qps = args.length_qps or LENGTH_QPS_PER_REPLICA * dep.replicas
+    jobs = getattr(args, "jobs", None) or default_jobs()
     _log(f"paper scale: {dep.replicas} replicas on {dep.servers} server(s), {dep.device_cache_mb / 1024:.1f} GiB "
          f"device tier each, {dep.dram_mb_per_server / 1024:.0f} GiB DRAM per server; SLO {s.slo_ms:g} ms; "
-         f"{s.seeds} seeds x {s.measured} measured ranks per point; length sweep at {length_qps:g} QPS")
-    by_len = {m: await length_limit(sim, m, length_qps, preset["length_start"], seeds) for m in real.MODES}
-    qps_length = args.qps_length or qps_sweep_length(by_len["baseline"].limit)
-    _log(f"QPS sweep at median length {qps_length} (full inference's length limit: {by_len['baseline'].limit})")
-    by_qps = {m: await qps_limit(sim, m, qps_length,
-                                 capacity_qps(profile, dep, qps_length, relay=m != "baseline") / 2, seeds)
-              for m in real.MODES}
+         f"{s.seeds} seeds x {s.measured} measured ranks per point; length sweep at {length_qps:g} QPS; "
+         f"{jobs} worker process(es)")
+    out: dict[str, Any] = {}
+    with SearchPool(ScaleSetup(s, dep, args.model, str(checkpoint), max_len), jobs) as pool:
+        lengths = pool.submit([("length", m, length_qps, preset["length_start"], seeds) for m in real.MODES])
+        if before_wait is not None:
+            out.update(before_wait())
+        by_len = dict(zip(real.MODES, lengths(), strict=True))
+        qps_length = args.qps_length or qps_sweep_length(by_len["baseline"].limit)
+        _log(f"QPS sweep at median length {qps_length} (full inference's length limit: {by_len['baseline'].limit})")
+        rates = pool.submit([("qps", m, qps_length, capacity_qps(profile, dep, qps_length, relay=m != "baseline") / 2,
+                              seeds) for m in real.MODES])
+        by_qps = dict(zip(real.MODES, rates(), strict=True))
     modes = {m: _mode_result(by_len[m], by_qps[m]) for m in real.MODES}
-    out: dict[str, Any] = {
+    out.update({
         "scale": {"profile": {"source": profile.source, "model": profile.model, "notes": profile.notes},
                   "deployment": asdict(dep), "slo_ms": s.slo_ms, "seeds": seeds, "users": s.users,
                   "measured": s.measured, "warmup": s.warmup, "trace": s.trace_kind,
                   "follow_through": real.FOLLOW_THROUGH, "cache_pressure_target": real.CACHE_PRESSURE,
                   "length_qps": length_qps, "qps_length": qps_length, "resolution": RESOLUTION,
-                  "points_simulated": sim.points},
+                  "points_simulated": pool.points, "jobs": jobs},
         "relay_vs_full": comparison(modes["relay"], modes["baseline"]),
         "relay_vs_prefix_cache": comparison(modes["relay"], modes["prefix_cache"]),
         "ablations": {a: {**comparison(modes[a], modes["baseline"]),
                           "below_relay": _below(modes[a], modes["relay"])} for a in real.ABLATIONS},
-        "modes": {m: _strip(v) for m, v in modes.items()}}
+        "modes": {m: _strip(v) for m, v in modes.items()}})
     return out
 
 
@@ -281,7 +375,8 @@ def _json_safe(x: Any) -> Any:
     return x
 
 
-async def validation_part(directory: Path, seeds_only: bool = False) -> dict[str, Any]:
+async def validation_part(directory: Path, seeds_only: bool = False,
+                          out: Path = Path("runs/bench-serve/simulate/validation")) -> dict[str, Any]:
     """The held-out real points, simulated on the calibrated profile at the real runs' deployment and traces, and
     each mode's QPS knee found by bisection on the same traces, judged by the fixed rules."""
     vs = validate.load_validation(directory)
@@ -297,7 +392,7 @@ async def validation_part(directory: Path, seeds_only: bool = False) -> dict[str
                     qps=list(pr["qps"]), qps_length=int(pr["qps_length"]), repeats=int(pr["repeats"]),
                     slo_ms=float(pr["slo_ms"]), gap_ms=float(pr["cascade_gap_ms"]),
                     measured=int(pr["measured_requests_min"]), warmup=int(pr["warmup_visits"]), seed=seed0,
-                    out=Path("runs/bench-serve/simulate/validation"), qps_floor=float(pr["qps_floor"]),
+                    out=out, qps_floor=float(pr["qps_floor"]),
                     rankers=rankers, trace_kind=str(pr["trace"]),
                     kv_bytes_per_token=int(pr["kv_bytes_per_token"]),
                     device_cache_total_bytes=int(rankers * float(pr["device_cache_mb"]) * MB))
@@ -329,17 +424,26 @@ def run_simulate(args: argparse.Namespace) -> int:
     quick = bool(args.quick)
     result: dict[str, Any] = {}
     vdir = Path(args.validation) if args.validation else VALIDATION_DIR
-    if not args.no_validation:
-        result.update(run_virtual(lambda: validation_part(vdir)))
+
+    def validation() -> dict[str, Any]:
+        return {} if args.no_validation else run_virtual(
+            lambda: validation_part(vdir, out=Path(args.out) / "simulate" / "validation"))
+
     if args.plan:
+        result.update(validation())
         result["plan"] = run_virtual(lambda: plan_part(args, quick))
     else:
-        result.update(run_virtual(lambda: scale_part(args, quick)))
+        result.update(scale_part(args, quick, before_wait=validation))
     result["seconds"] = round(time.perf_counter() - t0, 1)
     safe = _json_safe(result)
     out = Path(args.out) / "simulate"
     out.mkdir(parents=True, exist_ok=True)
     (out / "serve-simulate.json").write_text(json.dumps(safe, indent=2))
+    if not args.plan:
+        from grstack.runtime.bench.serve_sim_plot import plot_simulation
+
+        safe["plot"] = str(plot_simulation(safe, out / "serve-simulate.png"))
+        _log(f"plot {safe['plot']}")
     brief = {k: v for k, v in safe.items() if k != "modes"}
     print(json.dumps(brief if args.json else safe))
     return 0

@@ -79,6 +79,29 @@ def test_interval_ends_are_the_certain_pass_and_certain_fail() -> None:
     assert res.ci95 == (20, 50)  # 30 and 40 could each be on either side under resampling
 
 
+def test_points_that_gave_up_above_the_limit_are_settled_whole_until_one_certainly_fails() -> None:
+    # a point that stopped sending has a lower bound of 0 (its unsent ranks could have been fast); measured
+    # whole, the same point's interval is its own
+    settled: list[float] = []
+
+    async def measure(v: float) -> dict:
+        p99 = SLO * v / 30
+        return {"v": v, "p99_ms": p99, "p99_ms_hi": p99 + 5, "whole": p99 <= SLO,
+                "p99_ms_lo": p99 - 5 if p99 <= SLO else 0.0}
+
+    async def whole(v: float) -> dict:
+        settled.append(v)
+        p99 = SLO * v / 30
+        return {"v": v, "p99_ms": p99, "p99_ms_lo": p99 - 5, "p99_ms_hi": p99 + 5, "whole": True}
+
+    bare = asyncio.run(find_limit(measure, 10, slo_ms=SLO, key="v"))
+    assert bare.ci95[1] is None  # nothing certainly fails
+    res = asyncio.run(find_limit(measure, 10, slo_ms=SLO, key="v", settle=whole))
+    assert res.limit == bare.limit and 28.5 <= res.limit <= 30
+    assert settled == sorted(settled) and settled[0] > res.limit and len(settled) <= 3
+    assert res.ci95[1] == settled[-1] and res.ci95[1] * SLO / 30 - 5 > SLO  # the first value certainly failing
+
+
 def test_a_noisy_pass_above_a_failure_does_not_raise_the_limit() -> None:
     pts = [{"v": v, "p99_ms": p, "p99_ms_lo": p, "p99_ms_hi": p} for v, p in ((10, 50.0), (20, 120.0), (30, 90.0))]
     assert limit_of(pts, "v", SLO).limit == 10
