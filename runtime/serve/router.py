@@ -390,10 +390,11 @@ class Router:
             backoff = min(2 * backoff, 2.0)
 
     # -- routing ------------------------------------------------------------------------------------
-    def route(self, user: str) -> tuple[list[str], str]:
+    def route(self, user: str, prefix_len: int | None = None) -> tuple[list[str], str]:
         """Replicas to try for ``user`` in order, and how the first was chosen (affinity | moved | ring |
         random). A placed user whose replica is over its load cap is ``moved`` to the bounded-load ring's
-        choice among the others: affinity does not override the cap."""
+        choice among the others — unless, for a request of ``prefix_len`` events, waiting there costs less than
+        computing the prefix elsewhere (:meth:`_worth_moving`)."""
         if self.ejected:
             self._release_ejections()
         up = self.up_replicas()
@@ -405,7 +406,7 @@ class Router:
         first: str | None
         if placed is not None and placed.replica in up:
             first, kind = placed.replica, "affinity"
-            if self.over_cap(placed.replica, load):
+            if self.over_cap(placed.replica, load) and self._worth_moving(placed.replica, load, prefix_len):
                 other = self.ring.choose(user, load, self.config.load_factor, exclude=(placed.replica,))
                 if other is not None and not self.over_cap(other, load):
                     first, kind = other, "moved"
@@ -416,6 +417,18 @@ class Router:
         rest = [r for r in self.ring.order(user) if r != first]
         return [first, *rest][: self.config.max_attempts], kind
 
+    def _worth_moving(self, replica: str, load: dict[str, int], prefix_len: int | None) -> bool:
+        """Whether a user whose prefix ``replica`` holds (or is computing) should leave it: the ranks queued there,
+        each at least a cached rank at this length, wait longer than the user's prefix takes to compute from
+        scratch elsewhere (the rankers' profile, idle). A move turns a hit into a full inference on the critical
+        path, so a long prefix stays behind a queue that a short one would leave (RelayGR routes a
+        pre-inferred prefix's rank to where it was produced). Unknown length or no profile yet: the load cap
+        alone decides."""
+        if prefix_len is None or self.trigger is None:
+            return True
+        model = self.trigger.model
+        return load.get(replica, 0) * model.predict_cached_ms(prefix_len) > model.predict_full_ms(prefix_len)
+
     async def rank(self, body: bytes, req: RankRequest, client_budget_ms: float | None = None) -> web.Response:
         start = self.clock()
         budget_ms = self.config.rank_budget_ms
@@ -424,7 +437,7 @@ class Router:
         if client_budget_ms is not None:
             budget_ms = min(budget_ms, client_budget_ms)
         deadline = start + budget_ms / 1e3
-        order, kind = self.route(req.user_id)
+        order, kind = self.route(req.user_id, len(req.long_term.items))
         if not order:
             raise RequestError(503, "no ranker replica is available")
         if self.trigger is not None:
@@ -450,7 +463,7 @@ class Router:
                                         f"{', '.join(self.profile.action_names)}); the request has none")
             actions = np.asarray(req.long_term.actions, dtype=np.int64)[-max_prefix:]
         version = prefix_hash(items, ts, actions, context_key(req.user_features, self.profile.user_fields))
-        order, kind = self.route(user)
+        order, kind = self.route(user, len(items))
         replica = order[0] if order else None
         tokens = len(items) + len(self.profile.user_fields)  # the contextual tokens head a prefix too
         decision = self.trigger.decide(user, version, tokens, replica)

@@ -239,7 +239,11 @@ async def test_a_placed_user_moves_off_a_replica_over_its_load_cap() -> None:
         await s.poll()
         status, out, headers = await post(s.http, s.urls[0] + "/v1/rank", rank_body(user, 1))
         assert status == 200 and out["replica"] == a.url and headers["X-Grstack-Route"] == "affinity"
-        a.queued = 10
+        a.queued = 10  # over the cap, but 10 cached ranks (1 ms each) wait less than the 30 ms recompute elsewhere
+        await s.poll()
+        status, out, headers = await post(s.http, s.urls[0] + "/v1/rank", rank_body(user, 1))
+        assert status == 200 and out["replica"] == a.url and headers["X-Grstack-Route"] == "affinity"
+        a.queued = 40  # 40 ms of queue: computing the 30-event prefix elsewhere is sooner
         await s.poll()
         status, out, headers = await post(s.http, s.urls[0] + "/v1/rank", rank_body(user, 1))
         assert status == 200 and out["replica"] == b.url and headers["X-Grstack-Route"] == "moved"
