@@ -22,4 +22,8 @@ for folder in FOLDERS:
 package_dir["grstack.configs"] = "configs"
 packages.append("grstack.configs")
 
-setup(packages=packages, package_dir=package_dir, package_data={"grstack.configs": ["*.yaml"]})
+# The serving simulator's stored real runs (runtime/bench/serve_validation): its validation and the paper-scale
+# profile's host costs read them, so an installed grstack carries them.
+setup(packages=packages, package_dir=package_dir,
+      package_data={"grstack.configs": ["*.yaml"],
+                    "grstack.runtime.bench": ["serve_validation/*.json", "serve_validation/*/*.json"]})

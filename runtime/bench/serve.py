@@ -152,7 +152,7 @@ def register(parser: argparse.ArgumentParser) -> None:
                    help="--simulate: DRAM tier per server (default 1536)")
     g.add_argument("--seeds", type=ca.positive_int, default=None, help="--simulate: trace seeds per point")
     g.add_argument("--validation", default=None, metavar="DIR",
-                   help="--simulate: the stored real runs to validate against (default docs/results/serve-validation)")
+                   help="--simulate: the stored real runs to validate against (default: the set shipped with grstack, runtime/bench/serve_validation)")
     g.add_argument("--no-validation", action="store_true", help="--simulate: skip the validation")
     g.add_argument("--plan", action="store_true",
                    help="--simulate: the fewest replicas meeting --slo-ms at --qps Q, per device memory, relay "

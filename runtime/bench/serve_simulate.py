@@ -34,9 +34,10 @@ from grstack.runtime.serve import CostProfile
 
 GB = 1 << 30
 MB = 1 << 20
-# The stored real runs the validation reads (docs/serve-simulator.md, "Validation first"): the profile calibrated on
+# The stored real runs the validation reads, and whose host costs the paper profile takes (docs/serve-simulator.md,
+# "Validation first"): the profile calibrated on
 # pinned real runs and the held-out real benchmark it predicts.
-VALIDATION_DIR = Path(__file__).resolve().parents[2] / "docs" / "results" / "serve-validation"
+VALIDATION_DIR = Path(__file__).resolve().parent / "serve_validation"  # package data: ships in the wheel
 RESOLUTION = 0.05  # limits by bisection to this relative step
 MIN_LENGTH = 256  # the shortest median long-term length a length sweep probes
 LENGTH_QPS_PER_REPLICA = 50.0  # the length sweep's rate, per replica (docs/serve-simulator.md)

@@ -119,13 +119,19 @@ def _run(installed: dict[str, Any], *argv: str, timeout: float = 120) -> subproc
 def test_the_installed_package_is_the_wheel(installed: dict[str, Any]) -> None:
     code = ("import grstack.runtime, grstack.operator, grstack.kernels\n"
             "from grstack.runtime.config_files import config_dir\n"
-            "print(grstack.runtime.__file__); print(config_dir())")
+            "from grstack.runtime.bench.serve_simulate import VALIDATION_DIR\n"
+            "print(grstack.runtime.__file__); print(config_dir()); print(VALIDATION_DIR)")
     out = subprocess.run([str(installed["python"]), "-c", code], cwd=installed["work"], env=installed["env"],
                          capture_output=True, text=True, check=True)
-    module, configs = (Path(line) for line in out.stdout.split())
+    module, configs, validation = (Path(line) for line in out.stdout.split())
     assert installed["venv"] in module.parents
     assert installed["venv"] in configs.parents and (configs / "synthetic-tiny-hstu.yaml").is_file()
     assert {p.name for p in configs.glob("*.yaml")} == {p.name for p in (REPO / "configs").glob("*.yaml")}
+    # the serving simulator's stored real runs (its validation, the paper profile's host costs)
+    assert installed["venv"] in validation.parents
+    shipped = {str(p.relative_to(validation)) for p in validation.rglob("*.json")}
+    assert shipped == {str(p.relative_to(REPO / "runtime/bench/serve_validation"))
+                       for p in (REPO / "runtime/bench/serve_validation").rglob("*.json")}
 
 
 def test_the_operator_install_needs_no_torch(installed: dict[str, Any]) -> None:
