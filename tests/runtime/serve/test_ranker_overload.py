@@ -100,7 +100,7 @@ async def test_full_queue_answers_503_with_retry_after_and_loses_nothing_queued(
     solo = [(await post(http, r.url + "/v1/rank", rank_body(f"u{i}", i)))[1]["scores"] for i in range(6)]
     hold = Hold(r.service)
     first = asyncio.ensure_future(post(http, r.url + "/v1/rank", rank_body("u0", 0)))
-    await until(lambda: sched._executor._work_queue.qsize() == 1 and sum(sched.depth().values()) == 0,
+    await until(lambda: sched.runner._executor._work_queue.qsize() == 1 and sum(sched.depth().values()) == 0,
                 "the first rank waits on the compute thread, off the queue")
     rest = [asyncio.ensure_future(post(http, r.url + "/v1/rank", rank_body(f"u{i}", i))) for i in range(1, 6)]
     await until(lambda: sum(t.done() for t in rest) == 3, "three of five refused at once")
