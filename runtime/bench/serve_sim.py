@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -163,6 +164,7 @@ class SimulatedDeployment:
                  slo_ms: float, max_len: int, seed: int, tails: bool = True) -> None:
         self.mode, self.dep, self.profile, self.slo_ms = mode, dep, profile, slo_ms
         self.clock = VirtualClock()
+        self.seed = seed
         self.rng = np.random.default_rng(seed)
         self.costs = HostCosts(profile, self.rng, tails)
         self._model, self._tasks, self._max_len, self._tails = model, tasks, max_len, tails
@@ -200,7 +202,8 @@ class SimulatedDeployment:
             if self.profile.startup:  # what a real ranker measured at start-up, not its in-service costs
                 service.profile = startup_profile(service.profile, self.profile.startup, self.mode, i)
         self.router = Router(real.router_config(self.mode, list(self.services), self.slo_ms),
-                             transport=self.transport, clock=self.clock)
+                             transport=self.transport, clock=self.clock,
+                             rng=random.Random(self.seed))  # not drawn from self.rng: its other draws stay as they were
         await self.router.start()
 
     def _promote(self, backend: Any) -> Any:

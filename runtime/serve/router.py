@@ -139,8 +139,10 @@ class Router:
 
     def __init__(self, config: RouterConfig, store: PlacementStore | None = None,
                  client: ClientSecurity | None = None, *, transport: RankerTransport | None = None,
-                 clock: Clock | None = None) -> None:
+                 clock: Clock | None = None, rng: random.Random | None = None) -> None:
         self.config = config
+        # the draws of random routing (the no-affinity ablation); injected so that a simulated run repeats
+        self.rng = rng if rng is not None else random.Random()
         self.client = client or ClientSecurity()
         self.clock: Clock = clock if clock is not None else SystemClock()
         self.transport: RankerTransport = transport if transport is not None else HttpTransport(self.client)
@@ -399,7 +401,7 @@ class Router:
             self._release_ejections()
         up = self.up_replicas()
         if not self.config.affinity:
-            shuffled = random.sample(up, len(up))
+            shuffled = self.rng.sample(up, len(up))
             return shuffled[: self.config.max_attempts], "random"
         placed = self.placements.get(user)
         load = self.load_view()

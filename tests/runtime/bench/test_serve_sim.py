@@ -114,3 +114,9 @@ def test_plan_needs_a_rate() -> None:
     args = argparse.Namespace(qps=None)
     with pytest.raises(UserError, match="--plan: --qps"):
         run_virtual(lambda: ss.plan_part(args, True))
+
+
+def test_random_routing_repeats_with_the_seed(tmp_path: Path) -> None:
+    a, _, _ = point(tmp_path, "no_affinity", tails=True)
+    b, _, _ = point(tmp_path, "no_affinity", tails=True)
+    assert a["latencies_ms"] == b["latencies_ms"]

@@ -71,7 +71,7 @@ def test_the_stored_runs_load() -> None:
     from grstack.runtime.bench.serve_simulate import VALIDATION_DIR
     from grstack.runtime.serve import CostProfile
 
-    assert VALIDATION_DIR == Path(__file__).resolve().parents[3] / "runtime" / "bench" / "serve_validation"
+    assert Path(__file__).resolve().parents[3] / "runtime" / "bench" / "serve_validation" == VALIDATION_DIR
     for directory, baseline_points in ((VALIDATION_DIR, 2), (VALIDATION_DIR / "amd-epyc-2026-12-05", 3)):
         vs = load_validation(directory)
         assert vs.modes() == ["baseline", "relay"]
