@@ -777,7 +777,11 @@ def score_diff(checkpoint: Path, kept: list[dict[str, Any]]) -> float | None:
     return worst
 
 
-def _capped(ms: float | None, cap: float = 1e4) -> float:
+PLOT_STYLES = ("o-", "x-", "s-", "^--", "v--", "d--")  # one per mode, baseline first
+
+
+def capped_ms(ms: float | None, cap: float = 1e4) -> float:
+    """A P99 for a log-scale plot: a failure (None, or an infinite P99) drawn at ``cap``."""
     return cap if ms is None else min(ms, cap)
 
 
@@ -789,10 +793,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     modes = {m: result[m] for m in (*BASELINES, "relay") if m in result} | result["ablations"]
-    for (mode, res), style in zip(modes.items(), ("o-", "x-", "s-", "^--", "v--", "d--"), strict=False):
+    for (mode, res), style in zip(modes.items(), PLOT_STYLES, strict=False):
         for ax, sweep, key in ((axes[0], "length", "length"), (axes[1], "qps", "qps")):
             pts = sorted((p for p in res["points"] if p["sweep"] == sweep), key=lambda p: p[key])
-            ax.plot([p[key] for p in pts], [_capped(p["p99_ms"]) for p in pts], style, label=mode)
+            ax.plot([p[key] for p in pts], [capped_ms(p["p99_ms"]) for p in pts], style, label=mode)
     for ax, xlabel in ((axes[0], "base long-term length (events)"), (axes[1], "offered load (QPS)")):
         ax.axhline(result["slo_ms"], color="gray", linestyle=":", label=f"SLO {result['slo_ms']:g} ms")
         ax.set_xscale("log", base=2)

@@ -7,16 +7,10 @@ against QPS at paper scale, with the bootstrap 95 % interval of each point and t
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
-CAP_MS = 1e4  # failures (an infinite P99) are drawn here
-STYLES = ("o-", "x-", "s-", "^--", "v--", "d--")
-
-
-def _capped(v: float | None) -> float:
-    return CAP_MS if v is None or not math.isfinite(v) else min(float(v), CAP_MS)
+from grstack.runtime.bench.serve import PLOT_STYLES, capped_ms
 
 
 def plot_simulation(result: dict[str, Any], path: Path) -> Path:
@@ -30,8 +24,8 @@ def plot_simulation(result: dict[str, Any], path: Path) -> Path:
     ax = axes[0]
     for k, e in enumerate(val):
         lo, hi = e["p99_ms_measured_spread"]
-        ax.plot([k, k], [_capped(lo), _capped(hi)], "-", color="gray", linewidth=6, alpha=0.5)
-        ax.plot(k, _capped(e["p99_ms_predicted"]), "o" if e["within"] else "x",
+        ax.plot([k, k], [capped_ms(lo), capped_ms(hi)], "-", color="gray", linewidth=6, alpha=0.5)
+        ax.plot(k, capped_ms(e["p99_ms_predicted"]), "o" if e["within"] else "x",
                 color="tab:green" if e["within"] else "tab:red", markersize=8)
     ax.set_xticks(range(len(val)), [f"{e['mode']}\n{e['point']}" for e in val], fontsize=7)
     ax.set_yscale("log")
@@ -39,13 +33,13 @@ def plot_simulation(result: dict[str, Any], path: Path) -> Path:
     ax.set_title("validation: measured spread (bar), predicted (o within, x outside)", fontsize=9)
     modes = result.get("modes") or {}
     slo = (result.get("scale") or {}).get("slo_ms")
-    for (mode, res), style in zip(modes.items(), STYLES, strict=False):
+    for (mode, res), style in zip(modes.items(), PLOT_STYLES, strict=False):
         for ax, sweep in ((axes[1], "length"), (axes[2], "qps")):
             pts = sorted((p for p in res["points"] if p["sweep"] == sweep), key=lambda p: p[sweep])
             xs = [p[sweep] for p in pts]
-            ys = [_capped(p["p99_ms"]) for p in pts]
-            lo = [max(1e-3, y - _capped(p.get("p99_ms_lo"))) for y, p in zip(ys, pts, strict=True)]
-            hi = [max(0.0, _capped(p.get("p99_ms_hi")) - y) for y, p in zip(ys, pts, strict=True)]
+            ys = [capped_ms(p["p99_ms"]) for p in pts]
+            lo = [max(1e-3, y - capped_ms(p.get("p99_ms_lo"))) for y, p in zip(ys, pts, strict=True)]
+            hi = [max(0.0, capped_ms(p.get("p99_ms_hi")) - y) for y, p in zip(ys, pts, strict=True)]
             ax.errorbar(xs, ys, yerr=[lo, hi], fmt=style, label=mode, capsize=2, markersize=4, linewidth=1)
     for ax, xlabel in ((axes[1], "median long-term length (events)"), (axes[2], "offered load (QPS)")):
         if slo is not None:
