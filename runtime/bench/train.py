@@ -156,14 +156,25 @@ def _pct(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values, dtype=np.float64), 100 * q))
 
 
+def with_steps(cfg: Any, world: int, steps: int) -> Any:
+    """``cfg`` with enough epochs for ``steps`` batches on ``world`` ranks (the harness stops at the end of
+    training: the quick data holds 7 batches an epoch, so ``--steps 20`` would otherwise time 7)."""
+    from grstack.runtime.data import LeaveOneOut, load_source
+    from grstack.runtime.train import Schedule, with_overrides
+
+    split = LeaveOneOut(load_source(cfg.data), min_len=cfg.data.min_len, block=cfg.ranking_block())
+    per_epoch = max(1, Schedule(split, cfg, world, cfg.loss.ranking_candidates).steps_in_epoch(0))
+    return with_overrides(cfg, {"train.epochs": max(cfg.train.epochs, -(-steps // per_epoch))})
+
+
 def measured_balance_stats(long: Any, world: int, steps: int, warmup: int) -> dict[str, Any]:
     """Measured wait ratio before (equal counts) and after (token balanced): see the module docstring."""
     from grstack.runtime.train import call_ranks, measured_balance, with_overrides
 
     # sync steps, batches prepared inline (outside the timed step): nothing else of the rank runs while it
     # computes, so a rank's busy time is its own work
-    cfg = with_overrides(long, {"negatives.background": False, "train.num_threads": 1,
-                                "pipeline.microbatches": 1, "pipeline.dbp": False})
+    cfg = with_steps(with_overrides(long, {"negatives.background": False, "train.num_threads": 1,
+                                           "pipeline.microbatches": 1, "pipeline.dbp": False}), world, steps + warmup)
     # "repeat" does exactly what "after" does: the two timings of one rank's same work give the noise floor
     modes = {"before": {"balance.mode": "count"}, "after": {"balance.mode": "tokens"},
              "repeat": {"balance.mode": "tokens"}}
@@ -603,8 +614,12 @@ def run(args: argparse.Namespace) -> int:
     _log(f"sharded data ({world} ranks): the busiest reader decoded {sharded['events_read_fraction_max']:.3f} of the "
          f"events; the largest item-table tensor on a rank: {sharded['table_rows_fraction_max']} of the rows")
     modes = {m: o for m, o in pipeline_modes(n).items() if m in SETTINGS}
+    timed_cfg = with_steps(cfg, world, steps + warmup)
     runs = call_ranks("grstack.runtime.train.harness:run_modes", world,
-                      {"config": cfg.model_dump(mode="json"), "modes": modes, "steps": steps + warmup})[0]
+                      {"config": timed_cfg.model_dump(mode="json"), "modes": modes, "steps": steps + warmup})[0]
+    short = {m: len(runs[m]["records"]) for m in SETTINGS if len(runs[m]["records"]) != steps + warmup}
+    if short:
+        raise RuntimeError(f"timed steps per mode {short}, expected {steps + warmup}")
     step_ms = {m: _median_after_warmup([r["step_ms"] for r in runs[m]["records"]], warmup) for m in SETTINGS}
     blocked_ms = {m: _median_after_warmup([r["blocked_comm_ms"] for r in runs[m]["records"]], warmup)
                   for m in SETTINGS}

@@ -8,7 +8,7 @@ Other packages import from here, never a submodule. Only ``train`` and ``bench``
 from __future__ import annotations
 
 from grstack.runtime.embedding.comm import CollectiveError, Comm, CommEvent, CommLog, attach_log
-from grstack.runtime.embedding.optim import RowWiseAdagrad, make_sparse_optimizer
+from grstack.runtime.embedding.optim import RowWiseAdagrad, fused_adamw, make_sparse_optimizer
 from grstack.runtime.embedding.plan import ShardingPlan
 from grstack.runtime.embedding.sharded import (
     ActiveRows,
@@ -32,6 +32,7 @@ __all__ = [
     "ShardedEmbedding",
     "ShardingPlan",
     "attach_log",
+    "fused_adamw",
     "make_sparse_optimizer",
     "make_unit",
     "merge_rows",

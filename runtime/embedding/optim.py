@@ -16,6 +16,12 @@ from typing import Any
 import torch
 
 
+def fused_adamw(device: torch.device) -> bool | None:
+    """``fused=`` for torch AdamW on ``device``: True where torch has the fused kernel (CPU, CUDA), else its
+    default."""
+    return True if device.type in ("cpu", "cuda") else None
+
+
 class SparseOptimizer:
     name = "base"
     moves_all_rows = False  # True: every step changes every row (the Active rows are the whole shard)
@@ -109,7 +115,7 @@ class LazyAdam(SparseOptimizer):
 
 
 class DenseAdamW(SparseOptimizer):
-    """``torch.optim.AdamW`` over the whole shard: every row's moments decay and every row moves each step."""
+    """``torch.optim.AdamW`` (fused) over the whole shard: every row's moments decay and every row moves each step."""
 
     name = "adamw"
     moves_all_rows = True
@@ -118,7 +124,10 @@ class DenseAdamW(SparseOptimizer):
                  weight_decay: float = 0.0) -> None:
         super().__init__(weight, lr)
         self.param = torch.nn.Parameter(weight, requires_grad=False)  # shares storage with the shard
-        self.inner = torch.optim.AdamW([self.param], lr=lr, betas=betas, weight_decay=weight_decay)
+        # fused where torch has it, as the dense optimizer: the step count stays on the shard's device, so the
+        # update reads no scalar back (the unfused form reads its host step count every step)
+        self.inner = torch.optim.AdamW([self.param], lr=lr, betas=betas, weight_decay=weight_decay,
+                                       fused=fused_adamw(weight.device))
         self._rows = torch.arange(weight.shape[0], device=weight.device)
 
     def step(self, rows: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,6 +21,13 @@ One accumulation window::
     reducer.wait()                # the sums are in p.grad; unreached parameters get grad None
     optimizer.step()
 
+A tail (``tail=n``): the last bucket gets ``n`` more elements after its gradients and is held back from the
+hooks and ``flush`` until ``release(values)`` writes ``values`` there and launches it, so a step's other
+sums (its stats) ride along with the dense gradients instead of costing a collective of their own; ``tail``
+reads the sums after ``wait``. The held bucket is the one backward fills last (the input-side layers), so
+holding it gives up little overlap; the caller releases it once those values exist (the engine: after the
+sparse gradients' All2All, which the sparse update needs first).
+
 Order. Buckets launch strictly in index order (bucket i after every bucket below i), through ``submit``
 (the rank's single collective-issuing thread), so every rank issues the same all-reduces in the same order
 even where a parameter that one rank's loss did not reach holds its bucket back until ``flush``.
@@ -94,7 +101,7 @@ class BucketedAllReduce:
     ``backward()``; the caller's thread touches the state only between backward passes, so no lock."""
 
     def __init__(self, params: Iterable[nn.Parameter], comm: Comm, submit: Callable[..., Future[Any]],
-                 lanes: StreamSet | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+                 lanes: StreamSet | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, tail: int = 0) -> None:
         unique: dict[int, nn.Parameter] = {}
         for p in params:
             unique.setdefault(id(p), p)
@@ -112,9 +119,15 @@ class BucketedAllReduce:
         self._buckets: list[_Bucket] = []
         self._bucket_of = [0] * len(self.params)
         self._view_of: list[torch.Tensor] = [torch.empty(0)] * len(self.params)
-        for b, members in enumerate(assign_buckets(self.params, bucket_bytes)):
+        if tail < 0:
+            raise ValueError(f"tail must be non-negative, not {tail}")
+        groups = assign_buckets(self.params, bucket_bytes)
+        if tail and not groups:
+            raise ValueError("a tail needs at least one bucket (no parameters)")
+        for b, members in enumerate(groups):
             first = self.params[members[0]]
-            buffer = torch.zeros(sum(self.params[i].numel() for i in members), dtype=first.dtype,
+            extra = tail if b == len(groups) - 1 else 0
+            buffer = torch.zeros(sum(self.params[i].numel() for i in members) + extra, dtype=first.dtype,
                                  device=first.device)
             views, at = [], 0
             for i in members:
@@ -123,6 +136,10 @@ class BucketedAllReduce:
                 self._bucket_of[i], self._view_of[i] = b, views[-1]
                 at += p.numel()
             self._buckets.append(_Bucket(members, buffer, views))
+        self._tail = self._buckets[-1].buffer[self._buckets[-1].buffer.numel() - tail :] if tail else None
+        # launches by the hooks and flush stop before the held bucket (the last) while it waits for release
+        self._held = tail > 0
+        self._stop = len(self._buckets) - (1 if self._held else 0)
         self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.params)]
         self.launched_in_backward = 0  # all-reduces launched by a hook, inside backward (totals since creation)
         self.launched_at_flush = 0  # all-reduces launched by flush, after backward returned
@@ -137,6 +154,15 @@ class BucketedAllReduce:
     def buckets(self) -> list[int]:
         """Each bucket's size in bytes, in launch order."""
         return [b.nbytes for b in self._buckets]
+
+    @property
+    def tail(self) -> torch.Tensor | None:
+        """The tail's elements (after ``wait``: summed over the ranks); None without a tail."""
+        return self._tail
+
+    @property
+    def tail_dtype(self) -> torch.dtype | None:
+        return self._tail.dtype if self._tail is not None else None
 
     @property
     def buffers(self) -> list[torch.Tensor]:
@@ -165,10 +191,27 @@ class BucketedAllReduce:
         self._armed = True
 
     def flush(self) -> None:
-        """Launches every bucket not launched yet, in bucket order (call right after the armed backward)."""
+        """Launches every bucket not launched yet, in bucket order (call right after the armed backward),
+        except a held one (see ``release``)."""
         if not self._open:
             raise RuntimeError("flush() outside a window: call start_window() first")
         self._armed, self._flushed = False, True
+        while self._next < self._stop:
+            self._launch(in_backward=False)
+
+    def release(self, values: torch.Tensor | None = None) -> None:
+        """Writes ``values`` (flat, ``tail`` elements) into the held bucket's tail and launches it, after
+        every other bucket (flushing them first if needed). Without a tail: the same as ``flush``."""
+        if not self._open:
+            raise RuntimeError("release() outside a window: call start_window() first")
+        if not self._flushed:
+            self.flush()
+        if values is not None:
+            if self._tail is None:
+                raise RuntimeError("release(values) on a reducer without a tail")
+            if values.numel() != self._tail.numel():
+                raise ValueError(f"{values.numel()} values for a tail of {self._tail.numel()}")
+            self._tail.copy_(values.reshape(-1))
         while self._next < len(self._buckets):
             self._launch(in_backward=False)
 
@@ -177,8 +220,7 @@ class BucketedAllReduce:
         backward of the window reached on this rank has grad None (AdamW then skips it, as without buckets)."""
         if not self._open:
             raise RuntimeError("wait() outside a window: call start_window() first")
-        if not self._flushed:
-            self.flush()
+        self.release()  # launches what is left (a held bucket with its tail as it is)
         futures, self._futures = self._futures, []
         for fut in futures:
             work = fut.result()
@@ -215,7 +257,7 @@ class BucketedAllReduce:
         self._armed_seen[i] = True
         b = self._bucket_of[i]
         self._missing[b] -= 1
-        while self._next < len(self._buckets) and self._missing[self._next] == 0:
+        while self._next < self._stop and self._missing[self._next] == 0:
             self._launch(in_backward=True)
 
     def _launch(self, in_backward: bool) -> None:

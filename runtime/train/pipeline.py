@@ -41,12 +41,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from grstack.runtime.device import host_sync_counter, set_current_device
-from grstack.runtime.embedding import ActiveRows, Comm, RoutedBatch, ShardedEmbedding, merge_rows
+from grstack.runtime.embedding import ActiveRows, Comm, RoutedBatch, ShardedEmbedding, fused_adamw, merge_rows
 from grstack.runtime.streams import Marker, StreamSet
 from grstack.runtime.train.balance import imbalance, measured_balance, wait_ratio
 from grstack.runtime.train.batching import MicroBatch, PreparedBatch
 from grstack.runtime.train.context import DistContext
-from grstack.runtime.train.dense_reducer import BucketedAllReduce
+from grstack.runtime.train.dense_reducer import BucketedAllReduce, assign_buckets
 from grstack.runtime.train.issue_queue import CollectiveIssuer
 from grstack.runtime.train.negatives import GroupLayout, HostOffload, sampled_softmax_sum
 from grstack.runtime.train.timing import CommClock
@@ -98,7 +98,7 @@ class Engine:
         # scalar back (the foreach form reads every parameter's step count on the host)
         self.optimizer = torch.optim.AdamW(self.dense_params, lr=o.lr, betas=(o.beta1, o.beta2),
                                            weight_decay=o.weight_decay,
-                                           fused=True if device.type in ("cpu", "cuda") else None)
+                                           fused=fused_adamw(device))
         p = cfg.pipeline
         self.prefetching = p.dbp or p.semi_async
         self.ranking = getattr(model, "rank_head", None) is not None and cfg.loss.ranking_weight > 0
@@ -119,9 +119,16 @@ class Engine:
         # gradient accumulation: this rank's (sorted local keys, summed gradient) of the window so far
         self.held: tuple[torch.Tensor, torch.Tensor] | None = None
         self._window_open = False
-        # the dense gradients live in buckets all-reduced as backward produces them (through the issuer)
+        # the dense gradients live in buckets all-reduced as backward produces them (through the issuer); the
+        # last bucket (the input-side layers, filled last) carries the step's stats in a tail and is launched
+        # after the sparse gradients' All2All: the sparse update needs those first, and the stats then cost
+        # no collective of their own (where the last bucket holds fp32, as the stats are)
+        bucket_bytes = int(cfg.distributed.bucket_cap_mb * 2**20)
+        buckets = assign_buckets(self.dense_params, bucket_bytes)
+        fp32_last = bool(buckets) and self.dense_params[buckets[-1][0]].dtype == torch.float32
+        self.stats_size = 4 + ctx.world_size  # losses, refreshed and stale rows, every rank's busy seconds
         self.reducer = BucketedAllReduce(self.dense_params, ctx.world, self._submit_dense, lanes=self.lanes,
-                                         bucket_bytes=int(cfg.distributed.bucket_cap_mb * 2**20))
+                                         bucket_bytes=bucket_bytes, tail=self.stats_size if fp32_last else 0)
         self._dense_launched: float | None = None
         self._updated: Marker | None = None  # compute lane, after the last sparse update
         self._staged: dict[int, Any] = {}  # id(host tensor) -> its device copy, for the step's batch
@@ -211,9 +218,9 @@ class Engine:
 
     def _send_parked(self, pending: _Pending) -> tuple[None, Marker]:
         """Semi-async, on the issuing thread: the prefetched batch's rows to their requesters, parked in host
-        memory until its step takes them."""
-        rb, batch, comm = pending.rb, pending.batch, self.lanes.comm
-        assert rb is not None
+        memory until its step takes them. Waits here (not in the training thread) for the prefetch's routing
+        and retrieve; a failed prefetch raises."""
+        rb, batch, comm = pending.future.result(), pending.batch, self.lanes.comm
         comm.wait(pending.marker)
         comm.keep(rb.rows)
         for u, unit in enumerate(batch.units):
@@ -222,14 +229,14 @@ class Engine:
         return None, comm.record()
 
     def _issue_semi_rows(self) -> None:
-        """Semi-async: the prefetched batch's rows All2All, submitted by the main thread at a fixed point of
-        the step (behind this batch's gradient All2Alls and its stats, once the prefetch's retrieve has read
-        the rows; before the sparse update): the same place in the issue order on every rank. It runs during
-        the update and may still run when the step returns (``settle``)."""
+        """Semi-async: the next batch's rows All2All, submitted by the main thread at a fixed point of the step
+        (right after this batch's own row fetches, before its gradient All2Alls): the same place in the issue
+        order on every rank. The issuing thread waits for the prefetch's retrieve and sends the rows while this
+        batch computes (the training thread does not wait for the prefetch: the update does, before it writes
+        the table). It may still run when the step returns (``settle``)."""
         pending = self.pending
         if not self.cfg.pipeline.semi_async or pending is None or pending.rows is not None:
             return
-        self.clock.wait(self._wait_retrieved, pending)
         pending.rows = self.issuer.submit(self.clock.task, self._send_parked, pending)
 
     # -- jobs of the issuing thread (comm lane) ---------------------------------------------------------------
@@ -442,6 +449,7 @@ class Engine:
             if batch.neg_unit is not None:
                 futures[batch.neg_unit] = fetch(batch.neg_unit)
             futures[batch.micro[0].unit] = fetch(batch.micro[0].unit)
+        self._issue_semi_rows()  # the next batch's rows travel while this one computes
         neg_leaf = None
         grad_futures: list[Future] = []
         zero = torch.zeros((), device=self.device)
@@ -490,8 +498,12 @@ class Engine:
             extra = extra.pin_memory()
         stats = torch.cat([ret_total.reshape(1), rank_total.reshape(1), _dev(extra, self.device)])
         stats = stats.to(ctx.comm_device)
-        summed = self._sum_stats(stats)
-        self._issue_semi_rows()  # behind the stats: the next batch's rows travel during the update
+        summed: tuple[Future, float] | None = None
+        if update and self.reducer.tail is not None:
+            self.reducer.release(stats)  # the held bucket, the stats in its tail: summed with the gradients
+            stats = self.reducer.tail
+        else:
+            summed = self._sum_stats(stats)
         update_s = sync_wait = 0.0
         if not update:
             self.held = (keys, local_grad)
@@ -581,6 +593,7 @@ class Engine:
         else:
             sparse_grad = local_grad
         if semi and self.pending is not None:  # the update writes only after the next batch's rows were read
+            clock.wait(self._wait_retrieved, self.pending)
             compute_lane.wait(self.pending.marker)
         t0 = time.perf_counter()
         if not clip:

@@ -58,13 +58,14 @@ def test_lazy_adam_matches_torch_sparse_adam():
 
 
 def test_dense_adamw_is_torch_adamw_on_an_embedding():
-    """One shard under ``adamw`` trains exactly as nn.Embedding under torch AdamW: untouched rows keep moving."""
+    """One shard under ``adamw`` trains exactly as nn.Embedding under torch AdamW (fused, as the dense part):
+    untouched rows keep moving."""
     g = torch.Generator().manual_seed(1)
     w0 = torch.randn(20, 6, generator=g)
     ours = w0.clone()
     opt = DenseAdamW(ours, lr=0.05, betas=(0.9, 0.98), weight_decay=0.01)
     emb = torch.nn.Embedding.from_pretrained(w0.clone(), freeze=False)
-    ref_opt = torch.optim.AdamW(emb.parameters(), lr=0.05, betas=(0.9, 0.98), weight_decay=0.01)
+    ref_opt = torch.optim.AdamW(emb.parameters(), lr=0.05, betas=(0.9, 0.98), weight_decay=0.01, fused=True)
     for step in range(4):
         ids = torch.randint(0, 20, (9,), generator=g)
         coef = torch.randn(9, 6, generator=g)

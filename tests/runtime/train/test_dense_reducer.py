@@ -170,6 +170,41 @@ def unreached_case(rank: int, comm: Comm, log: CommLog, pool: ThreadPoolExecutor
     return out
 
 
+def tail_case(rank: int, comm: Comm, log: CommLog, pool: ThreadPoolExecutor) -> dict[str, Any]:
+    """A reducer with a 3-element tail: the last bucket waits for ``release`` (after flush), then carries the
+    rank's values, summed with its gradients in one all-reduce."""
+    net, ref = Net(), Net()
+    reducer = BucketedAllReduce(list(net.parameters()), comm, pool.submit, bucket_bytes=SMALL, tail=3)
+    out: dict[str, Any] = {"buckets": reducer.buckets, "windows": []}
+    params = list(net.parameters())
+    for w, n in enumerate(WINDOWS):
+        start = len(log.events)
+        reducer.start_window()
+        for m in range(n - 1):
+            loss_of(net, rank, w, m).backward()
+        reducer.arm()
+        loss_of(net, rank, w, n - 1).backward()
+        reducer.flush()
+        pool.submit(lambda: None).result()  # every launch so far has been issued
+        before_release = sum(e.op == "all_reduce" for e in log.events[start:])
+        values = torch.tensor([1.0 + rank, 10.0 * w, -rank], dtype=torch.float32)
+        reducer.release(values)
+        reducer.wait()
+        ref.zero_grad(set_to_none=True)
+        for m in range(n):
+            loss_of(ref, rank, w, m).backward()
+        expected = flat_sum([p.grad for p in ref.parameters()], params)
+        events = [e for e in log.events[start:] if e.op == "all_reduce"]
+        assert reducer.tail is not None
+        out["windows"].append({
+            "before_release": before_release, "all_reduces": len(events), "last_nbytes": events[-1].nbytes,
+            "tail": reducer.tail.tolist(),
+            "grads_equal": all(torch.equal(p.grad, e) for p, e in zip(params, expected, strict=True))})
+        for p, q in zip(params, ref.parameters(), strict=True):  # the next window starts from equal params
+            q.data.copy_(p.data)
+    return out
+
+
 def reducer_on_ranks(env: Any, payload: dict[str, Any]) -> dict[str, Any]:
     """Rank body: a gloo world, one ``world`` Comm with a CommLog, a one-thread ``grstack-comm`` issuer."""
     import torch.distributed as dist
@@ -183,7 +218,8 @@ def reducer_on_ranks(env: Any, payload: dict[str, Any]) -> dict[str, Any]:
     pool = ThreadPoolExecutor(1, initializer=_name_thread)
     try:
         return {"exact": exact_case(env.rank, comm, log, pool),
-                "unreached": unreached_case(env.rank, comm, log, pool)}
+                "unreached": unreached_case(env.rank, comm, log, pool),
+                "tail": tail_case(env.rank, comm, log, pool)}
     finally:
         pool.shutdown()
         dist.destroy_process_group()
@@ -248,6 +284,38 @@ def test_a_parameter_one_rank_does_not_reach(ranks):
     # window 1: rank 1 reaches `side` in an unarmed backward only: it has a gradient (the sum), launched at flush
     assert not r1["windows"][1]["side_none"] and r1["windows"][1]["side_equal"]
     assert r1["windows"][1]["others_equal"] and r1["windows"][1]["at_flush"] > 0
+
+
+def test_a_tail_rides_in_the_last_bucket_launched_at_release(ranks):
+    for r in ranks:
+        t = r["tail"]
+        nb = len(t["buckets"])
+        for w, got in enumerate(t["windows"]):
+            assert got["before_release"] == nb - 1  # hooks and flush hold the last bucket back
+            assert got["all_reduces"] == nb  # and the values cost no collective of their own
+            assert got["last_nbytes"] == t["buckets"][-1]  # the held bucket, tail included, goes last
+            assert got["tail"] == [3.0, 20.0 * w, -1.0]  # summed over the two ranks
+            assert got["grads_equal"]
+    assert ranks[0]["tail"]["buckets"] == ranks[1]["tail"]["buckets"]
+
+
+def test_a_tail_without_a_group_keeps_the_values_and_misuse_is_refused():
+    net = Net()
+    plain = BucketedAllReduce(list(net.parameters()), _single(), _no_submit, bucket_bytes=SMALL)
+    tailed = BucketedAllReduce(list(Net().parameters()), _single(), _no_submit, bucket_bytes=SMALL, tail=2)
+    assert plain.tail is None and tailed.tail_dtype == torch.float32
+    assert tailed.buckets[-1] == plain.buckets[-1] + 2 * 4 and tailed.buckets[:-1] == plain.buckets[:-1]
+    tailed.start_window()
+    with pytest.raises(ValueError, match="3 values for a tail of 2"):
+        tailed.release(torch.zeros(3))
+    tailed.release(torch.tensor([4.0, 5.0]))
+    tailed.wait()
+    assert tailed.tail is not None and tailed.tail.tolist() == [4.0, 5.0]
+    plain.start_window()
+    with pytest.raises(RuntimeError, match="without a tail"):
+        plain.release(torch.zeros(1))
+    with pytest.raises(ValueError, match="non-negative"):
+        BucketedAllReduce(list(Net().parameters()), _single(), _no_submit, tail=-1)
 
 
 def _no_submit(fn: Any, *args: Any) -> Future:
