@@ -3,9 +3,10 @@ blocked on communication and the exposed-communication ratio of every pipeline m
 
     python -P bench/train_ab.py --ref 31d90eb --runs 7 --out docs/results/train-ab.json
 
-Both engines run ``grstack bench train``'s quick configuration and modes (each engine's own
-``bench_config`` / ``pipeline_modes``) through their own ``harness.run_modes``, alternating run by run (ref,
-head, ref, head, ...) so that both see the same machine load. Each run times ``--steps`` steps of every mode
+Both engines run ``grstack bench train``'s quick configuration and modes through their own
+``harness.run_modes``, alternating run by run so that both see the same machine load, in counterbalanced
+order (ref then head in even runs, head then ref in odd ones: a fixed order would give one side the same
+position every time). Each run times ``--steps`` steps of every mode
 after ``--warmup``. The figures are read from outside both engines, the same way for each: at the end of
 every step (``CommClock.measure``) the training thread's blocked intervals (every wait for communication,
 and collectives it ran itself) and the step's communication events.
@@ -195,7 +196,7 @@ def main() -> int:
         site = _install_ref(args.ref, Path(tmp))
         paths = {"ref": f"{site}{os.pathsep}{HERE}", "head": str(HERE)}  # head: the editable install
         for i in range(args.runs):
-            for side in ("ref", "head"):
+            for side in (("ref", "head") if i % 2 == 0 else ("head", "ref")):
                 result = Path(tmp) / f"{side}-{i}.json"
                 _engine_run(paths[side], payload, result)
                 got = json.loads(result.read_text())

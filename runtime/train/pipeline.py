@@ -14,7 +14,7 @@ all-reduce, sparse and dense updates.
   moves the rows of micro-batch m+1 and the gradients of m-1 while the main thread computes m; one update
   per batch. Results equal N=1 up to the order of gradient sums.
 * Semi-asynchronous (``semi_async``): t+1's rows are read before t's update (at most one step stale,
-  counted in ``stale_rows``) and sent to their requesters during t's update; nothing is refreshed. The rows
+  counted in ``stale_rows``) and sent to their requesters while t computes; nothing is refreshed. The rows
   wait in ``HostOffload`` (host memory; negatives in FP16 with ``negatives.fp16``). A resumed semi-async run
   reads its first batch fresh, so unlike the other modes it does not repeat the interrupted run bit for bit.
 
@@ -352,7 +352,8 @@ class Engine:
         Timing figures of the returned dict (communication events: ``grstack.runtime.train.timing``):
 
         * ``busy_ms``: this rank's own work from the step's start until it is ready for the update (the
-          dense buckets are in flight by then; the stats all-reduce on a step without an update): the
+          dense buckets but the last are in flight by then; the last carries the stats, and a step without
+          an update sums them with an all-reduce of their own): the
           step's time up to that point minus the time the main thread was blocked on communication in it
           (waiting for the batch's lookup, its rows, its gradient sends; at world size 1, running them
           inline). So it counts forward and backward and the host work of the step (moving rows to the
@@ -362,12 +363,12 @@ class Engine:
           waits, and counting them would make every rank's busy time equal to the slowest one's. The sparse
           replica sum and update run while the dense buckets are reduced and are not counted.
         * ``busy_ms_max``, ``wait_ratio_measured``, ``imbalance_measured``: from every rank's busy time of
-          this step (``balance.measured_balance``), gathered in the step's stats all-reduce.
+          this step (``balance.measured_balance``), gathered with the step's stats.
           ``busy_cpu_ms``: the main thread's CPU time over the same span (this rank's only): its work without
           the time the OS gave to other processes (with one intra-op thread, as in ``bench train``). On an
           accelerator both are host times: kernels run asynchronously.
         * ``sync_wait_ms``: the time the main thread was blocked at the synchronisation points (the dense
-          buckets' wait and the stats all-reduce).
+          buckets' wait and the stats' read).
         * ``comm_ms`` / ``exposed_comm_ms``: the step's communication events inside the step, and the part of
           them during which the main thread was blocked (``timing``); ``collective_ms``: the time spent inside
           collectives (``Comm`` counters, every thread), whatever the main thread did meanwhile.
