@@ -99,6 +99,19 @@ async def read_startup_profile(session: Any, url: str) -> dict[str, Any]:
         return dict(await resp.json())
 
 
+def wall_over_cpu(steps: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per step kind: steps, their summed seconds and compute-thread CPU seconds, and the ratio of the two (above
+    1 by the share of each step the ranker's core gave to its other threads, the event loop's request handling
+    first: what a profile of wall seconds carries from the load it was measured at)."""
+    out: dict[str, dict[str, float]] = {}
+    for kind in sorted({s["kind"] for s in steps}):
+        timed = [s for s in steps if s["kind"] == kind and s.get("cpu_seconds") is not None]
+        wall, cpu = sum(s["seconds"] for s in timed), sum(s["cpu_seconds"] for s in timed)
+        if timed and cpu > 0:
+            out[kind] = {"steps": len(timed), "wall_s": wall, "cpu_s": cpu, "ratio": wall / cpu}
+    return out
+
+
 def host_info(s: Settings) -> dict[str, Any]:
     """What the profile was measured on."""
     import torch
@@ -136,15 +149,18 @@ async def calibrate(s: Settings, points: list[tuple[int, float]],
             for mode, m in runs.items():
                 results: list[Any] = []
                 point = await measure_once(m, "calibrate", length, qps, 0, results, whole=True)
+                point_steps: list[dict[str, Any]] = []
                 for url in m.ranker_urls:
                     got, since[url] = await read_logs(m.session, url, since[url])
-                    steps += got["steps"]
+                    point_steps += got["steps"]
                     requests += got["requests"]
+                steps += point_steps
                 for k, v in hops_of(results).items():
                     hops.setdefault(k, []).extend(v)
                 measured.append({"mode": mode, "length": length, "qps": qps, "p99_ms": point["p99_ms"],
                                  "p50_ms": point["p50_ms"], "hit_rate": point["hit_rate"], "n": point["n"],
-                                 "errors_by_kind": point["errors_by_kind"]})
+                                 "errors_by_kind": point["errors_by_kind"],
+                                 "steps_wall_over_cpu": wall_over_cpu(point_steps)})
                 _log(f"calibrate {mode:8s} length={length:5d} qps={qps:6.1f}: p50={point['p50_ms']:.1f} ms "
                      f"p99={point['p99_ms']:.1f} ms, {len(steps)} steps and {len(requests)} requests logged so far")
     if not steps:

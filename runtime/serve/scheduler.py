@@ -55,7 +55,7 @@ import numpy as np
 import torch
 
 from grstack.runtime.serve.backend import ComputeBackend
-from grstack.runtime.serve.clock import Now, SystemClock
+from grstack.runtime.serve.clock import Now, SystemClock, thread_cpu
 from grstack.runtime.serve.engine import PrefixKV, PrefixTokens, RankItem
 from grstack.runtime.serve.scheduler_admission import AdmissionPolicy, PredictedLate, QueueFull, StepCost
 from grstack.runtime.serve.scheduler_jobs import Hit, Job, Timing, WorkQueues, step_shares
@@ -72,7 +72,10 @@ class DeadlineExceeded(Exception):
 
 
 class ComputeRunner(Protocol):
-    """Runs one call of the tensor math off the event loop and returns its result."""
+    """Runs one call of the tensor math off the event loop and returns its result. ``cpu_clock``: the CPU seconds
+    of the thread that runs it (a step's CPU, beside its seconds on the clock), or None where no thread does."""
+
+    cpu_clock: Now | None
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any: ...
 
@@ -82,8 +85,9 @@ class ComputeRunner(Protocol):
 class ThreadRunner:
     """The ranker's one compute thread (torch releases the GIL: the event loop keeps serving meanwhile)."""
 
-    def __init__(self) -> None:
+    def __init__(self, cpu_clock: Now | None = thread_cpu) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ranker-compute")
+        self.cpu_clock = cpu_clock
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -182,12 +186,20 @@ class ComputeScheduler:
         (:meth:`AdmissionPolicy.check_join`); call it before :meth:`boost`."""
         self.admission.check_join(fut, deadline)
 
-    def _timed(self, fn: Callable[..., Any], *args: Any) -> tuple[Any, float, float]:
-        """Compute thread: ``fn(*args)``, when it started and its seconds on the clock (the thread hop excluded:
-        what the math costs, which is what the step log records)."""
+    def _cpu(self) -> float | None:
+        cpu = self.runner.cpu_clock
+        return cpu() if cpu is not None else None
+
+    def _timed(self, fn: Callable[..., Any], *args: Any) -> tuple[Any, float, float, float | None]:
+        """Compute thread: ``fn(*args)``, when it started, its seconds on the clock (the thread hop excluded:
+        what the math costs, which is what the step log records) and the thread's CPU seconds in it (None
+        without a CPU clock). The two differ by the time the core gave to other threads meanwhile."""
+        c0 = self._cpu()
         t0 = self.clock()
         out = fn(*args)
-        return out, t0, self.clock() - t0
+        seconds = self.clock() - t0
+        c1 = self._cpu()
+        return out, t0, seconds, (c1 - c0 if c0 is not None and c1 is not None else None)
 
     @staticmethod
     def _suffix(item: RankItem) -> int:
@@ -356,8 +368,8 @@ class ComputeScheduler:
         t0 = self.clock()
         self._expect(self.hit_cost.predict(len(batch)))
         try:
-            out, began, seconds = await self.runner.run(self._timed, self.engine.rank_cached,
-                                                             [h.kv for h in batch], [h.item for h in batch])
+            out, began, seconds, cpu_s = await self.runner.run(self._timed, self.engine.rank_cached,
+                                                               [h.kv for h in batch], [h.item for h in batch])
         except Exception as exc:
             for h in batch:
                 if not h.future.done():
@@ -368,7 +380,7 @@ class ComputeScheduler:
             self._account("rank_cached", self.clock() - t0)
         self.hit_cost.add(len(batch), self.clock() - t0)
         self.steps.step(began, "rank_cached", [self._suffix(h.item) for h in batch], [h.kv.length for h in batch],
-                        seconds)
+                        seconds, cpu_s)
         end = self.clock()
         for h, logits in zip(batch, out, strict=True):
             if not h.future.done():
@@ -403,7 +415,7 @@ class ComputeScheduler:
         self._expect(self.full_cost.predict(tokens))
         try:
             items = [item for j in batch if (item := j.item) is not None]  # short misses: all rank requests
-            out, began, seconds = await self.runner.run(self._timed, self.engine.rank_full, items)
+            out, began, seconds, cpu_s = await self.runner.run(self._timed, self.engine.rank_full, items)
         except Exception as exc:
             for j in batch:
                 if not j.future.done():
@@ -414,7 +426,7 @@ class ComputeScheduler:
             self._account("rank_full", self.clock() - t0)
         self.full_cost.add(tokens, self.clock() - t0)
         self.steps.step(began, "rank_full", [j.tokens + self._suffix(i) for j, i in zip(batch, items, strict=True)],
-                        [0] * len(batch), seconds)
+                        [0] * len(batch), seconds, cpu_s)
         self._count_tokens(tokens, tokens)
         end = self.clock()
         for j, logits in zip(batch, out, strict=True):
@@ -440,23 +452,28 @@ class ComputeScheduler:
         return list(zip(jobs, self.admission.shares([j.remaining for j in jobs]), strict=False))
 
     def _compute_chunks(self, plan: list[tuple[Job, int]]) -> tuple[list[PrefixKV], list[torch.Tensor | None],
-                                                                      float, float, float]:
+                                                                      float, float, float, tuple[float | None, ...]]:
         """Compute thread: each job's next ``n`` tokens, all in one call, then one cached-prefix ranking of the
-        misses whose prefix is complete. Returns the new prefixes, logits, when it started and the two parts'
-        seconds."""
+        misses whose prefix is complete. Returns the new prefixes, logits, when it started, the two parts'
+        seconds and their CPU seconds (Nones without a CPU clock)."""
+        c0 = self._cpu()
         t0 = self.clock()
         jobs = [j for j, _ in plan]
         chunks = [j.next_chunk(n) for j, n in plan]
         kvs = self.engine.extend_many([j.kv for j in jobs], [c.items for c in chunks], [c.ts for c in chunks],
                                       [c.actions for c in chunks], [c.context for c in chunks])
         t1 = self.clock()
+        c1 = self._cpu()
         done = [b for b, j in enumerate(jobs) if j.item is not None and kvs[b].length == j.tokens]
         logits: list[torch.Tensor | None] = [None] * len(jobs)
         if done:
             out = self.engine.rank_cached([kvs[b] for b in done], [jobs[b].item for b in done])  # type: ignore[misc]
             for b, lg in zip(done, out, strict=True):
                 logits[b] = lg
-        return kvs, logits, t0, t1 - t0, self.clock() - t1
+        t2 = self.clock()
+        c2 = self._cpu()
+        cpu = (c1 - c0, c2 - c1) if c0 is not None and c1 is not None and c2 is not None else (None, None)
+        return kvs, logits, t0, t1 - t0, t2 - t1, cpu
 
     async def _step_chunks(self, loop: asyncio.AbstractEventLoop, queue: deque[Job]) -> None:
         plan = self._collect(queue)
@@ -487,20 +504,20 @@ class ComputeScheduler:
                     self._fail(j, one)
         finally:
             self.queues.running_until = None
-        for jobs, firsts, (kvs, logits, began, extend_s, rank_s) in groups:
-            self._log_chunks(jobs, kvs, logits, began, extend_s, rank_s)
+        for jobs, firsts, (kvs, logits, began, extend_s, rank_s, cpu) in groups:
+            self._log_chunks(jobs, kvs, logits, began, extend_s, rank_s, cpu)
             self._apply(jobs, firsts, kvs, logits, extend_s, rank_s)
 
     def _log_chunks(self, jobs: list[Job], kvs: list[PrefixKV], logits: list[torch.Tensor | None], began: float,
-                    extend_s: float, rank_s: float) -> None:
+                    extend_s: float, rank_s: float, cpu: tuple[float | None, ...] = (None, None)) -> None:
         """A chunk step's two calls in the step log (before :meth:`_apply` moves each job to its new K/V)."""
         self.steps.step(began, "extend_many", [kv.length - j.kv.length for j, kv in zip(jobs, kvs, strict=True)],
-                        [j.kv.length for j in jobs], extend_s)
+                        [j.kv.length for j in jobs], extend_s, cpu[0])
         ranked = [(item, kv) for j, kv, lg in zip(jobs, kvs, logits, strict=True)
                   if lg is not None and (item := j.item) is not None]
         if ranked:
             self.steps.step(began + extend_s, "rank_cached", [self._suffix(item) for item, _ in ranked],
-                            [kv.length for _, kv in ranked], rank_s)
+                            [kv.length for _, kv in ranked], rank_s, cpu[1])
 
     def _expect(self, seconds: float) -> None:
         self.queues.running_until = self.clock() + seconds

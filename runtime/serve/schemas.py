@@ -206,6 +206,8 @@ class StepEntry(_Model):
     context: int = Field(description="cached prefix tokens attended to, summed over the batch")
     pairs: int = Field(description="attention query-key pairs (n·c + n(n+1)/2 per user)")
     seconds: float
+    cpu_seconds: float | None = Field(None, description="the compute thread's CPU seconds in the step (seconds "
+                                      "minus this: the time its core gave to other threads meanwhile)")
 
 
 class RequestEntry(_Model):

@@ -22,7 +22,9 @@ class StepRecord:
     """One call of the tensor math. ``batch``: users in it; ``tokens``: new tokens computed; ``context``: cached
     prefix tokens they attend to (summed over the batch: the K/V bytes read); ``pairs``: query-key pairs of
     attention (each new token against its user's context and the new tokens before it), what attention's
-    FLOPs scale with; ``seconds``: on the scheduler's clock, timed on the compute thread."""
+    FLOPs scale with; ``seconds``: on the scheduler's clock, timed on the compute thread; ``cpu_seconds``: that
+    thread's CPU seconds in the step (None where no thread ran it: a simulated replica). On a core shared with
+    the event loop, ``seconds - cpu_seconds`` is the time the core gave to others during the step."""
 
     seq: int
     t: float
@@ -32,6 +34,7 @@ class StepRecord:
     context: int
     pairs: int
     seconds: float
+    cpu_seconds: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,10 +106,11 @@ class StepLog:
         self.steps: Ring[StepRecord] = Ring(capacity)
         self.requests: Ring[RequestRecord] = Ring(capacity)
 
-    def step(self, t: float, kind: str, new: Sequence[int], context: Sequence[int], seconds: float) -> None:
+    def step(self, t: float, kind: str, new: Sequence[int], context: Sequence[int], seconds: float,
+             cpu_seconds: float | None = None) -> None:
         """Logs a step of ``len(new)`` users computing ``new[i]`` tokens against ``context[i]`` cached ones."""
         self.steps.append(StepRecord(self.steps.next_seq(), t, kind, len(new), sum(new), sum(context),
-                                     attention_pairs(new, context), seconds))
+                                     attention_pairs(new, context), seconds, cpu_seconds))
 
     def request(self, t: float, endpoint: str, events: int, candidates: int, cpu: RequestCpu) -> None:
         self.requests.append(RequestRecord(self.requests.next_seq(), t, endpoint, events, candidates, cpu.parse_s,

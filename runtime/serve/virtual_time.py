@@ -21,7 +21,10 @@ from __future__ import annotations
 import asyncio
 import selectors
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from grstack.runtime.serve.clock import Now
 
 T = TypeVar("T")
 
@@ -108,6 +111,7 @@ class VirtualComputeRunner:
     def __init__(self, clock: VirtualClock, cores: CoreSet) -> None:
         self.clock = clock
         self.cores = cores
+        self.cpu_clock: Now | None = None  # no thread runs the math: there is no CPU to read
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         async with self.cores.held():

@@ -27,6 +27,12 @@ def test_calibrate_writes_and_prints_a_profile_of_what_the_rankers_logged(tmp_pa
     assert p.source == "calibrated" and p.version == 1
     assert [(pt["length"], pt["qps"], pt["n"]) for pt in p.host["points"]] == [(48, 20.0, 40), (300, 20.0, 40)]
     assert p.host["cores"] >= 1 and p.host["torch"]
+    for pt in p.host["points"]:  # each step's compute-thread CPU beside its seconds, per kind and point
+        assert pt["steps_wall_over_cpu"] and set(pt["steps_wall_over_cpu"]) <= {"rank_cached", "rank_full",
+                                                                                  "extend_many"}
+        for k in pt["steps_wall_over_cpu"].values():
+            assert k["steps"] > 0 and 0 < k["cpu_s"] and k["ratio"] == pytest.approx(k["wall_s"] / k["cpu_s"])
+            assert k["ratio"] > 0.9  # one thread's CPU cannot outrun the wall clock (timer granularity aside)
     assert set(p.steps) == {"rank_cached", "rank_full", "extend_many"}  # relay: prefills, hits and short misses
     for m in p.steps.values():
         assert m.samples > 0 and all(c >= 0 for c in m.coef) and m.predict({"batch": 1, "tokens": 64, "context": 64, "pairs": 4096}) > 0

@@ -16,7 +16,7 @@ import torch
 from grstack.runtime.serve.clock import ManualClock
 from grstack.runtime.serve.cost_profile import STEP_FEATURES, fit_steps
 from grstack.runtime.serve.engine import PrefixKV, RankItem, RelayEngine
-from grstack.runtime.serve.scheduler import ComputeScheduler
+from grstack.runtime.serve.scheduler import ComputeScheduler, ThreadRunner
 from grstack.runtime.serve.step_log import Ring, StepLog, attention_pairs
 
 pytestmark = pytest.mark.unit
@@ -151,3 +151,37 @@ async def test_a_noisy_backend_leaves_its_spread_in_the_residual_quantiles(kit: 
     assert m.residual(0.0) < -0.1
     draws = [m.draw(u, {"batch": 2, "tokens": 20, "context": 60, "pairs": 900}) for u in np.linspace(0, 1, 11)]
     assert draws == sorted(draws) and draws[0] < draws[-1]  # inverse CDF: a simulator's draws keep the tails
+
+
+async def test_each_step_logs_its_compute_threads_cpu_beside_its_seconds(kit: SimpleNamespace) -> None:
+    """The CPU clock is the runner's: here one that runs at half the scheduler's clock, as a compute thread given
+    half of a shared core would; a simulated replica's runner has none (None logged)."""
+    eng = RelayEngine(kit.make_model(), max_suffix=8, chunk=8)
+    clock = ManualClock()
+    backend = ChargedBackend(eng, clock)
+    sched = ComputeScheduler(backend, max_batch=4, clock=clock, steps=StepLog(64),
+                             runner=ThreadRunner(cpu_clock=lambda: 0.5 * clock()))
+    sched.start()
+    rng = np.random.default_rng(3)
+    reqs = [item(eng, rng, 20, 2, 3) for _ in range(3)]
+    kvs = [kv for kv, _ in await asyncio.gather(*(sched.prefill(r.long_items, r.long_ts) for r in reqs))]
+    await asyncio.gather(*(sched.rank_cached(kv, r) for kv, r in zip(kvs, reqs, strict=True)))
+    await sched.rank_full(item(eng, rng, 3, 1, 2))
+    await sched.stop()
+    steps, _ = sched.steps.steps.since(0)
+    assert {s.kind for s in steps} == set(TRUE)
+    for s in steps:
+        assert s.cpu_seconds == pytest.approx(0.5 * s.seconds, rel=1e-9, abs=1e-15)
+
+
+async def test_the_default_runner_reads_the_threads_cpu_time(kit: SimpleNamespace) -> None:
+    eng = RelayEngine(kit.make_model(), max_suffix=8, chunk=8)
+    sched = ComputeScheduler(eng, max_batch=2, steps=StepLog(16))
+    sched.start()
+    r = item(eng, np.random.default_rng(4), 30, 2, 3)
+    await sched.rank_full(r)
+    await sched.stop()
+    steps = sched.steps.steps.since(0)[0]
+    assert steps and sum(s.cpu_seconds or 0.0 for s in steps) > 0.0
+    for s in steps:  # one thread's CPU cannot outrun the wall clock
+        assert s.cpu_seconds is not None and 0.0 <= s.cpu_seconds <= s.seconds + 1e-3
