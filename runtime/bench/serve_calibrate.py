@@ -112,6 +112,18 @@ def wall_over_cpu(steps: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     return out
 
 
+def compute_over_steps(point: dict[str, Any], results: list[Any], steps: list[dict[str, Any]]) -> float | None:
+    """The rankers' accounted compute over the point (``compute_ms_per_visit`` times the visits: each step from
+    its hand-off to the compute thread until the event loop takes its result back) over the summed seconds of the
+    steps they logged (the math alone): above 1 by the hops, which grow as the event loop gets busier."""
+    per_visit = point.get("compute_ms_per_visit")
+    visits = sum(r.request.path == "/v1/rank" for r in results)
+    step_s = sum(s["seconds"] for s in steps)
+    if per_visit is None or not visits or step_s <= 0:
+        return None
+    return float(per_visit * visits / 1e3 / step_s)
+
+
 def host_info(s: Settings) -> dict[str, Any]:
     """What the profile was measured on."""
     import torch
@@ -160,7 +172,8 @@ async def calibrate(s: Settings, points: list[tuple[int, float]],
                 measured.append({"mode": mode, "length": length, "qps": qps, "p99_ms": point["p99_ms"],
                                  "p50_ms": point["p50_ms"], "hit_rate": point["hit_rate"], "n": point["n"],
                                  "errors_by_kind": point["errors_by_kind"],
-                                 "steps_wall_over_cpu": wall_over_cpu(point_steps)})
+                                 "steps_wall_over_cpu": wall_over_cpu(point_steps),
+                                 "compute_over_steps": compute_over_steps(point, results, point_steps)})
                 _log(f"calibrate {mode:8s} length={length:5d} qps={qps:6.1f}: p50={point['p50_ms']:.1f} ms "
                      f"p99={point['p99_ms']:.1f} ms, {len(steps)} steps and {len(requests)} requests logged so far")
     if not steps:

@@ -33,6 +33,7 @@ def test_calibrate_writes_and_prints_a_profile_of_what_the_rankers_logged(tmp_pa
         for k in pt["steps_wall_over_cpu"].values():
             assert k["steps"] > 0 and k["cpu_s"] > 0 and k["ratio"] == pytest.approx(k["wall_s"] / k["cpu_s"])
             assert k["ratio"] > 0.9  # one thread's CPU cannot outrun the wall clock (timer granularity aside)
+        assert pt["compute_over_steps"] is not None and pt["compute_over_steps"] > 0.5
     assert set(p.steps) == {"rank_cached", "rank_full", "extend_many"}  # relay: prefills, hits and short misses
     for m in p.steps.values():
         assert m.samples > 0 and all(c >= 0 for c in m.coef) and m.predict({"batch": 1, "tokens": 64, "context": 64, "pairs": 4096}) > 0
