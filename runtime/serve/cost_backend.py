@@ -52,6 +52,8 @@ class CostBackend:
         self.rng = rng if rng is not None else np.random.default_rng(0)
         self.tails = tails
         self._tasks = tasks  # logits per candidate: one per served task, as the model's rank head gives
+        # the prefixes the last call computed: a ranking right after it reads them warm (the chunk step's)
+        self._fresh: set[int] = set()
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -61,9 +63,10 @@ class CostBackend:
     def chunk(self) -> int:
         return self.engine.chunk
 
-    def _charge(self, kind: str, new: Sequence[int], context: Sequence[int]) -> None:
+    def _charge(self, kind: str, new: Sequence[int], context: Sequence[int], cold: int = 0) -> None:
         u = float(self.rng.random()) if self.tails else None
-        self.charge(self.profile.step_s(kind, len(new), sum(new), sum(context), attention_pairs(new, context), u))
+        self.charge(self.profile.step_s(kind, len(new), sum(new), sum(context), attention_pairs(new, context), u,
+                                        cold))
 
     def promotion_s(self, kv: PrefixKV) -> float:
         """Seconds one DRAM-to-device copy of ``kv`` takes at the profile's host-to-device bandwidth (0: none
@@ -89,8 +92,10 @@ class CostBackend:
                     contexts: Sequence[np.ndarray | None] | None = None) -> list[PrefixKV]:
         new = [len(i) for i in items]
         self._charge("extend_many", new, [p.length for p in prefixes])
-        return [self._prefix(torch.cat([p.timestamps, torch.as_tensor(np.asarray(t, dtype=np.int64))]))
-                for p, t in zip(prefixes, ts, strict=True)]
+        out: list[PrefixKV] = [self._prefix(torch.cat([p.timestamps, torch.as_tensor(np.asarray(t, dtype=np.int64))]))
+               for p, t in zip(prefixes, ts, strict=True)]
+        self._fresh = {id(p) for p in out}
+        return out
 
     def extend(self, prefix: PrefixKV, items: np.ndarray, ts: np.ndarray, actions: np.ndarray | None = None,
                context: np.ndarray | None = None) -> PrefixKV:
@@ -107,10 +112,16 @@ class CostBackend:
         return [torch.zeros(len(r.candidates), self._tasks) for r in reqs]
 
     def rank_cached(self, prefixes: list[PrefixKV], reqs: list[RankItem]) -> list[torch.Tensor]:
-        self._charge("rank_cached", [self._suffix(r) for r in reqs], [p.length for p in prefixes])
+        """A ranking right after the extend that computed its prefixes (the scheduler's chunk step) reads them
+        warm; any other reads them from the cache (``cold``, as the real step log counts a hit's)."""
+        context = [p.length for p in prefixes]
+        cold = 0 if prefixes and all(id(p) in self._fresh for p in prefixes) else sum(context)
+        self._fresh = set()
+        self._charge("rank_cached", [self._suffix(r) for r in reqs], context, cold)
         return self._logits(reqs)
 
     def rank_full(self, reqs: list[RankItem]) -> list[torch.Tensor]:
+        self._fresh = set()
         n = [len(self.engine.item_tokens(r)) + self._suffix(r) for r in reqs]
         self._charge("rank_full", n, [0] * len(n))
         return self._logits(reqs)

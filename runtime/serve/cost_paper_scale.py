@@ -79,7 +79,8 @@ class PaperScale:
                 "batch": self.host_s_per_user,
                 "tokens": 2 * self.dense_params / flops + self.kv_bytes_per_token / self.hbm_bytes_per_s,
                 "context": self.kv_bytes_per_token / self.hbm_bytes_per_s,
-                "pairs": 4 * self.d_model * self.layers / flops}
+                "pairs": 4 * self.d_model * self.layers / flops,
+                "cold": 0.0}  # K/V is read from HBM whether or not it was just computed: the bytes are in context
         return CostModel(STEP_FEATURES, tuple(coef[f] for f in STEP_FEATURES))
 
 

@@ -5,7 +5,7 @@ work around it) by these costs, so they must hold in service, tails included: a 
 distribution of the relative residual (measured / predicted - 1) at fixed quantile levels, and
 :meth:`CostModel.draw` samples from it by inverting that distribution.
 
-Form. A step costs ``c_step + c_batch·batch + c_tokens·tokens + c_context·context + c_pairs·pairs`` seconds
+Form. A step costs ``c_step + c_batch·batch + c_tokens·tokens + c_context·context + c_pairs·pairs + c_cold·cold`` seconds
 (runtime/serve/step_log.py defines the sizes), all coefficients non-negative: a transformer step's FLOPs are
 linear in the new tokens (projections) and in the attention pairs, its bytes linear in the cached context
 read (K/V) plus a per-step constant (the weights, kernel launches), and the host work of a batch linear in
@@ -29,7 +29,9 @@ from typing import Any
 import numpy as np
 
 PROFILE_VERSION = 1
-STEP_FEATURES = ("step", "batch", "tokens", "context", "pairs")
+# ``cold``: context tokens a ranking reads from the cache rather than right after the step that computed them
+# (on a CPU host they come from memory, not its caches: the same sizes cost more; 0 for the other kinds)
+STEP_FEATURES = ("step", "batch", "tokens", "context", "pairs", "cold")
 REQUEST_FEATURES = ("request", "events", "candidates")
 HOP_FEATURES = ("hop",)
 LEVELS = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 0.999, 1.0)
@@ -147,10 +149,12 @@ class CostProfile:
         if self.source not in SOURCES:
             raise ValueError(f"source {self.source!r}: one of {', '.join(SOURCES)}")
 
-    def step_s(self, kind: str, batch: int, tokens: int, context: int, pairs: int, u: float | None = None) -> float:
-        """Seconds of a step of ``kind``: the model's prediction, or its draw at quantile ``u``."""
+    def step_s(self, kind: str, batch: int, tokens: int, context: int, pairs: int, u: float | None = None,
+               cold: int = 0) -> float:
+        """Seconds of a step of ``kind``: the model's prediction, or its draw at quantile ``u``. A profile
+        fitted without ``cold`` (an older one, or a model's) ignores it."""
         m = self.steps[kind]
-        sizes = {"batch": batch, "tokens": tokens, "context": context, "pairs": pairs}
+        sizes = {"batch": batch, "tokens": tokens, "context": context, "pairs": pairs, "cold": cold}
         return m.predict(sizes) if u is None else m.draw(u, sizes)
 
     def to_json(self) -> dict[str, Any]:

@@ -588,7 +588,7 @@ class RankerService:
             {"replica": self.replica_id, "capacity": self.steps.steps.capacity,
              "steps": [{"seq": r.seq, "t": r.t, "kind": r.kind, "batch": r.batch, "tokens": r.tokens,
                         "context": r.context, "pairs": r.pairs, "seconds": r.seconds,
-                        "cpu_seconds": r.cpu_seconds} for r in steps],
+                        "cpu_seconds": r.cpu_seconds, "cold": r.cold} for r in steps],
              "steps_dropped": sdrop,
              "requests": [{"seq": r.seq, "t": r.t, "endpoint": r.endpoint, "events": r.events,
                            "candidates": r.candidates, "parse_s": r.parse_s, "encode_s": r.encode_s,

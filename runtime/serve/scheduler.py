@@ -380,7 +380,7 @@ class ComputeScheduler:
             self._account("rank_cached", self.clock() - t0)
         self.hit_cost.add(len(batch), self.clock() - t0)
         self.steps.step(began, "rank_cached", [self._suffix(h.item) for h in batch], [h.kv.length for h in batch],
-                        seconds, cpu_s)
+                        seconds, cpu_s, cold=True)
         end = self.clock()
         for h, logits in zip(batch, out, strict=True):
             if not h.future.done():

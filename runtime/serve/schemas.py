@@ -208,6 +208,8 @@ class StepEntry(_Model):
     seconds: float
     cpu_seconds: float | None = Field(None, description="the compute thread's CPU seconds in the step (seconds "
                                       "minus this: the time its core gave to other threads meanwhile)")
+    cold: int = Field(0, description="context tokens read from the cache (a hit's ranking), not right after the "
+                      "step that computed them")
 
 
 class RequestEntry(_Model):

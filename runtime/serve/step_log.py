@@ -35,6 +35,7 @@ class StepRecord:
     pairs: int
     seconds: float
     cpu_seconds: float | None = None
+    cold: int = 0  # context tokens read from the cache, not right after the step that computed them (a hit's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,10 +108,12 @@ class StepLog:
         self.requests: Ring[RequestRecord] = Ring(capacity)
 
     def step(self, t: float, kind: str, new: Sequence[int], context: Sequence[int], seconds: float,
-             cpu_seconds: float | None = None) -> None:
-        """Logs a step of ``len(new)`` users computing ``new[i]`` tokens against ``context[i]`` cached ones."""
+             cpu_seconds: float | None = None, cold: bool = False) -> None:
+        """Logs a step of ``len(new)`` users computing ``new[i]`` tokens against ``context[i]`` cached ones;
+        ``cold``: that context was read from the cache (a hit's ranking), not just computed."""
         self.steps.append(StepRecord(self.steps.next_seq(), t, kind, len(new), sum(new), sum(context),
-                                     attention_pairs(new, context), seconds, cpu_seconds))
+                                     attention_pairs(new, context), seconds, cpu_seconds,
+                                     sum(context) if cold else 0))
 
     def request(self, t: float, endpoint: str, events: int, candidates: int, cpu: RequestCpu) -> None:
         self.requests.append(RequestRecord(self.requests.next_seq(), t, endpoint, events, candidates, cpu.parse_s,

@@ -18,9 +18,9 @@ pytestmark = pytest.mark.integration
 
 # a profile with known costs and no spread (every step's logged seconds must be its prediction), in which full
 # inference of a 256-event history is slow enough (about 40 ms) for the trigger to pre-infer it
-STEPS = {"rank_cached": CostModel(STEP_FEATURES, (1e-3, 1e-5, 2e-6, 1e-8, 5e-9)),
-         "rank_full": CostModel(STEP_FEATURES, (1e-3, 1e-5, 2e-6, 0.0, 1.2e-6)),
-         "extend_many": CostModel(STEP_FEATURES, (1e-3, 1e-5, 2e-6, 1e-8, 1e-7))}
+STEPS = {"rank_cached": CostModel(STEP_FEATURES, (1e-3, 1e-5, 2e-6, 1e-8, 5e-9, 0.0)),
+         "rank_full": CostModel(STEP_FEATURES, (1e-3, 1e-5, 2e-6, 0.0, 1.2e-6, 0.0)),
+         "extend_many": CostModel(STEP_FEATURES, (1e-3, 1e-5, 2e-6, 1e-8, 1e-7, 0.0))}
 PROFILE = CostProfile(source="calibrated", host={}, model={}, steps=STEPS)
 
 

@@ -125,7 +125,7 @@ async def test_the_step_log_records_what_ran_and_a_fit_recovers_the_charged_cost
     assert [(s["kind"], s["batch"], s["tokens"], s["context"], s["pairs"]) for s in steps] == backend.calls
     assert {s["kind"] for s in steps} == set(TRUE) and max(s["batch"] for s in steps) == 4
     for s in steps:  # the seconds logged are those the call charged on the scheduler's clock
-        sizes = dict(zip(STEP_FEATURES[1:], (s["batch"], s["tokens"], s["context"], s["pairs"]), strict=True))
+        sizes = dict(zip(STEP_FEATURES[1:5], (s["batch"], s["tokens"], s["context"], s["pairs"]), strict=True))
         assert s["seconds"] == pytest.approx(sum(c * x for c, x in zip(TRUE[s["kind"]], (1, *sizes.values()),
                                                                       strict=True)), rel=1e-9)
     assert all(b["t"] >= a["t"] + a["seconds"] - 1e-12 for a, b in itertools.pairwise(steps))
@@ -135,9 +135,9 @@ async def test_the_step_log_records_what_ran_and_a_fit_recovers_the_charged_cost
         assert m.samples == sum(s["kind"] == kind for s in steps)
         assert max(abs(m.residual(u)) for u in (0.0, 0.5, 0.99, 1.0)) < 1e-6
         probe = {"batch": 3, "tokens": 120, "context": 0 if kind == "rank_full" else 90, "pairs": 4000}
-        want = sum(c * probe.get(f, 1) for c, f in zip(true, STEP_FEATURES, strict=True))
+        want = sum(c * probe.get(f, 1) for c, f in zip(true, STEP_FEATURES[:5], strict=True))
         assert m.predict(probe) == pytest.approx(want, rel=1e-4)  # sizes it never saw
-    assert models["rank_cached"].coef == pytest.approx(TRUE["rank_cached"], rel=1e-4, abs=1e-12)
+    assert models["rank_cached"].coef == pytest.approx((*TRUE["rank_cached"], 0.0), rel=1e-4, abs=1e-12)
 
 
 async def test_a_noisy_backend_leaves_its_spread_in_the_residual_quantiles(kit: SimpleNamespace) -> None:
@@ -185,3 +185,19 @@ async def test_the_default_runner_reads_the_threads_cpu_time(kit: SimpleNamespac
     assert steps and sum(s.cpu_seconds or 0.0 for s in steps) > 0.0
     for s in steps:  # one thread's CPU cannot outrun the wall clock
         assert s.cpu_seconds is not None and 0.0 <= s.cpu_seconds <= s.seconds + 1e-3
+
+
+async def test_a_hits_ranking_is_logged_cold_and_a_chunk_steps_warm(kit: SimpleNamespace) -> None:
+    """``cold``: a cached ranking of a hit reads all its context from the cache; the ranking inside a chunk step
+    reads the prefix that step just computed (0); extends and full inferences log 0."""
+    eng = RelayEngine(kit.make_model(), max_suffix=8, chunk=8)
+    clock = ManualClock()
+    sched = await serve_mixed_load(ChargedBackend(eng, clock), eng, clock)
+    steps = sched.steps.steps.since(0)[0]
+    ranked = [(a, b) for a, b in itertools.pairwise(steps) if b.kind == "rank_cached"]
+    warm = [(a, b) for a, b in ranked if b.cold == 0]
+    cold = [b for _, b in ranked if b.cold > 0]
+    assert warm and cold  # long misses' chunk steps rank warm; the waves' hits rank cold
+    assert all(a.kind == "extend_many" and b.t == pytest.approx(a.t + a.seconds) for a, b in warm)
+    assert all(b.cold == b.context for b in cold)
+    assert all(s.cold == 0 for s in steps if s.kind != "rank_cached")
