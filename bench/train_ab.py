@@ -46,13 +46,7 @@ METRICS = ("step_ms", "blocked_ms", "exposed_ratio", "exposed_union_ratio")
 
 def union_length(intervals: list[tuple[float, float]]) -> float:
     """Total length covered by ``intervals`` (each moment once)."""
-    total, end = 0.0, -math.inf
-    for a, b in sorted(intervals):
-        if b <= end:
-            continue
-        total += b - max(a, end)
-        end = b
-    return total
+    return sum((b - a for a, b in _merge(intervals)), 0.0)
 
 
 def covered(events: list[tuple[float, float]], blocked: list[tuple[float, float]]) -> float:

@@ -26,7 +26,8 @@ hooks and ``flush`` until ``release(values)`` writes ``values`` there and launch
 sums (its stats) ride along with the dense gradients instead of costing a collective of their own; ``tail``
 reads the sums after ``wait``. The held bucket is the one backward fills last (the input-side layers), so
 holding it gives up little overlap; the caller releases it once those values exist (the engine: after the
-sparse gradients' All2All, which the sparse update needs first).
+sparse gradients' All2All, which the sparse update needs first). With ``tail_dtype``, a last bucket of another
+dtype gets no tail (``tail`` is None: the caller sums its values apart).
 
 Order. Buckets launch strictly in index order (bucket i after every bucket below i), through ``submit``
 (the rank's single collective-issuing thread), so every rank issues the same all-reduces in the same order
@@ -101,7 +102,8 @@ class BucketedAllReduce:
     ``backward()``; the caller's thread touches the state only between backward passes, so no lock."""
 
     def __init__(self, params: Iterable[nn.Parameter], comm: Comm, submit: Callable[..., Future[Any]],
-                 lanes: StreamSet | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, tail: int = 0) -> None:
+                 lanes: StreamSet | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, tail: int = 0,
+                 tail_dtype: torch.dtype | None = None) -> None:
         unique: dict[int, nn.Parameter] = {}
         for p in params:
             unique.setdefault(id(p), p)
@@ -124,6 +126,8 @@ class BucketedAllReduce:
         groups = assign_buckets(self.params, bucket_bytes)
         if tail and not groups:
             raise ValueError("a tail needs at least one bucket (no parameters)")
+        if tail_dtype is not None and groups and self.params[groups[-1][0]].dtype != tail_dtype:
+            tail = 0  # the values need another dtype than the last bucket's: no tail (the caller sums them apart)
         for b, members in enumerate(groups):
             first = self.params[members[0]]
             extra = tail if b == len(groups) - 1 else 0
@@ -138,8 +142,7 @@ class BucketedAllReduce:
             self._buckets.append(_Bucket(members, buffer, views))
         self._tail = self._buckets[-1].buffer[self._buckets[-1].buffer.numel() - tail :] if tail else None
         # launches by the hooks and flush stop before the held bucket (the last) while it waits for release
-        self._held = tail > 0
-        self._stop = len(self._buckets) - (1 if self._held else 0)
+        self._stop = len(self._buckets) - (1 if tail else 0)
         self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.params)]
         self.launched_in_backward = 0  # all-reduces launched by a hook, inside backward (totals since creation)
         self.launched_at_flush = 0  # all-reduces launched by flush, after backward returned

@@ -46,7 +46,7 @@ from grstack.runtime.streams import Marker, StreamSet
 from grstack.runtime.train.balance import imbalance, measured_balance, wait_ratio
 from grstack.runtime.train.batching import MicroBatch, PreparedBatch
 from grstack.runtime.train.context import DistContext
-from grstack.runtime.train.dense_reducer import BucketedAllReduce, assign_buckets
+from grstack.runtime.train.dense_reducer import BucketedAllReduce
 from grstack.runtime.train.issue_queue import CollectiveIssuer
 from grstack.runtime.train.negatives import GroupLayout, HostOffload, sampled_softmax_sum
 from grstack.runtime.train.timing import CommClock
@@ -123,12 +123,10 @@ class Engine:
         # last bucket (the input-side layers, filled last) carries the step's stats in a tail and is launched
         # after the sparse gradients' All2All: the sparse update needs those first, and the stats then cost
         # no collective of their own (where the last bucket holds fp32, as the stats are)
-        bucket_bytes = int(cfg.distributed.bucket_cap_mb * 2**20)
-        buckets = assign_buckets(self.dense_params, bucket_bytes)
-        fp32_last = bool(buckets) and self.dense_params[buckets[-1][0]].dtype == torch.float32
         self.stats_size = 4 + ctx.world_size  # losses, refreshed and stale rows, every rank's busy seconds
         self.reducer = BucketedAllReduce(self.dense_params, ctx.world, self._submit_dense, lanes=self.lanes,
-                                         bucket_bytes=bucket_bytes, tail=self.stats_size if fp32_last else 0)
+                                         bucket_bytes=int(cfg.distributed.bucket_cap_mb * 2**20),
+                                         tail=self.stats_size, tail_dtype=torch.float32)
         self._dense_launched: float | None = None
         self._updated: Marker | None = None  # compute lane, after the last sparse update
         self._staged: dict[int, Any] = {}  # id(host tensor) -> its device copy, for the step's batch

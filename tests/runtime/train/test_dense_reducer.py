@@ -304,6 +304,9 @@ def test_a_tail_without_a_group_keeps_the_values_and_misuse_is_refused():
     plain = BucketedAllReduce(list(net.parameters()), _single(), _no_submit, bucket_bytes=SMALL)
     tailed = BucketedAllReduce(list(Net().parameters()), _single(), _no_submit, bucket_bytes=SMALL, tail=2)
     assert plain.tail is None and tailed.tail_dtype == torch.float32
+    other = BucketedAllReduce(list(Net().parameters()), _single(), _no_submit, bucket_bytes=SMALL, tail=2,
+                              tail_dtype=torch.float64)  # values of another dtype than the last bucket's: no tail
+    assert other.tail is None and other.buckets == plain.buckets
     assert tailed.buckets[-1] == plain.buckets[-1] + 2 * 4 and tailed.buckets[:-1] == plain.buckets[:-1]
     tailed.start_window()
     with pytest.raises(ValueError, match="3 values for a tail of 2"):
