@@ -154,6 +154,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--validation", default=None, metavar="DIR",
                    help="--simulate: the stored real runs to validate against (default: the set shipped with grstack, runtime/bench/serve_validation)")
     g.add_argument("--no-validation", action="store_true", help="--simulate: skip the validation")
+    g.add_argument("--calibration-speed", action="store_true",
+                   help="--simulate: validate at the calibration run's host speed, not the held-out run's measured "
+                        "one (the set's held-out-steps.json.gz; docs/serve-simulator.md)")
     g.add_argument("--plan", action="store_true",
                    help="--simulate: the fewest replicas meeting --slo-ms at --qps Q, per device memory, relay "
                         "and full inference")
@@ -537,6 +540,47 @@ class ModeRun:
     t0: float
     ranker_pids: tuple[int, ...] = ()  # this mode's rankers
     idle_pids: tuple[int, ...] = ()  # the other modes' rankers, idle while this mode is measured
+    step_log: list[dict[str, Any]] | None = None  # where each repeat's logged steps go (None: not read)
+    since: dict[str, tuple[int, int]] = field(default_factory=dict)  # per ranker: the step log read so far
+
+
+# A repeat's logged steps as columns (runtime/serve/step_log.py's fields; what a cost profile is judged on)
+STEP_COLUMNS = ("kind", "batch", "tokens", "context", "pairs", "cold", "seconds", "cpu_seconds")
+
+
+def step_columns(steps: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    return {c: [s.get(c) for s in steps] for c in STEP_COLUMNS}
+
+
+def step_rows(columns: dict[str, list[Any]]) -> list[dict[str, Any]]:
+    """:func:`step_columns` back to records."""
+    n = len(columns.get("kind", []))
+    return [{c: columns[c][i] for c in STEP_COLUMNS if c in columns} for i in range(n)]
+
+
+async def read_step_log(session: Any, url: str, since: tuple[int, int]) -> tuple[dict[str, Any], tuple[int, int]]:
+    """A ranker's ``GET /v1/steps`` above ``since`` (steps, requests) and the counters to pass next time."""
+    async with session.get(url + "/v1/steps", params={"since": str(since[0]),
+                                                      "requests_since": str(since[1])}) as resp:
+        resp.raise_for_status()
+        got = await resp.json()
+    if got["steps_dropped"] or got["requests_dropped"]:
+        _log(f"{url}: {got['steps_dropped']} steps and {got['requests_dropped']} requests were overwritten before "
+             f"they were read (the ring holds {got['capacity']})")
+    return got, (got["next_since"], got["next_requests_since"])
+
+
+async def _record_steps(m: ModeRun, sweep: str, length: int, qps: float, repeat: int) -> None:
+    """Appends what ``m``'s rankers computed since the last read to ``m.step_log`` (the held-out run's own
+    step costs: what a simulator's validation measures the host's speed on)."""
+    if m.step_log is None:
+        return
+    steps: list[dict[str, Any]] = []
+    for url in m.ranker_urls:
+        got, m.since[url] = await read_step_log(m.session, url, m.since.get(url, (0, 0)))
+        steps += got["steps"]
+    m.step_log.append({"mode": m.mode, "sweep": sweep, "length": length, "qps": qps, "repeat": repeat,
+                       "steps": step_columns(steps)})
 
 
 async def measure_once(m: ModeRun, sweep: str, length: int, qps: float, repeat: int,
@@ -573,6 +617,7 @@ async def measure_once(m: ModeRun, sweep: str, length: int, qps: float, repeat: 
     gc_pauses = gc_summary(gc0, await _ranker_gc(m.session, m.ranker_urls), pauses)
     after = await _ranker_state(m.session, m.ranker_urls)
     decisions = trigger_deltas(decided, await _trigger_counts(m.session, m.router_url))
+    await _record_steps(m, sweep, length, qps, repeat)
     visits = sum(r.request.path == "/v1/rank" for r in results)
     if results_out is not None:
         results_out.extend(results)
@@ -671,10 +716,11 @@ def router_config(mode: str, urls: list[str], slo_ms: float) -> Any:
 
 @asynccontextmanager
 async def mode_runs(modes: tuple[str, ...], checkpoint: Path, s: Settings, kept: list[dict[str, Any]],
-                    t0: float) -> AsyncIterator[dict[str, ModeRun]]:
+                    t0: float, step_log: list[dict[str, Any]] | None = None) -> AsyncIterator[dict[str, ModeRun]]:
     """Fresh rankers and a router for each of ``modes``, started together and kept for the whole sweep: the
     points run interleaved across modes (:func:`run_sweeps`), and each mode's rankers see only its own points,
-    in its own order, as when the modes ran one after another. Idle rankers cost nothing but memory."""
+    in its own order, as when the modes ran one after another. Idle rankers cost nothing but memory.
+    ``step_log``: where each measured repeat's steps are appended (start-up's are skipped)."""
     import aiohttp
 
     from grstack.runtime.serve import Router, spawn_ranker, start_router
@@ -702,7 +748,10 @@ async def mode_runs(modes: tuple[str, ...], checkpoint: Path, s: Settings, kept:
                 runners.append(runner)
                 runs[mode] = ModeRun(mode, url, urls, session, s, kept, t0,
                                      ranker_pids=tuple(r.pid for r in own),
-                                     idle_pids=tuple(r.pid for r in rankers if r not in own))
+                                     idle_pids=tuple(r.pid for r in rankers if r not in own), step_log=step_log)
+                if step_log is not None:  # start-up (warm-up, profile) is not service
+                    for u in urls:
+                        _, runs[mode].since[u] = await read_step_log(session, u, (0, 0))
             yield runs
     finally:
         for runner in runners:
@@ -882,7 +931,8 @@ def warn_pressure(shape: dict[str, Any]) -> None:
              f"protocol's {want:g}x: the population ({shape['population_users']} users) is too small for it")
 
 
-async def bench(s: Settings) -> dict[str, Any]:
+async def bench(s: Settings, step_log: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The sweeps, the overload run and the score check; ``step_log`` receives the sweeps' logged steps."""
     t0 = time.monotonic()
     if s.harness_cpus is not None:
         threads = cpu_pinning.pin_this_process(s.harness_cpus)
@@ -897,7 +947,7 @@ async def bench(s: Settings) -> dict[str, Any]:
     _log(f"starting {len(s.modes)} x {s.rankers} rankers (every mode's, kept for both sweeps; points run interleaved "
          f"across modes); about {s.total_seconds() / 60:.1f} min if every swept point runs (sweeps stop at their "
          f"first failure)")
-    async with mode_runs(s.modes, checkpoint, s, kept, t0) as runs:
+    async with mode_runs(s.modes, checkpoint, s, kept, t0, step_log) as runs:
         modes = await sweep_modes(runs)
     base_qps = modes["baseline"]["max_qps_at_slo"]
     offered = 3.0 * (base_qps if base_qps is not None else min(s.qps))
@@ -950,6 +1000,27 @@ async def bench(s: Settings) -> dict[str, Any]:
     result["trace"] = probe[0].shape
     result["host_cpu_before"] = idle
     return result
+
+
+STEP_LOG_FILE = "serve-bench-steps.json.gz"  # every sweep repeat's logged steps, beside serve-bench.json
+
+
+def write_step_log(path: Path, repeats: list[dict[str, Any]]) -> Path:
+    """The sweeps' step logs (:func:`_record_steps`), gzipped JSON: a simulator validated on this run measures
+    the host's speed during it from them (docs/serve-simulator.md)."""
+    import gzip
+
+    path.write_bytes(gzip.compress(json.dumps({"version": 1, "repeats": _json_safe(repeats)}).encode(), mtime=0))
+    return path
+
+
+def read_step_log_file(path: Path) -> list[dict[str, Any]]:
+    import gzip
+
+    d = json.loads(gzip.decompress(path.read_bytes()))
+    if d.get("version") != 1:
+        raise ValueError(f"{path}: step log version {d.get('version')}; this grstack reads version 1")
+    return list(d["repeats"])
 
 
 def _cpus(cpus: frozenset[int] | None) -> str | None:
@@ -1042,12 +1113,14 @@ def run(args: argparse.Namespace) -> int:
          f"every swept point of every mode runs, {s.total_seconds(probe=True) / 60:.1f} min if every mode also "
          f"fails the lowest QPS and is probed down to {s.qps_floor:g}")
     t0 = time.perf_counter()
-    result = _json_safe(asyncio.run(bench(s)))
+    steps: list[dict[str, Any]] = []
+    result = _json_safe(asyncio.run(bench(s, steps)))
     png = s.out / "serve-p99.png"
     plot(result, png)
     details = {**result, "plot": str(png), "seconds": round(time.perf_counter() - t0, 1)}
     s.out.mkdir(parents=True, exist_ok=True)
     (s.out / "serve-bench.json").write_text(json.dumps(details, indent=2))
+    write_step_log(s.out / STEP_LOG_FILE, steps)
     if not args.json:
         r, b = result["relay"], result["baseline"]
         _log(f"P99 SLO {s.slo_ms:g} ms: max length {b['max_len_at_slo']} -> {r['max_len_at_slo']} "

@@ -26,6 +26,7 @@ from grstack.runtime.bench.serve import (
     Settings,
     measure_once,
     mode_runs,
+    read_step_log,
     settings_from,
     write_model,
 )
@@ -78,18 +79,6 @@ def hops_of(results: list[Any]) -> dict[str, list[float]]:
         out["router"].append(max(0.0, router - forward))
         out["link"].append(max(0.0, forward - ranker))
     return out
-
-
-async def read_logs(session: Any, url: str, since: tuple[int, int]) -> tuple[dict[str, Any], tuple[int, int]]:
-    """A ranker's ``/v1/steps`` above ``since`` (steps, requests) and the counters to pass next time."""
-    async with session.get(url + "/v1/steps", params={"since": str(since[0]),
-                                                      "requests_since": str(since[1])}) as resp:
-        resp.raise_for_status()
-        got = await resp.json()
-    if got["steps_dropped"] or got["requests_dropped"]:
-        _log(f"{url}: {got['steps_dropped']} steps and {got['requests_dropped']} requests were overwritten before "
-             f"they were read (the ring holds {got['capacity']})")
-    return got, (got["next_since"], got["next_requests_since"])
 
 
 async def read_startup_profile(session: Any, url: str) -> dict[str, Any]:
@@ -156,14 +145,14 @@ async def calibrate(s: Settings, points: list[tuple[int, float]],
             for url in m.ranker_urls:
                 startup.append({"mode": mode, **await read_startup_profile(m.session, url)})
         for url in since:  # start-up (warm-up, profile) is not service: skip what is logged so far
-            _, since[url] = await read_logs(next(iter(runs.values())).session, url, (0, 0))
+            _, since[url] = await read_step_log(next(iter(runs.values())).session, url, (0, 0))
         for length, qps in points:
             for mode, m in runs.items():
                 results: list[Any] = []
                 point = await measure_once(m, "calibrate", length, qps, 0, results, whole=True)
                 point_steps: list[dict[str, Any]] = []
                 for url in m.ranker_urls:
-                    got, since[url] = await read_logs(m.session, url, since[url])
+                    got, since[url] = await read_step_log(m.session, url, since[url])
                     point_steps += got["steps"]
                     requests += got["requests"]
                 steps += point_steps

@@ -4,6 +4,12 @@ A validation directory holds a cost profile calibrated on pinned real runs (``gr
 and a held-out real benchmark (``grstack bench serve ... --json``'s ``serve-bench.json``) measured at other seeds
 and rates. The simulator replays each held-out point's traces (the same seeds) on the calibrated costs; each
 point is judged by :class:`Rules`, and the knee (the QPS limit) by :func:`knee_check`.
+
+The host's speed is measured, not assumed: a shared VM ran the same steps 10-25 % faster or slower from one run
+to the next, more than the spread inside one. When the held-out run's step log is stored beside it
+(``held-out-steps.json.gz``, the benchmark's ``serve-bench-steps.json.gz``), each point is predicted on the
+calibrated costs scaled by how much slower the held-out run's *other* points ran than the profile says
+(:func:`host_speed`; never the judged point's own steps).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from typing import Any
 
 PROFILE_FILE = "cost-profile.json"
 HELD_OUT_FILE = "held-out.json"
+STEP_LOG_FILE = "held-out-steps.json.gz"  # the held-out run's serve-bench-steps.json.gz (optional)
 
 
 @dataclass(frozen=True)
@@ -58,9 +65,33 @@ class ValidationSet:
     protocol: dict[str, Any]
     points: tuple[HeldOutPoint, ...]
     limits: dict[str, float | None]  # measured QPS limit per mode
+    step_log: tuple[dict[str, Any], ...] = ()  # the held-out run's logged steps, per repeat (empty: none stored)
 
     def modes(self) -> list[str]:
         return sorted({p.mode for p in self.points})
+
+    def steps(self, leave_out: HeldOutPoint | None = None) -> list[dict[str, Any]]:
+        """The held-out run's logged steps, every mode's, without those of ``leave_out``'s sweep value (its
+        length and rate: the same traces, in every mode and sweep that shares them)."""
+        from grstack.runtime.bench.serve import step_rows
+
+        out: list[dict[str, Any]] = []
+        for rep in self.step_log:
+            if leave_out is not None and (int(rep["length"]), float(rep["qps"])) == (leave_out.length,
+                                                                                     leave_out.qps):
+                continue
+            out += step_rows(rep["steps"])
+        return out
+
+
+def host_speed(vs: ValidationSet, profile: Any, leave_out: HeldOutPoint | None = None) -> dict[str, Any] | None:
+    """How much slower the held-out run's steps ran than ``profile`` says (its :meth:`CostProfile.slowdown`),
+    from every point but ``leave_out``'s; ``None`` without a stored step log."""
+    if not vs.step_log:
+        return None
+    factor, n = profile.slowdown(vs.steps(leave_out))
+    return {"factor": factor, "steps": n,
+            "left_out": None if leave_out is None else f"{leave_out.length}@{leave_out.qps:g}"}
 
 
 def _fail(path: Path, problem: str) -> Exception:
@@ -89,7 +120,20 @@ def load_validation(directory: str | Path) -> ValidationSet:
         limits = {m: run[m]["max_qps_at_slo"] for m in ("baseline", "relay")}
     except (ValueError, KeyError, TypeError) as exc:
         raise _fail(held, f"not a held-out serve-bench.json ({type(exc).__name__}: {exc})") from None
-    return ValidationSet(d, prof, held, protocol, tuple(points), limits)
+    return ValidationSet(d, prof, held, protocol, tuple(points), limits, _step_log(d / STEP_LOG_FILE))
+
+
+def _step_log(path: Path) -> tuple[dict[str, Any], ...]:
+    import gzip
+
+    from grstack.runtime.bench.serve import read_step_log_file
+
+    if not path.exists():
+        return ()
+    try:
+        return tuple(read_step_log_file(path))
+    except (OSError, EOFError, gzip.BadGzipFile, ValueError, KeyError, TypeError) as exc:
+        raise _fail(path, f"not a step log ({type(exc).__name__}: {exc})") from None
 
 
 def _p99(x: float | None) -> float:

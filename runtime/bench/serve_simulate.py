@@ -85,12 +85,14 @@ class Simulator:
         self.whole = whole
 
     async def run(self, mode: str, sweep: str, length: int, qps: float, seeds: list[int],
-                  whole: bool | None = None) -> dict[str, Any]:
+                  whole: bool | None = None, profile: CostProfile | None = None) -> dict[str, Any]:
+        """One point; ``profile``: these costs instead of the simulator's (the host's measured speed)."""
         s = self.s
         whole = self.whole if whole is None else whole
         runs = []
         for k, seed in enumerate(seeds):
-            d = SimulatedDeployment(mode, self.dep, self.profile, self.model, self.tasks, s.slo_ms, self.max_len,
+            d = SimulatedDeployment(mode, self.dep, profile or self.profile, self.model, self.tasks, s.slo_ms,
+                                    self.max_len,
                                     seed=seed * 1_000_003 + k, tails=self.tails)
             await d.start()
             try:
@@ -377,9 +379,12 @@ def _json_safe(x: Any) -> Any:
 
 
 async def validation_part(directory: Path, seeds_only: bool = False,
-                          out: Path = Path("runs/bench-serve/simulate/validation")) -> dict[str, Any]:
+                          out: Path = Path("runs/bench-serve/simulate/validation"),
+                          host_speed: bool = True) -> dict[str, Any]:
     """The held-out real points, simulated on the calibrated profile at the real runs' deployment and traces, and
-    each mode's QPS knee found by bisection on the same traces, judged by the fixed rules."""
+    each mode's QPS knee found by bisection on the same traces, judged by the fixed rules. ``host_speed``: when
+    the held-out run's step log is stored, scale the costs to the host's speed during it, measured for each
+    point on the run's other points (for the knees: on all of them); else the calibration's speed."""
     vs = validate.load_validation(directory)
     profile = CostProfile.load(vs.profile_file)
     pr = vs.protocol
@@ -399,21 +404,30 @@ async def validation_part(directory: Path, seeds_only: bool = False,
                     device_cache_total_bytes=int(rankers * float(pr["device_cache_mb"]) * MB))
     model, tasks, max_len = _model(s)
     sim = Simulator(s, dep, profile, model, tasks, max_len, whole=True)
+    def at_speed(speed: dict[str, Any] | None) -> CostProfile:
+        return profile.scaled(speed["factor"]) if speed and speed["factor"] else profile
+
     entries = []
     for held in vs.points:
-        _log(f"validation: {held.mode} {held.sweep} {held.length}@{held.qps:g} (seeds {list(held.seeds)})")
-        predicted = await sim.run(held.mode, held.sweep, held.length, held.qps, list(held.seeds))
-        entries.append(validate.compare(held, predicted, s.slo_ms))
+        speed = validate.host_speed(vs, profile, held) if host_speed else None
+        _log(f"validation: {held.mode} {held.sweep} {held.length}@{held.qps:g} (seeds {list(held.seeds)})"
+             + (f", host {speed['factor']:.3f}x the calibration's step costs" if speed and speed["factor"] else ""))
+        predicted = await sim.run(held.mode, held.sweep, held.length, held.qps, list(held.seeds),
+                                  profile=at_speed(speed))
+        entries.append({**validate.compare(held, predicted, s.slo_ms), "host_speed": speed})
     knees = []
+    overall = validate.host_speed(vs, profile) if host_speed else None
     if not seeds_only:
         seeds = sorted({sd for p in vs.points for sd in p.seeds})
         for mode in vs.modes():
-            found = await search.find_limit(lambda v, mode=mode: sim.run(mode, "knee", s.qps_length, float(v), seeds),
+            found = await search.find_limit(lambda v, mode=mode: sim.run(mode, "knee", s.qps_length, float(v), seeds,
+                                                                        profile=at_speed(overall)),
                                             s.qps[0], slo_ms=s.slo_ms, key="qps", resolution=RESOLUTION,
                                             floor=s.qps_floor, ceiling=max(s.qps) * 2)
             knees.append(validate.knee_check(mode, vs.limits.get(mode), list(s.qps), found.limit, RESOLUTION))
     return {"validation": entries, "validation_knees": knees,
             "validation_summary": validate.summary(entries, knees),
+            "validation_host_speed": overall,
             "validation_source": {"profile": str(vs.profile_file), "held_out": str(vs.held_out_file),
                                   "protocol": pr, "profile_host": profile.host.get("cpu")}}
 
@@ -428,7 +442,8 @@ def run_simulate(args: argparse.Namespace) -> int:
 
     def validation() -> dict[str, Any]:
         return {} if args.no_validation else run_virtual(
-            lambda: validation_part(vdir, out=Path(args.out) / "simulate" / "validation"))
+            lambda: validation_part(vdir, out=Path(args.out) / "simulate" / "validation",
+                                    host_speed=not getattr(args, "calibration_speed", False)))
 
     if args.plan:
         result.update(validation())

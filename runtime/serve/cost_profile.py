@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,20 @@ class CostModel:
     def draw(self, u: float, sizes: Mapping[str, float] | None = None) -> float:
         """Seconds of one occurrence at quantile ``u`` of the spread (``u`` uniform on [0, 1]: a sample)."""
         return max(0.0, self.predict(sizes) * (1.0 + self.residual(u)))
+
+    def mean_factor(self) -> float:
+        """``1 + E[r]``: what one occurrence costs on average over the prediction (the residual's quantile
+        function integrated between the stored levels, as :meth:`residual` interpolates it)."""
+        q = self.residuals
+        return 1.0 + sum((b - a) * (qa + qb) / 2 for a, b, qa, qb in zip(LEVELS, LEVELS[1:], q, q[1:]))
+
+    def expected(self, sizes: Mapping[str, float] | None = None) -> float:
+        """Seconds one occurrence costs on average (the mean of :meth:`draw`)."""
+        return max(0.0, self.predict(sizes)) * self.mean_factor()
+
+    def scaled(self, factor: float) -> CostModel:
+        """The same model on a host ``factor`` times as slow (the spread kept relative)."""
+        return CostModel(self.features, tuple(c * factor for c in self.coef), self.residuals, self.samples)
 
     def tails(self) -> dict[str, float]:
         """The residual's median, p90, p99 and maximum (what a reader checks first)."""
@@ -156,6 +170,31 @@ class CostProfile:
         m = self.steps[kind]
         sizes = {"batch": batch, "tokens": tokens, "context": context, "pairs": pairs, "cold": cold}
         return m.predict(sizes) if u is None else m.draw(u, sizes)
+
+    def slowdown(self, steps: Sequence[Mapping[str, Any]]) -> tuple[float | None, int]:
+        """How much slower the host ran ``steps`` (step log records of real service) than this profile says:
+        their summed seconds over the summed :meth:`CostModel.expected` for their sizes, and how many steps
+        counted (kinds the profile has). ``None`` when none did. A shared VM's speed drifts between runs by
+        more than the spread within one, so a simulator judged against a run measures it there."""
+        real = predicted = 0.0
+        n = 0
+        for r in steps:
+            m = self.steps.get(str(r["kind"]))
+            if m is None:
+                continue
+            real += float(r["seconds"])
+            predicted += m.expected({f: float(r.get(f) or 0) for f in STEP_FEATURES[1:]})
+            n += 1
+        return (real / predicted if n and predicted > 0 else None), n
+
+    def scaled(self, factor: float) -> CostProfile:
+        """This profile on a host ``factor`` times as slow: the compute steps and the ranker's request CPU
+        (both the replica's core) scaled; the hops (waits as much as work) and transfers kept."""
+        if not factor > 0:
+            raise ValueError(f"a speed factor must be positive, got {factor}")
+        return replace(self, steps={k: m.scaled(factor) for k, m in self.steps.items()},
+                       requests={k: m.scaled(factor) for k, m in self.requests.items()},
+                       notes=f"{self.notes} (scaled x{factor:.3f} to the host's measured speed)".strip())
 
     def to_json(self) -> dict[str, Any]:
         return {"version": self.version, "source": self.source, "host": self.host, "model": self.model,

@@ -83,3 +83,18 @@ def test_tiny_run_reports_every_mode_the_overload_run_and_the_score_check(tmp_pa
     assert (tmp_path / "serve-p99.png").stat().st_size > 0
     saved = json.loads((tmp_path / "serve-bench.json").read_text())
     assert "repeats" in saved["relay"]["points"][0]  # the file keeps the per-repeat details
+    # every sweep repeat's logged steps, beside the results: what a simulator's validation measures the host on
+    from pathlib import Path
+
+    from grstack.runtime.bench.serve import read_step_log_file, step_rows
+
+    log = read_step_log_file(Path(tmp_path) / "serve-bench-steps.json.gz")
+    ran = {(m, p["sweep"], p["length"], p["qps"]) for m in ("baseline", "prefix_cache", "relay", *out["ablations"])
+           for p in (out[m] if m in out else out["ablations"][m])["points"] if not p.get("shared_with")}
+    assert {(r["mode"], r["sweep"], r["length"], r["qps"]) for r in log} == ran
+    for r in log:
+        rows = step_rows(r["steps"])
+        assert rows and all(s["seconds"] > 0 and s["tokens"] > 0 for s in rows)
+        kinds = {s["kind"] for s in rows}
+        # no warm-up or start-up profile: the baseline's visits are full inference, split as the scheduler runs it
+        assert kinds <= {"extend_many", "rank_cached", "rank_full"}

@@ -120,3 +120,19 @@ def test_random_routing_repeats_with_the_seed(tmp_path: Path) -> None:
     a, _, _ = point(tmp_path, "no_affinity", tails=True)
     b, _, _ = point(tmp_path, "no_affinity", tails=True)
     assert a["latencies_ms"] == b["latencies_ms"]
+
+
+def test_a_point_runs_on_the_costs_it_is_given(tmp_path: Path) -> None:
+    s = settings(tmp_path)
+    model, tasks, max_len = ss._model(s)
+    dep = Deployment(replicas=2, servers=1, device_cache_mb=64, dram_mb_per_server=512)
+    sim = ss.Simulator(s, dep, PROFILE, model, tasks, max_len, tails=False, whole=True)
+
+    async def main() -> tuple[dict, dict]:
+        return (await sim.run("relay", "qps", 256, 20.0, [3]),
+                await sim.run("relay", "qps", 256, 20.0, [3], profile=PROFILE.scaled(2.0)))
+
+    base, slow = run_virtual(main)
+    # a host twice as slow: every step twice the seconds (batching may differ a little under the longer queue)
+    assert slow["compute_ms_per_visit"] == pytest.approx(2 * base["compute_ms_per_visit"], rel=0.1)
+    assert slow["p99_ms"] > base["p99_ms"]

@@ -81,3 +81,55 @@ def test_the_stored_runs_load() -> None:
         assert len([p for p in vs.points if p.mode == "baseline"]) >= baseline_points
         assert all(len(p.seeds) == 3 for p in vs.points)
     assert {s["mode"] for s in CostProfile.load(VALIDATION_DIR / "cost-profile.json").startup} == {"relay", "baseline"}
+
+
+def _with_step_log(tmp_path: Path, slower: dict[float, float]) -> Path:
+    """The stored set's profile and held-out run, plus a step log whose repeat at each rate ran ``slower[qps]``
+    times the profile's expected cost."""
+    import shutil
+
+    from grstack.runtime.bench.serve import step_columns, write_step_log
+    from grstack.runtime.bench.serve_simulate import VALIDATION_DIR
+    from grstack.runtime.serve import CostProfile
+    from grstack.runtime.serve.cost_profile import STEP_FEATURES
+
+    for f in ("cost-profile.json", "held-out.json"):
+        shutil.copy(VALIDATION_DIR / f, tmp_path / f)
+    profile = CostProfile.load(tmp_path / "cost-profile.json")
+    repeats = []
+    for qps, factor in slower.items():
+        for mode in ("baseline", "relay"):
+            steps = []
+            for k in range(20):
+                s = {"kind": ("extend_many", "rank_cached")[k % 2], "batch": 1, "tokens": 64 + 20 * k,
+                     "context": 500, "pairs": 40_000 + 1000 * k, "cold": 500 * (k % 2), "cpu_seconds": None}
+                s["seconds"] = factor * profile.steps[s["kind"]].expected({f: s[f] for f in STEP_FEATURES[1:]})
+                steps.append(s)
+            repeats.append({"mode": mode, "sweep": "length" if qps == 10.0 else "qps", "length": 512, "qps": qps,
+                            "repeat": 0, "steps": step_columns(steps)})
+    write_step_log(tmp_path / "held-out-steps.json.gz", repeats)
+    return tmp_path
+
+
+def test_the_host_speed_of_a_point_is_measured_on_the_held_out_runs_other_points(tmp_path: Path) -> None:
+    from grstack.runtime.bench.serve_sim_validate import host_speed
+    from grstack.runtime.serve import CostProfile
+
+    vs = load_validation(_with_step_log(tmp_path, {10.0: 1.2, 20.0: 1.2, 30.0: 2.0}))
+    profile = CostProfile.load(vs.profile_file)
+    at = {p.qps: p for p in vs.points if p.mode == "relay"}
+    assert len(vs.steps()) == 3 * 2 * 20 and len(vs.steps(at[30.0])) == 2 * 2 * 20
+    # the judged point's own steps never count: 30 QPS's speed comes from 10 and 20 QPS, which ran 1.2x
+    assert host_speed(vs, profile, at[30.0]) == {"factor": pytest.approx(1.2), "steps": 80, "left_out": "512@30"}
+    assert host_speed(vs, profile, at[10.0])["factor"] == pytest.approx((1.2 + 2.0) / 2)  # the same steps at each
+    assert host_speed(vs, profile)["steps"] == 120  # the knees: the whole run
+    # without a stored step log: the calibration's speed
+    (tmp_path / "held-out-steps.json.gz").unlink()
+    assert host_speed(load_validation(tmp_path), profile, at[30.0]) is None
+
+
+def test_a_malformed_step_log_names_the_file(tmp_path: Path) -> None:
+    _with_step_log(tmp_path, {10.0: 1.0})
+    (tmp_path / "held-out-steps.json.gz").write_bytes(b"not gzip")
+    with pytest.raises(UserError, match=r"held-out-steps\.json\.gz: not a step log"):
+        load_validation(tmp_path)

@@ -122,3 +122,56 @@ def test_paper_scale_figures_are_the_issues() -> None:
     both = with_host_costs(p, profile())
     assert both.source == "model" and set(both.requests) == {"rank.parse", "rank.encode", "rank.reply"}
     assert both.steps == p.steps
+
+
+def test_expected_cost_is_the_mean_of_the_draws() -> None:
+    q = (-0.5, -0.3, -0.2, -0.1, -0.05, 0.0, 0.1, 0.3, 0.5, 1.0, 2.0, 3.0)
+    m = CostModel(STEP_FEATURES, (1e-3, 0.0, 1e-5, 0.0, 0.0, 0.0), q)
+    sizes = {"tokens": 100}
+    us = (np.arange(200_000) + 0.5) / 200_000
+    assert m.expected(sizes) == pytest.approx(float(np.mean([m.draw(u, sizes) for u in us])), rel=1e-4)
+    assert m.expected(sizes) > m.predict(sizes)  # the tail costs more than the median saves
+    assert CostModel(STEP_FEATURES, m.coef).expected(sizes) == pytest.approx(m.predict(sizes))
+
+
+def _profile() -> CostProfile:
+    steps = {"extend_many": CostModel(STEP_FEATURES, (1e-3, 0.0, 2e-5, 0.0, 1e-8, 0.0),
+                                      tuple(np.linspace(-0.2, 0.6, len(LEVELS)))),
+             "rank_cached": CostModel(STEP_FEATURES, (1.5e-3, 0.0, 1e-5, 0.0, 1e-8, 5e-7))}
+    return CostProfile(source="calibrated", host={}, model={}, steps=steps,
+                       requests={"rank.parse": CostModel(("request", "events", "candidates"), (1e-4, 1e-6, 0.0))},
+                       hops={"link": CostModel(("hop",), (1e-3,))})
+
+
+def _steps(profile: CostProfile, slower: float) -> list[dict]:
+    rng = np.random.default_rng(0)
+    out = []
+    for k in range(300):
+        kind = ("extend_many", "rank_cached", "rank_full")[k % 3]
+        r = {"kind": kind, "batch": 1, "tokens": int(rng.integers(1, 600)), "context": int(rng.integers(0, 900)),
+             "pairs": int(rng.integers(0, 200_000)), "cold": 0}
+        m = profile.steps.get(kind)
+        r["seconds"] = 0.05 if m is None else slower * m.expected({f: r[f] for f in STEP_FEATURES[1:]})
+        out.append(r)
+    return out
+
+
+def test_slowdown_measures_the_host_against_the_profile() -> None:
+    p = _profile()
+    assert p.slowdown(_steps(p, 1.0)) == (pytest.approx(1.0), 200)  # rank_full: not in the profile, not counted
+    assert p.slowdown(_steps(p, 1.25))[0] == pytest.approx(1.25)
+    assert p.slowdown([]) == (None, 0)
+
+
+def test_a_scaled_profile_costs_the_factor_more_on_the_core_only() -> None:
+    p = _profile()
+    s = p.scaled(1.3)
+    for kind in p.steps:
+        assert s.step_s(kind, 2, 300, 700, 90_000, 0.9, 50) == pytest.approx(1.3 * p.step_s(kind, 2, 300, 700, 90_000,
+                                                                                               0.9, 50))
+    assert s.requests["rank.parse"].predict({"events": 500}) == pytest.approx(
+        1.3 * p.requests["rank.parse"].predict({"events": 500}))
+    assert s.hops["link"].predict() == p.hops["link"].predict()  # waits as much as work: kept
+    assert s.slowdown(_steps(p, 1.3))[0] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="positive"):
+        p.scaled(0.0)
