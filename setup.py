@@ -26,4 +26,5 @@ packages.append("grstack.configs")
 # profile's host costs read them, so an installed grstack carries them.
 setup(packages=packages, package_dir=package_dir,
       package_data={"grstack.configs": ["*.yaml"],
-                    "grstack.runtime.bench": ["serve_validation/*.json", "serve_validation/*/*.json"]})
+                    "grstack.runtime.bench": ["serve_validation/*.json", "serve_validation/*/*.json",
+                                              "serve_validation/*.json.gz", "serve_validation/*/*.json.gz"]})

@@ -157,6 +157,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--calibration-speed", action="store_true",
                    help="--simulate: validate at the calibration run's host speed, not the held-out run's measured "
                         "one (the set's held-out-steps.json.gz; docs/serve-simulator.md)")
+    g.add_argument("--shared-cores", action="store_true",
+                   help="--simulate: a replica's cores shared by all its running work at once, as the kernel's "
+                        "scheduler shares them (processor sharing), not held first come first served")
     g.add_argument("--plan", action="store_true",
                    help="--simulate: the fewest replicas meeting --slo-ms at --qps Q, per device memory, relay "
                         "and full inference")

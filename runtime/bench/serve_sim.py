@@ -37,6 +37,7 @@ from grstack.runtime.serve import (
     CostModel,
     CostProfile,
     InProcessTransport,
+    SharedCores,
     VirtualClock,
     VirtualComputeRunner,
 )
@@ -57,6 +58,10 @@ class Deployment:
     device_cache_mb: float = real.DEVICE_CACHE_MB
     dram_mb_per_server: float = real.DRAM_CACHE_MB * real.RANKERS
     dram_ttl_s: float = real.DRAM_TTL_S
+    shared_cores: bool = False  # the cores shared as the kernel does (SharedCores), not held first come first served
+    # the tensor math runs on an accelerator of the replica's own (a GPU), not on the cores that handle its
+    # requests: a step then never waits for a request's parse, nor a parse for a step (a CPU host: both one core)
+    accelerator: bool = False
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.servers < 1 or self.servers > self.replicas or self.cores_per_replica < 1:
@@ -110,6 +115,7 @@ class SimulatedTransport(InProcessTransport):
         self.cores = dict(cores)
         self.sizes: dict[bytes, tuple[int, int]] = {}
         self.requests: dict[bytes, Any] = {}  # body -> the request it stands for (built by the load generator)
+        self._loops: dict[str, asyncio.Lock] = {}  # per ranker: its one event-loop thread
 
     def parse(self, body: bytes, model: type[Any]) -> Any:
         """The request a simulated body stands for: its JSON is never written, so its parse costs nothing here
@@ -121,17 +127,27 @@ class SimulatedTransport(InProcessTransport):
                    headers: Mapping[str, str] | None = None) -> Any:
         endpoint = "rank" if path == "/v1/rank" else "prefill"
         events, cands = self.sizes.get(body, (0, 0))
-        cores = self.cores.get(url)
         link = self.costs.hop("link")
         await asyncio.sleep(link / 2)
-        if cores is not None:
-            await cores.spend(self.costs.request(endpoint, "parse", events, cands)
-                              + self.costs.request(endpoint, "encode", events, cands))
+        await self._on_loop(url, self.costs.request(endpoint, "parse", events, cands)
+                            + self.costs.request(endpoint, "encode", events, cands))
         reply = await super().post(url, path, body, timeout_s, headers)
-        if cores is not None:
-            await cores.spend(self.costs.request(endpoint, "reply", events, cands))
+        await self._on_loop(url, self.costs.request(endpoint, "reply", events, cands))
         await asyncio.sleep(link / 2)
         return reply
+
+    async def _on_loop(self, url: str, seconds: float) -> None:
+        """``seconds`` of the ranker's event-loop thread: one request's phase at a time (the thread runs each
+        to completion), on the replica's cores."""
+        cores = self.cores.get(url)
+        if cores is None or seconds <= 0:
+            return
+        if not isinstance(cores, SharedCores):  # first come first served holds a core for it anyway
+            await cores.spend(seconds)
+            return
+        loop = self._loops.setdefault(url, asyncio.Lock())
+        async with loop:
+            await cores.spend(seconds)
 
 
 class HostCosts:
@@ -183,7 +199,8 @@ class SimulatedDeployment:
         for i in range(dep.replicas):
             url = f"sim://{self.mode}/ranker-{i}"
             cfg = ranker_config(self.mode, dep, self._max_len)
-            cores = CoreSet(dep.cores_per_replica)
+            cores = (SharedCores if dep.shared_cores else CoreSet)(dep.cores_per_replica)
+            device = CoreSet(1) if dep.accelerator else cores
             engine = RelayEngine(self._model, device="cpu", max_suffix=cfg.max_suffix, chunk=cfg.chunk,
                                  kv_dtype=cfg.kv_dtype)
             backend = CostBackend(engine, self.profile, self.clock.charge, tasks=len(self._tasks),
@@ -192,7 +209,7 @@ class SimulatedDeployment:
             # the DRAM copy is the same object: its bytes are what the tiers count, its move what promote charges
             self.services[url] = RankerService(self._model, self._tasks, cfg, clock=self.clock, backend=backend,
                                                cpu=lambda: 0.0, dram=drams[dep.server_of(i)],
-                                               runner=VirtualComputeRunner(self.clock, cores),
+                                               runner=VirtualComputeRunner(self.clock, device),
                                                promote=self._promote(backend), to_host=lambda kv: kv)
             self.cores[url] = cores
         self.transport = SimulatedTransport(self.costs, self.cores, self.clock)

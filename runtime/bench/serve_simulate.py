@@ -181,8 +181,9 @@ def load_profile(spec: str) -> CostProfile:
 
 
 def paper_deployment(profile: CostProfile, replicas: int, servers: int, device_gb: float | None,
-                     dram_gb: float | None) -> Deployment:
-    """The paper-scale deployment: per replica the device memory beside the weights, per server the DRAM tier."""
+                     dram_gb: float | None, shared_cores: bool = False) -> Deployment:
+    """The paper-scale deployment: per replica one accelerator (its device memory beside the weights) and a host
+    core for its requests, per server the DRAM tier."""
     m = profile.model
     if device_gb is not None:
         device = device_gb * GB
@@ -191,7 +192,8 @@ def paper_deployment(profile: CostProfile, replicas: int, servers: int, device_g
             - m["dense_params"] * m["dtype_bytes"]
     dram = (dram_gb if dram_gb is not None else PAPER_DRAM_GB_PER_SERVER) * GB
     return Deployment(replicas=replicas, servers=servers, cores_per_replica=1, device_cache_mb=device / MB,
-                      dram_mb_per_server=dram / MB, dram_ttl_s=real.DRAM_TTL_S)
+                      dram_mb_per_server=dram / MB, dram_ttl_s=real.DRAM_TTL_S, shared_cores=shared_cores,
+                      accelerator=True)
 
 
 def _model(s: SimSettings) -> tuple[Any, list[str], int]:
@@ -318,7 +320,7 @@ def scale_part(args: argparse.Namespace, quick: bool, before_wait: Any = None) -
     preset = PAPER_QUICK if quick else PAPER_FULL
     profile = load_profile(args.model)
     dep = paper_deployment(profile, args.replicas or preset["replicas"], args.servers or preset["servers"],
-                           args.device_gb, args.dram_gb)
+                           args.device_gb, args.dram_gb, shared_cores=bool(getattr(args, "shared_cores", False)))
     s = _paper_settings(args, preset, profile, dep)
     s.lengths = [s.qps_length, 4 * s.qps_length]
     checkpoint, max_len, _ = real.write_model(s)
@@ -380,7 +382,7 @@ def _json_safe(x: Any) -> Any:
 
 async def validation_part(directory: Path, seeds_only: bool = False,
                           out: Path = Path("runs/bench-serve/simulate/validation"),
-                          host_speed: bool = True) -> dict[str, Any]:
+                          host_speed: bool = True, shared_cores: bool = False) -> dict[str, Any]:
     """The held-out real points, simulated on the calibrated profile at the real runs' deployment and traces, and
     each mode's QPS knee found by bisection on the same traces, judged by the fixed rules. ``host_speed``: when
     the held-out run's step log is stored, scale the costs to the host's speed during it, measured for each
@@ -392,7 +394,7 @@ async def validation_part(directory: Path, seeds_only: bool = False,
     # each real ranker had its own DRAM tier and one core (pinned): one server per replica here
     dep = Deployment(replicas=rankers, servers=rankers, cores_per_replica=1,
                      device_cache_mb=float(pr["device_cache_mb"]), dram_mb_per_server=float(pr["dram_cache_mb"]),
-                     dram_ttl_s=float(pr["dram_ttl_s"]))
+                     dram_ttl_s=float(pr["dram_ttl_s"]), shared_cores=shared_cores)
     seed0 = min(sd for p in vs.points for sd in p.seeds)
     s = SimSettings(users=int(pr["users"]), lengths=list(pr["lengths"]), length_qps=float(pr["length_qps"]),
                     qps=list(pr["qps"]), qps_length=int(pr["qps_length"]), repeats=int(pr["repeats"]),
@@ -443,7 +445,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     def validation() -> dict[str, Any]:
         return {} if args.no_validation else run_virtual(
             lambda: validation_part(vdir, out=Path(args.out) / "simulate" / "validation",
-                                    host_speed=not getattr(args, "calibration_speed", False)))
+                                    host_speed=not getattr(args, "calibration_speed", False),
+                                    shared_cores=bool(getattr(args, "shared_cores", False))))
 
     if args.plan:
         result.update(validation())
@@ -478,7 +481,8 @@ async def plan_part(args: argparse.Namespace, quick: bool) -> dict[str, Any]:
     preset = PAPER_QUICK if quick else PAPER_FULL
     profile = load_profile(args.model)
     options = [float(x) for x in (args.device_gb_options or "").split(",") if x.strip()]
-    base = paper_deployment(profile, 1, 1, args.device_gb, args.dram_gb)
+    base = paper_deployment(profile, 1, 1, args.device_gb, args.dram_gb,
+                            shared_cores=bool(getattr(args, "shared_cores", False)))
     if not options:
         options = [base.device_cache_mb / 1024 * f for f in (0.25, 0.5, 1.0)]
     s = _paper_settings(args, preset, profile, base)

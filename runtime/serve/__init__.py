@@ -57,7 +57,13 @@ if TYPE_CHECKING:
     from grstack.runtime.serve.transport import HttpTransport, RankerTransport
     from grstack.runtime.serve.transport_local import InProcessTransport
     from grstack.runtime.serve.trigger import TriggerConfig
-    from grstack.runtime.serve.virtual_time import CoreSet, VirtualClock, VirtualComputeRunner, run_virtual
+    from grstack.runtime.serve.virtual_time import (
+        CoreSet,
+        SharedCores,
+        VirtualClock,
+        VirtualComputeRunner,
+        run_virtual,
+    )
 
 _EXPORTS = {
     "load_ranking_model": "grstack.runtime.serve.artifact",
@@ -97,6 +103,7 @@ _EXPORTS = {
     "TriggerConfig": "grstack.runtime.serve.trigger",
     "CostBackend": "grstack.runtime.serve.cost_backend",
     "CoreSet": "grstack.runtime.serve.virtual_time",
+    "SharedCores": "grstack.runtime.serve.virtual_time",
     "VirtualClock": "grstack.runtime.serve.virtual_time",
     "VirtualComputeRunner": "grstack.runtime.serve.virtual_time",
     "run_virtual": "grstack.runtime.serve.virtual_time",
@@ -135,6 +142,7 @@ __all__ = [
     "Result",
     "Router",
     "RouterConfig",
+    "SharedCores",
     "SystemClock",
     "TriggerConfig",
     "VirtualClock",

@@ -64,8 +64,8 @@ class CostModel:
     def mean_factor(self) -> float:
         """``1 + E[r]``: what one occurrence costs on average over the prediction (the residual's quantile
         function integrated between the stored levels, as :meth:`residual` interpolates it)."""
-        q = self.residuals
-        return 1.0 + sum((b - a) * (qa + qb) / 2 for a, b, qa, qb in zip(LEVELS, LEVELS[1:], q, q[1:]))
+        u, q = np.asarray(LEVELS), np.asarray(self.residuals)
+        return 1.0 + float(np.sum(np.diff(u) * (q[1:] + q[:-1]) / 2))
 
     def expected(self, sizes: Mapping[str, float] | None = None) -> float:
         """Seconds one occurrence costs on average (the mean of :meth:`draw`)."""

@@ -112,8 +112,17 @@ class VirtualComputeRunner:
         self.clock = clock
         self.cores = cores
         self.cpu_clock: Now | None = None  # no thread runs the math: there is no CPU to read
+        self._thread = asyncio.Lock()  # the replica's one compute thread
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        if isinstance(self.cores, SharedCores):  # one compute thread, at its share of the cores
+            async with self._thread:
+                try:
+                    out = fn(*args)
+                finally:
+                    owed = self.clock.settle()
+                await self.cores.spend(owed)
+            return out
         async with self.cores.held():
             try:
                 out = fn(*args)
@@ -161,3 +170,59 @@ class _Held:
     async def __aexit__(self, *exc: object) -> None:
         self._cores.busy_s += asyncio.get_running_loop().time() - self._t0
         self._cores._sem.release()
+
+
+class SharedCores(CoreSet):
+    """``n`` cores shared the way the kernel's scheduler shares them (processor sharing): every piece of work
+    runs at once, each at rate ``min(1, n / jobs)``, so a request's CPU on the event loop is slowed by a
+    compute step beside it rather than queued behind all of it (what :class:`CoreSet` approximates)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self._left: dict[asyncio.Future[None], float] = {}  # each running job's remaining seconds of work
+        self._t = 0.0  # when ``_left`` was last brought up to date
+        self._timer: asyncio.TimerHandle | None = None
+
+    def _rate(self) -> float:
+        return min(1.0, self.n / len(self._left)) if self._left else 0.0
+
+    def _advance(self) -> None:
+        now = asyncio.get_running_loop().time()
+        done = (now - self._t) * self._rate()
+        self.busy_s += (now - self._t) * min(self.n, len(self._left))
+        self._t = now
+        for fut in list(self._left):
+            self._left[fut] -= done
+            if self._left[fut] <= 1e-12:
+                del self._left[fut]
+                if not fut.done():
+                    fut.set_result(None)
+
+    def _reschedule(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._left:
+            loop = asyncio.get_running_loop()
+            self._timer = loop.call_at(self._t + min(self._left.values()) / self._rate(), self._tick)
+
+    def _tick(self) -> None:
+        self._timer = None
+        self._advance()
+        self._reschedule()
+
+    async def spend(self, seconds: float) -> None:
+        """``seconds`` of work at this job's share of the cores."""
+        if seconds <= 0:
+            return
+        self._advance()
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._left[fut] = seconds
+        self._reschedule()
+        try:
+            await fut
+        finally:
+            if fut in self._left:  # cancelled: its share goes back to the others
+                self._advance()
+                self._left.pop(fut, None)
+                self._reschedule()

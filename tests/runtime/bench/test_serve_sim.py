@@ -136,3 +136,21 @@ def test_a_point_runs_on_the_costs_it_is_given(tmp_path: Path) -> None:
     # a host twice as slow: every step twice the seconds (batching may differ a little under the longer queue)
     assert slow["compute_ms_per_visit"] == pytest.approx(2 * base["compute_ms_per_visit"], rel=0.1)
     assert slow["p99_ms"] > base["p99_ms"]
+
+
+def test_on_an_accelerator_the_math_does_not_wait_for_request_cpu(tmp_path: Path) -> None:
+    # every request's parse costs 8 ms of the host core: on one CPU core the steps queue behind the parses
+    # (and the parses behind the steps); with the math on an accelerator of its own they overlap
+    parse = {"rank.parse": CostModel(("request", "events", "candidates"), (8e-3, 0.0, 0.0)),
+             "prefill.parse": CostModel(("request", "events", "candidates"), (8e-3, 0.0, 0.0))}
+    profile = CostProfile(source="calibrated", host={}, model={}, steps=STEPS, requests=parse)
+    s = settings(tmp_path, qps=40.0)
+    model, tasks, max_len = ss._model(s)
+
+    def p99(accelerator: bool) -> float:
+        dep = Deployment(replicas=2, servers=1, device_cache_mb=64, dram_mb_per_server=512, accelerator=accelerator)
+        sim = ss.Simulator(s, dep, profile, model, tasks, max_len, tails=False, whole=True)
+        return run_virtual(lambda: sim.run("relay", "qps", 256, 40.0, [3]))["p99_ms"]
+
+    assert p99(True) < 0.8 * p99(False)
+    assert ss.paper_deployment(ss.load_profile("paper"), 2, 1, None, None).accelerator

@@ -10,6 +10,7 @@ import pytest
 from grstack.runtime.serve.clock import wait_for
 from grstack.runtime.serve.virtual_time import (
     CoreSet,
+    SharedCores,
     VirtualClock,
     VirtualComputeRunner,
     VirtualTimeLoop,
@@ -121,3 +122,66 @@ def test_a_simulation_that_cannot_progress_says_so(monkeypatch: pytest.MonkeyPat
 
     with pytest.raises(VirtualTimeStuck):
         run_virtual(main)
+
+
+def test_shared_cores_share_as_the_kernel_does() -> None:
+    async def main() -> tuple[dict[str, float], float]:
+        clock = VirtualClock()
+        cores = SharedCores(1)
+        runner = VirtualComputeRunner(clock, cores)
+        done: dict[str, float] = {}
+
+        def step(cost: float) -> float:
+            clock.charge(cost)
+            return cost
+
+        async def timed(name: str, aw) -> None:
+            await aw
+            done[name] = asyncio.get_running_loop().time()
+
+        # a 1 s compute step; 0.1 s later a request's 0.1 s of CPU: both run at half speed until it is done
+        await asyncio.gather(timed("step", runner.run(step, 1.0)),
+                             timed("request", _after(0.1, cores.spend(0.1))),
+                             timed("second step", _after(0.05, runner.run(step, 0.5))))  # the one compute thread
+        return done, cores.busy_s
+
+    done, busy = run_virtual(main)
+    assert done["request"] == pytest.approx(0.3)  # not behind the whole step, as CoreSet would have it (1.1)
+    assert done["step"] == pytest.approx(1.1)
+    assert done["second step"] == pytest.approx(1.6)  # after the first: one compute thread
+    assert busy == pytest.approx(1.6)
+
+
+def test_shared_cores_run_up_to_n_jobs_at_full_speed() -> None:
+    async def main() -> list[float]:
+        cores = SharedCores(2)
+        loop = asyncio.get_running_loop()
+        ends: list[float] = []
+
+        async def job(s: float) -> None:
+            await cores.spend(s)
+            ends.append(loop.time())
+
+        await asyncio.gather(job(1.0), job(1.0), job(1.0))  # 3 jobs on 2 cores: each at 2/3
+        return ends
+
+    assert run_virtual(main) == [pytest.approx(1.5)] * 3
+
+
+def test_a_cancelled_job_gives_its_share_back() -> None:
+    async def main() -> float:
+        cores = SharedCores(1)
+        loop = asyncio.get_running_loop()
+        other = asyncio.ensure_future(cores.spend(10.0))
+        mine = asyncio.ensure_future(cores.spend(1.0))
+        await asyncio.sleep(1.0)  # both at half speed: 0.5 s of work each
+        other.cancel()
+        await mine
+        return loop.time()
+
+    assert run_virtual(main) == pytest.approx(1.5)
+
+
+async def _after(delay: float, aw):
+    await asyncio.sleep(delay)
+    return await aw
