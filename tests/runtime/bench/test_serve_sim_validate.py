@@ -72,7 +72,8 @@ def test_the_stored_runs_load() -> None:
     from grstack.runtime.serve import CostProfile
 
     assert Path(__file__).resolve().parents[3] / "runtime" / "bench" / "serve_validation" == VALIDATION_DIR
-    for directory, baseline_points in ((VALIDATION_DIR, 2), (VALIDATION_DIR / "intel-xeon-2026-12-05", 2),
+    for directory, baseline_points in ((VALIDATION_DIR, 2), (VALIDATION_DIR / "intel-xeon-2026-12-06", 2),
+                                       (VALIDATION_DIR / "intel-xeon-2026-12-05", 2),
                                        (VALIDATION_DIR / "amd-epyc-2026-12-05", 3)):
         vs = load_validation(directory)
         assert vs.modes() == ["baseline", "relay"]
@@ -81,6 +82,10 @@ def test_the_stored_runs_load() -> None:
         assert len([p for p in vs.points if p.mode == "baseline"]) >= baseline_points
         assert all(len(p.seeds) == 3 for p in vs.points)
     assert {s["mode"] for s in CostProfile.load(VALIDATION_DIR / "cost-profile.json").startup} == {"relay", "baseline"}
+    # the current set carries its held-out run's steps: the host's speed during it is measured, every repeat's
+    vs = load_validation(VALIDATION_DIR)
+    assert {(r["mode"], r["qps"], r["repeat"]) for r in vs.step_log} >= {
+        (p.mode, p.qps, k) for p in vs.points for k in range(3)}
 
 
 def _with_step_log(tmp_path: Path, slower: dict[float, float]) -> Path:
