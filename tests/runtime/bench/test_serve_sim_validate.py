@@ -72,7 +72,8 @@ def test_the_stored_runs_load() -> None:
     from grstack.runtime.serve import CostProfile
 
     assert Path(__file__).resolve().parents[3] / "runtime" / "bench" / "serve_validation" == VALIDATION_DIR
-    for directory, baseline_points in ((VALIDATION_DIR, 2), (VALIDATION_DIR / "intel-xeon-2026-12-06", 2),
+    for directory, baseline_points in ((VALIDATION_DIR, 2), (VALIDATION_DIR / "intel-xeon-2026-12-06-0930", 2),
+                                       (VALIDATION_DIR / "intel-xeon-2026-12-06", 2),
                                        (VALIDATION_DIR / "intel-xeon-2026-12-05", 2),
                                        (VALIDATION_DIR / "amd-epyc-2026-12-05", 3)):
         vs = load_validation(directory)
