@@ -19,7 +19,10 @@ import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from grstack.runtime.serve import CostProfile
 
 PROFILE_FILE = "cost-profile.json"
 HELD_OUT_FILE = "held-out.json"
@@ -84,7 +87,8 @@ class ValidationSet:
         return out
 
 
-def host_speed(vs: ValidationSet, profile: Any, leave_out: HeldOutPoint | None = None) -> dict[str, Any] | None:
+def host_speed(vs: ValidationSet, profile: CostProfile,
+               leave_out: HeldOutPoint | None = None) -> dict[str, Any] | None:
     """How much slower the held-out run's steps ran than ``profile`` says (its :meth:`CostProfile.slowdown`),
     from every point but ``leave_out``'s; ``None`` without a stored step log."""
     if not vs.step_log:
