@@ -115,7 +115,6 @@ class SimulatedTransport(InProcessTransport):
         self.cores = dict(cores)
         self.sizes: dict[bytes, tuple[int, int]] = {}
         self.requests: dict[bytes, Any] = {}  # body -> the request it stands for (built by the load generator)
-        self._loops: dict[str, asyncio.Lock] = {}  # per ranker: its one event-loop thread
 
     def parse(self, body: bytes, model: type[Any]) -> Any:
         """The request a simulated body stands for: its JSON is never written, so its parse costs nothing here
@@ -137,17 +136,10 @@ class SimulatedTransport(InProcessTransport):
         return reply
 
     async def _on_loop(self, url: str, seconds: float) -> None:
-        """``seconds`` of the ranker's event-loop thread: one request's phase at a time (the thread runs each
-        to completion), on the replica's cores."""
+        """``seconds`` of the ranker's event-loop thread (one request's phase at a time) on its replica's cores."""
         cores = self.cores.get(url)
-        if cores is None or seconds <= 0:
-            return
-        if not isinstance(cores, SharedCores):  # first come first served holds a core for it anyway
-            await cores.spend(seconds)
-            return
-        loop = self._loops.setdefault(url, asyncio.Lock())
-        async with loop:
-            await cores.spend(seconds)
+        if cores is not None:
+            await cores.spend(seconds, thread="event loop")
 
 
 class HostCosts:

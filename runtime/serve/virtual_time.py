@@ -19,8 +19,9 @@ exactly by the costs while compute runs:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import selectors
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
@@ -112,25 +113,9 @@ class VirtualComputeRunner:
         self.clock = clock
         self.cores = cores
         self.cpu_clock: Now | None = None  # no thread runs the math: there is no CPU to read
-        self._thread = asyncio.Lock()  # the replica's one compute thread
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        if isinstance(self.cores, SharedCores):  # one compute thread, at its share of the cores
-            async with self._thread:
-                try:
-                    out = fn(*args)
-                finally:
-                    owed = self.clock.settle()
-                await self.cores.spend(owed)
-            return out
-        async with self.cores.held():
-            try:
-                out = fn(*args)
-            finally:
-                owed = self.clock.settle()
-            if owed > 0:
-                await asyncio.sleep(owed)
-        return out
+        return await self.cores.compute(self.clock, fn, *args, thread=self)  # this runner: one compute thread
 
     def close(self) -> None:
         return None
@@ -150,7 +135,19 @@ class CoreSet:
     def held(self) -> _Held:
         return _Held(self)
 
-    async def spend(self, seconds: float) -> None:
+    async def compute(self, clock: VirtualClock, fn: Callable[..., T], *args: Any, thread: Hashable = None) -> T:
+        """Runs ``fn`` (it charges its cost to ``clock``) once a core is free, then holds it that long. ``thread``:
+        the thread it runs on (a held core already runs one piece of work at a time)."""
+        async with self.held():
+            try:
+                out = fn(*args)
+            finally:
+                owed = clock.settle()
+            if owed > 0:
+                await asyncio.sleep(owed)
+        return out
+
+    async def spend(self, seconds: float, thread: Hashable = None) -> None:
         """Holds one core for ``seconds`` of virtual time (a request's CPU on the replica's event loop)."""
         if seconds <= 0:
             return
@@ -175,13 +172,35 @@ class _Held:
 class SharedCores(CoreSet):
     """``n`` cores shared the way the kernel's scheduler shares them (processor sharing): every piece of work
     runs at once, each at rate ``min(1, n / jobs)``, so a request's CPU on the event loop is slowed by a
-    compute step beside it rather than queued behind all of it (what :class:`CoreSet` approximates)."""
+    compute step beside it rather than queued behind all of it (what :class:`CoreSet` approximates). Work on one
+    ``thread`` (the compute thread, the event loop) runs one piece at a time, as a thread does."""
 
     def __init__(self, n: int) -> None:
         super().__init__(n)
         self._left: dict[asyncio.Future[None], float] = {}  # each running job's remaining seconds of work
         self._t = 0.0  # when ``_left`` was last brought up to date
         self._timer: asyncio.TimerHandle | None = None
+        self._threads: dict[Hashable, asyncio.Lock] = {}
+
+    def _thread(self, thread: Hashable) -> asyncio.Lock | contextlib.nullcontext[None]:
+        return contextlib.nullcontext() if thread is None else self._threads.setdefault(thread, asyncio.Lock())
+
+    async def compute(self, clock: VirtualClock, fn: Callable[..., T], *args: Any, thread: Hashable = None) -> T:
+        """Runs ``fn`` once ``thread`` is free, then its charged cost at its share of the cores."""
+        async with self._thread(thread):
+            try:
+                out = fn(*args)
+            finally:
+                owed = clock.settle()
+            await self._work(owed)
+        return out
+
+    async def spend(self, seconds: float, thread: Hashable = None) -> None:
+        """``seconds`` of work on ``thread`` (once it is free) at its share of the cores."""
+        if seconds <= 0:
+            return
+        async with self._thread(thread):
+            await self._work(seconds)
 
     def _rate(self) -> float:
         return min(1.0, self.n / len(self._left)) if self._left else 0.0
@@ -211,8 +230,7 @@ class SharedCores(CoreSet):
         self._advance()
         self._reschedule()
 
-    async def spend(self, seconds: float) -> None:
-        """``seconds`` of work at this job's share of the cores."""
+    async def _work(self, seconds: float) -> None:
         if seconds <= 0:
             return
         self._advance()
