@@ -320,13 +320,13 @@ def scale_part(args: argparse.Namespace, quick: bool, before_wait: Any = None) -
     preset = PAPER_QUICK if quick else PAPER_FULL
     profile = load_profile(args.model)
     dep = paper_deployment(profile, args.replicas or preset["replicas"], args.servers or preset["servers"],
-                           args.device_gb, args.dram_gb, shared_cores=bool(getattr(args, "shared_cores", False)))
+                           args.device_gb, args.dram_gb, shared_cores=bool(args.shared_cores))
     s = _paper_settings(args, preset, profile, dep)
     s.lengths = [s.qps_length, 4 * s.qps_length]
     checkpoint, max_len, _ = real.write_model(s)
     seeds = [s.seed + k for k in range(s.seeds)]
     length_qps = args.length_qps or LENGTH_QPS_PER_REPLICA * dep.replicas
-    jobs = getattr(args, "jobs", None) or default_jobs()
+    jobs = args.jobs or default_jobs()
     _log(f"paper scale: {dep.replicas} replicas on {dep.servers} server(s), {dep.device_cache_mb / 1024:.1f} GiB "
          f"device tier each, {dep.dram_mb_per_server / 1024:.0f} GiB DRAM per server; SLO {s.slo_ms:g} ms; "
          f"{s.seeds} seeds x {s.measured} measured ranks per point; length sweep at {length_qps:g} QPS; "
@@ -445,8 +445,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     def validation() -> dict[str, Any]:
         return {} if args.no_validation else run_virtual(
             lambda: validation_part(vdir, out=Path(args.out) / "simulate" / "validation",
-                                    host_speed=not getattr(args, "calibration_speed", False),
-                                    shared_cores=bool(getattr(args, "shared_cores", False))))
+                                    host_speed=not args.calibration_speed,
+                                    shared_cores=bool(args.shared_cores)))
 
     if args.plan:
         result.update(validation())
@@ -482,7 +482,7 @@ async def plan_part(args: argparse.Namespace, quick: bool) -> dict[str, Any]:
     profile = load_profile(args.model)
     options = [float(x) for x in (args.device_gb_options or "").split(",") if x.strip()]
     base = paper_deployment(profile, 1, 1, args.device_gb, args.dram_gb,
-                            shared_cores=bool(getattr(args, "shared_cores", False)))
+                            shared_cores=bool(args.shared_cores))
     if not options:
         options = [base.device_cache_mb / 1024 * f for f in (0.25, 0.5, 1.0)]
     s = _paper_settings(args, preset, profile, base)
