@@ -87,7 +87,9 @@ from grstack.runtime.serve.schemas import (
     StepsResponse,
 )
 from grstack.runtime.serve.security import ServerSecurity, guard
+from grstack.runtime.serve.service_cost import SERVICE_COST_STEPS, service_cost_factor
 from grstack.runtime.serve.step_log import RequestCpu, StepLog
+from grstack.runtime.serve.trigger import LatencyModel
 
 if TYPE_CHECKING:
     from grstack.runtime.model import HSTU
@@ -287,6 +289,7 @@ class RankerService:
         self.replica_id = cfg.replica_id or ""
         self.url = ""
         self.profile: Profile | None = None
+        self._latency: tuple[Profile, LatencyModel] | None = None  # the profile's curves, for the cost factor
         self.ready = False
         self._inflight: dict[tuple[str, str], asyncio.Task[tuple[PrefixKV, float, int]]] = {}
         self._inflight_jobs: dict[tuple[str, str], asyncio.Future[Any]] = {}
@@ -612,7 +615,19 @@ class RankerService:
                                prefill_tokens_computed=self.scheduler.tokens_computed,
                                prefill_tokens_without_incremental=self.scheduler.tokens_without_incremental,
                                incremental_prefills=self.scheduler.incremental_prefills,
-                               joined_ranks=self._joined)
+                               joined_ranks=self._joined, service_cost_factor=self.service_cost_factor())
+
+    def service_cost_factor(self) -> float | None:
+        """In-service over profiled cost of the recent steps (runtime/serve/service_cost.py)."""
+        if self.profile is None:
+            return None
+        if self._latency is None or self._latency[0] is not self.profile:  # the profile can be replaced
+            p = self.profile
+            self._latency = (p, LatencyModel.from_profile(p.lengths, p.full_ms, p.cached_ms, p.prefill_ms,
+                                                          p.kv_bytes_per_token))
+        suffix = min(self.config.profile_short, self.engine.max_suffix) + min(self.config.profile_candidates,
+                                                                             self.config.max_candidates)
+        return service_cost_factor(self.steps.steps.last(SERVICE_COST_STEPS), self._latency[1], suffix)
 
 
 # -- HTTP ---------------------------------------------------------------------------------------------

@@ -193,6 +193,9 @@ class CacheStatsModel(_Model):
     incremental_prefills: int = Field(0, description="prefills and misses that extended a cached older prefix")
     joined_ranks: int = Field(0, description="ranks that found their prefix being prefilled and joined it (their "
                                              "answer says cache 'device'; counted as misses above)")
+    service_cost_factor: float | None = Field(
+        None, description="recent single-user steps' milliseconds over what the start-up profile predicts for "
+                          "them (runtime/serve/service_cost.py); null before enough steps")
 
 
 class StepEntry(_Model):

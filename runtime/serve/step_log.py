@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import islice
 from typing import Generic, TypeVar
 
 STEP_KINDS = ("rank_cached", "rank_full", "extend_many")
@@ -88,6 +89,10 @@ class Ring(Generic[T]):
 
     def next_seq(self) -> int:
         return self.appended + 1
+
+    def last(self, n: int) -> list[T]:
+        """The ``n`` most recent records (fewer when fewer are held), oldest first."""
+        return list(islice(reversed(self._items), max(n, 0)))[::-1]
 
     def since(self, seq: int = 0) -> tuple[list[T], int]:
         """The records numbered above ``seq`` still held, and how many above it were overwritten before this

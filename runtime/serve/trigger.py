@@ -5,7 +5,10 @@ admits a prefill signal only when
 
 1. the request is **at risk**: a miss would take more than ``risk_fraction * slo_ms`` (or the prefix is at
    least ``length_threshold`` tokens when that is set explicitly). A miss's time is the latency model's
-   full-inference time at this length (profiled by the rankers at start-up, on an idle ranker). With
+   full-inference time at this length (profiled by the rankers at start-up, on an idle ranker), times what
+   that ranker's recent steps cost in service against the same profile (``service_cost_factor`` in its
+   report, runtime/serve/service_cost.py; with ``in_service_risk``: an idle profile and in-service costs
+   differed about 2x on a shared core). With
    ``load_aware_risk`` it is the miss's time *at the SLO's percentile* on the ranker it would go to: the
    sojourn time of an M/M/1 queue, exponential with mean ``full / (1 - ρ)``, at ``slo_percentile``, i.e.
    ``full * ln(1 / (1 - p)) / (1 - ρ)``, ρ the share of time that ranker's compute thread was busy (its
@@ -157,6 +160,9 @@ class TriggerConfig:
     # at-risk test against the miss time at the SLO's percentile under the ranker's reported load (module doc,
     # 1), not the idle time
     load_aware_risk: bool = True
+    # the profiled (idle, start-up) time scaled by what the ranker's steps cost in service against that profile
+    # (its reported service_cost_factor; module doc, 1)
+    in_service_risk: bool = True
     min_idle_fraction: float = 0.1
     slo_percentile: float = 99.0  # the percentile the SLO bounds
     # the load budget charges the share of recent admissions whose rank did not follow (module doc)
@@ -204,6 +210,7 @@ class RankerLoad:
         self.resident_bytes = 0
         self.capacity_bytes = 0
         self.device_capacity_bytes = 0
+        self.service_cost_factor: float | None = None  # in-service over profiled step costs (service_cost.py)
 
     def observe(self, stats: dict[str, Any], now: float) -> None:
         self.at = now
@@ -223,6 +230,8 @@ class RankerLoad:
         self.resident_bytes = int(stats.get("device_bytes", 0) or 0) + int(stats.get("dram_bytes", 0) or 0)
         self.device_capacity_bytes = int(stats.get("device_capacity_bytes", 0) or 0)
         self.capacity_bytes = self.device_capacity_bytes + int(stats.get("dram_capacity_bytes", 0) or 0)
+        factor = stats.get("service_cost_factor")
+        self.service_cost_factor = float(factor) if isinstance(factor, int | float) and factor > 0 else None
 
     def _keep(self, history: deque[tuple[float, float]], total: float, now: float) -> None:
         """Appends a cumulative counter's sample, keeping about ``window_s`` of them (a counter that goes
@@ -361,12 +370,15 @@ class SequenceAwareTrigger:
         return None if measured is None else measured + self.pending_ms(replica)
 
     def miss_ms(self, prefix_len: int, replica: str | None = None) -> float:
-        """Predicted time of a miss at this length on ``replica``: the idle full-inference time, or with
-        ``load_aware_risk`` and a fresh report its M/M/1 sojourn time at ``slo_percentile`` (module doc, 1)."""
+        """Predicted time of a miss at this length on ``replica``: the profiled full-inference time (times the
+        ranker's reported in-service cost factor, with ``in_service_risk``), or with ``load_aware_risk`` and a
+        fresh report its M/M/1 sojourn time at ``slo_percentile`` (module doc, 1)."""
         full = self.model.predict_full_ms(prefix_len)
+        load = self._fresh_load(replica, self.clock())
+        if self.config.in_service_risk and load is not None and load.service_cost_factor is not None:
+            full *= load.service_cost_factor
         if not self.config.load_aware_risk:
             return full
-        load = self._fresh_load(replica, self.clock())
         busy = load.busy_fraction if load is not None else None
         if busy is None:
             return full

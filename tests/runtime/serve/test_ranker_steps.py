@@ -107,3 +107,20 @@ async def test_the_router_passes_on_where_a_ranks_time_went(kit: SimpleNamespace
     finally:
         await router.stop()
         await services["mem://r0"].stop()
+
+
+async def test_stats_report_what_steps_cost_in_service_against_the_profile(kit: SimpleNamespace) -> None:
+    """No factor before enough single-user steps; after them, the ratio the trigger scales its profile by: a
+    real positive number (the same math as the profile, so within its clip; its value is the host's)."""
+    from grstack.runtime.serve.service_cost import SERVICE_COST_BOUNDS, SERVICE_COST_MIN_STEPS
+
+    service = RankerService(kit.make_model(), ["next", "click"], RankerConfig(max_suffix=8, chunk=8))
+    await service.start("mem://r")
+    try:
+        assert service.stats().service_cost_factor is None
+        for i in range(SERVICE_COST_MIN_STEPS):  # misses: one single-user full ranking each
+            await service.rank(RankRequest.model_validate(rank_body(f"u{i}", i, 20 + i)))
+        factor = service.stats().service_cost_factor
+        assert factor is not None and SERVICE_COST_BOUNDS[0] <= factor <= SERVICE_COST_BOUNDS[1]
+    finally:
+        await service.stop()

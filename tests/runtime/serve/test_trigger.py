@@ -240,3 +240,23 @@ def test_speculative_share_counts_exactly_the_last_window_of_admissions() -> Non
             followed[j] = True
         window = followed[-8:]
         assert t.speculative_share == pytest.approx(1.0 - sum(window) / len(window))
+
+
+def test_a_ranker_slower_in_service_than_its_profile_makes_a_miss_at_risk() -> None:
+    """Full inference at 300 tokens is profiled at 30 ms, under the 50 ms threshold; a ranker reporting its steps
+    cost 2x that in service makes it 60 ms (at risk). No factor, or the rule off: the profile decides."""
+    clock = Clock()
+    t = trigger(clock, load_aware_risk=False)
+    assert t.decide("a", "h", 300, "r1").reason == "not-at-risk"
+    t.report("r1", {"service_cost_factor": 2.0})
+    assert t.miss_ms(300, "r1") == pytest.approx(60.0)
+    assert t.decide("b", "h", 300, "r1").admitted
+    t.report("r2", {"service_cost_factor": None})
+    assert t.decide("c", "h", 300, "r2").reason == "not-at-risk"
+    off = trigger(clock, load_aware_risk=False, in_service_risk=False)
+    off.report("r1", {"service_cost_factor": 2.0})
+    assert off.decide("d", "h", 300, "r1").reason == "not-at-risk"
+    loaded = trigger(clock)  # with the load-aware rule the factor scales the mean the M/M/1 tail is taken of
+    _busy_reports(loaded, clock, "r1", 0.6)
+    loaded.report("r1", {"service_cost_factor": 1.5, "compute_ms_total": {"prefill": 60.0, "rank_full": 540.0}})
+    assert loaded.miss_ms(50, "r1") == pytest.approx(5.0 * 1.5 * math.log(100.0) / 0.4)
