@@ -154,12 +154,20 @@ def register(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--validation", default=None, metavar="DIR",
                    help="--simulate: the stored real runs to validate against (default: the set shipped with grstack, runtime/bench/serve_validation)")
     g.add_argument("--no-validation", action="store_true", help="--simulate: skip the validation")
+    g.add_argument("--validation-only", action="store_true",
+                   help="--simulate: only the validation (about a minute; deterministic), not the paper scale")
     g.add_argument("--calibration-speed", action="store_true",
                    help="--simulate: validate at the calibration run's host speed, not the held-out run's measured "
                         "one (the set's held-out-steps.json.gz; docs/serve-simulator.md)")
-    g.add_argument("--shared-cores", action="store_true",
+    g.add_argument("--own-point-speed", action="store_true",
+                   help="--simulate, a diagnostic: validate each held-out point at the host speed measured on its "
+                        "own steps (the simulator's queueing judged given the costs the real run had; its compute "
+                        "per visit not judged)")
+    g.add_argument("--cores", choices=("shared", "fcfs"), default="shared",
                    help="--simulate: a replica's cores shared by all its running work at once, as the kernel's "
-                        "scheduler shares them (processor sharing), not held first come first served")
+                        "scheduler shares them (shared: processor sharing, the default), or held by one piece of "
+                        "work at a time, first come first served (fcfs)")
+    g.add_argument("--shared-cores", action="store_true", help="--simulate: the same as --cores shared")
     g.add_argument("--plan", action="store_true",
                    help="--simulate: the fewest replicas meeting --slo-ms at --qps Q, per device memory, relay "
                         "and full inference")

@@ -73,15 +73,17 @@ class ValidationSet:
     def modes(self) -> list[str]:
         return sorted({p.mode for p in self.points})
 
-    def steps(self, leave_out: HeldOutPoint | None = None) -> list[dict[str, Any]]:
+    def steps(self, leave_out: HeldOutPoint | None = None, only: HeldOutPoint | None = None) -> list[dict[str, Any]]:
         """The held-out run's logged steps, every mode's, without those of ``leave_out``'s sweep value (its
-        length and rate: the same traces, in every mode and sweep that shares them)."""
+        length and rate: the same traces, in every mode and sweep that shares them), or only ``only``'s."""
         from grstack.runtime.bench.serve import step_rows
 
         out: list[dict[str, Any]] = []
         for rep in self.step_log:
-            if leave_out is not None and (int(rep["length"]), float(rep["qps"])) == (leave_out.length,
-                                                                                     leave_out.qps):
+            value = (int(rep["length"]), float(rep["qps"]))
+            if leave_out is not None and value == (leave_out.length, leave_out.qps):
+                continue
+            if only is not None and value != (only.length, only.qps):
                 continue
             out += step_rows(rep["steps"])
         return out
@@ -96,6 +98,23 @@ def host_speed(vs: ValidationSet, profile: CostProfile,
     factor, n = profile.slowdown(vs.steps(leave_out))
     return {"factor": factor, "steps": n,
             "left_out": None if leave_out is None else f"{leave_out.length}@{leave_out.qps:g}"}
+
+
+def own_speed(vs: ValidationSet, profile: CostProfile, point: HeldOutPoint) -> dict[str, Any] | None:
+    """The diagnostic's speed (``--own-point-speed``): measured on ``point``'s own steps, so that a prediction
+    has the costs the real run had at that time and what is judged is the simulator's queueing of them. Not a
+    prediction of the point: its compute per visit follows from these costs and is not judged."""
+    if not vs.step_log:
+        return None
+    factor, n = profile.slowdown(vs.steps(only=point))
+    return {"factor": factor, "steps": n, "only": f"{point.length}@{point.qps:g}"}
+
+
+def unjudge_compute(entry: dict[str, Any]) -> dict[str, Any]:
+    """``entry`` with its compute-per-visit check kept but not judged (within None): circular at own speed."""
+    checks = dict(entry["checks"])
+    checks["compute_ms_per_visit"] = {**checks["compute_ms_per_visit"], "within": None}
+    return {**entry, "checks": checks}
 
 
 def _fail(path: Path, problem: str) -> Exception:

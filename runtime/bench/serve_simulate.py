@@ -320,7 +320,7 @@ def scale_part(args: argparse.Namespace, quick: bool, before_wait: Any = None) -
     preset = PAPER_QUICK if quick else PAPER_FULL
     profile = load_profile(args.model)
     dep = paper_deployment(profile, args.replicas or preset["replicas"], args.servers or preset["servers"],
-                           args.device_gb, args.dram_gb, shared_cores=bool(args.shared_cores))
+                           args.device_gb, args.dram_gb, shared_cores=shared_cores(args))
     s = _paper_settings(args, preset, profile, dep)
     s.lengths = [s.qps_length, 4 * s.qps_length]
     checkpoint, max_len, _ = real.write_model(s)
@@ -382,11 +382,14 @@ def _json_safe(x: Any) -> Any:
 
 async def validation_part(directory: Path, seeds_only: bool = False,
                           out: Path = Path("runs/bench-serve/simulate/validation"),
-                          host_speed: bool = True, shared_cores: bool = False) -> dict[str, Any]:
+                          host_speed: bool = True, shared_cores: bool = False,
+                          own_point_speed: bool = False) -> dict[str, Any]:
     """The held-out real points, simulated on the calibrated profile at the real runs' deployment and traces, and
     each mode's QPS knee found by bisection on the same traces, judged by the fixed rules. ``host_speed``: when
     the held-out run's step log is stored, scale the costs to the host's speed during it, measured for each
-    point on the run's other points (for the knees: on all of them); else the calibration's speed."""
+    point on the run's other points (for the knees: on all of them); else the calibration's speed.
+    ``own_point_speed`` (a diagnostic, not the protocol): each point at the speed of its own steps, its compute
+    per visit not judged."""
     vs = validate.load_validation(directory)
     profile = CostProfile.load(vs.profile_file)
     pr = vs.protocol
@@ -411,14 +414,18 @@ async def validation_part(directory: Path, seeds_only: bool = False,
 
     entries = []
     for held in vs.points:
-        speed = validate.host_speed(vs, profile, held) if host_speed else None
+        if own_point_speed:
+            speed = validate.own_speed(vs, profile, held)
+        else:
+            speed = validate.host_speed(vs, profile, held) if host_speed else None
         _log(f"validation: {held.mode} {held.sweep} {held.length}@{held.qps:g} (seeds {list(held.seeds)})"
              + (f", host {speed['factor']:.3f}x the calibration's step costs" if speed and speed["factor"] else ""))
         predicted = await sim.run(held.mode, held.sweep, held.length, held.qps, list(held.seeds),
                                   profile=at_speed(speed))
-        entries.append({**validate.compare(held, predicted, s.slo_ms), "host_speed": speed})
+        entry = {**validate.compare(held, predicted, s.slo_ms), "host_speed": speed}
+        entries.append(validate.unjudge_compute(entry) if own_point_speed and speed else entry)
     knees = []
-    overall = validate.host_speed(vs, profile) if host_speed else None
+    overall = validate.host_speed(vs, profile) if host_speed or own_point_speed else None
     if not seeds_only:
         seeds = sorted({sd for p in vs.points for sd in p.seeds})
         for mode in vs.modes():
@@ -430,11 +437,19 @@ async def validation_part(directory: Path, seeds_only: bool = False,
     return {"validation": entries, "validation_knees": knees,
             "validation_summary": validate.summary(entries, knees),
             "validation_host_speed": overall,
+            "validation_speed": ("own point (diagnostic)" if own_point_speed else
+                                 "other points" if host_speed and vs.step_log else "calibration"),
             "validation_source": {"profile": str(vs.profile_file), "held_out": str(vs.held_out_file),
                                   "protocol": pr, "profile_host": profile.host.get("cpu")}}
 
 
+def shared_cores(args: argparse.Namespace) -> bool:
+    """Whether the simulated cores are processor-shared (``--cores``; ``--shared-cores`` is its older spelling)."""
+    return bool(args.shared_cores) or args.cores == "shared"
+
+
 def run_simulate(args: argparse.Namespace) -> int:
+    from grstack.runtime.errors import UserError
     from grstack.runtime.serve import run_virtual
 
     t0 = time.perf_counter()
@@ -446,11 +461,20 @@ def run_simulate(args: argparse.Namespace) -> int:
         return {} if args.no_validation else run_virtual(
             lambda: validation_part(vdir, out=Path(args.out) / "simulate" / "validation",
                                     host_speed=not args.calibration_speed,
-                                    shared_cores=bool(args.shared_cores)))
+                                    shared_cores=shared_cores(args),
+                                    own_point_speed=bool(args.own_point_speed)))
 
+    if args.own_point_speed and args.calibration_speed:
+        raise UserError("--own-point-speed and --calibration-speed each set the validation's host speed: give one")
+    if args.shared_cores and args.cores == "fcfs":
+        raise UserError("--shared-cores and --cores fcfs contradict each other")
+    if args.validation_only and args.no_validation:
+        raise UserError("--validation-only and --no-validation contradict each other")
     if args.plan:
         result.update(validation())
         result["plan"] = run_virtual(lambda: plan_part(args, quick))
+    elif args.validation_only:
+        result.update(validation())
     else:
         result.update(scale_part(args, quick, before_wait=validation))
     result["seconds"] = round(time.perf_counter() - t0, 1)
@@ -482,7 +506,7 @@ async def plan_part(args: argparse.Namespace, quick: bool) -> dict[str, Any]:
     profile = load_profile(args.model)
     options = [float(x) for x in (args.device_gb_options or "").split(",") if x.strip()]
     base = paper_deployment(profile, 1, 1, args.device_gb, args.dram_gb,
-                            shared_cores=bool(args.shared_cores))
+                            shared_cores=shared_cores(args))
     if not options:
         options = [base.device_cache_mb / 1024 * f for f in (0.25, 0.5, 1.0)]
     s = _paper_settings(args, preset, profile, base)

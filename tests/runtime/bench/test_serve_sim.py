@@ -154,3 +154,17 @@ def test_on_an_accelerator_the_math_does_not_wait_for_request_cpu(tmp_path: Path
 
     assert p99(True) < 0.8 * p99(False)
     assert ss.paper_deployment(ss.load_profile("paper"), 2, 1, None, None).accelerator
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--own-point-speed", "--calibration-speed"], "--own-point-speed and --calibration-speed"),
+    (["--validation-only", "--no-validation"], "--validation-only and --no-validation"),
+    (["--shared-cores", "--cores", "fcfs"], "--shared-cores and --cores fcfs"),
+])
+def test_contradictory_validation_flags_are_one_error_line(capsys, tmp_path: Path, flags: list[str],
+                                                           message: str) -> None:
+    from grstack.runtime.cli import main
+
+    assert main(["bench", "serve", "--simulate", *flags, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0]

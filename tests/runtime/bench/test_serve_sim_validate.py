@@ -134,6 +134,20 @@ def test_the_host_speed_of_a_point_is_measured_on_the_held_out_runs_other_points
     assert host_speed(load_validation(tmp_path), profile, at[30.0]) is None
 
 
+def test_the_own_point_diagnostic_takes_the_points_own_steps_and_leaves_its_compute_unjudged(tmp_path: Path) -> None:
+    from grstack.runtime.bench.serve_sim_validate import compare, own_speed, summary, unjudge_compute
+    from grstack.runtime.serve import CostProfile
+
+    vs = load_validation(_with_step_log(tmp_path, {10.0: 1.2, 20.0: 1.2, 30.0: 2.0}))
+    profile = CostProfile.load(vs.profile_file)
+    at = {p.qps: p for p in vs.points if p.mode == "relay"}
+    assert own_speed(vs, profile, at[30.0]) == {"factor": pytest.approx(2.0), "steps": 40, "only": "512@30"}
+    entry = compare(at[30.0], {**at[30.0].measured, "compute_ms_per_visit": 1e6}, 100.0)
+    assert summary([entry], [])["checks_judged"] == summary([unjudge_compute(entry)], [])["checks_judged"] + 1
+    assert unjudge_compute(entry)["checks"]["compute_ms_per_visit"]["within"] is None
+    assert not summary([unjudge_compute(entry)], [])["misses"]  # the same point, its compute not judged
+
+
 def test_a_malformed_step_log_names_the_file(tmp_path: Path) -> None:
     _with_step_log(tmp_path, {10.0: 1.0})
     (tmp_path / "held-out-steps.json.gz").write_bytes(b"not gzip")
