@@ -168,3 +168,21 @@ def test_contradictory_validation_flags_are_one_error_line(capsys, tmp_path: Pat
     assert main(["bench", "serve", "--simulate", *flags, "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0]
+
+
+def test_a_simulated_router_has_read_every_rankers_load_before_its_points_traffic(tmp_path: Path) -> None:
+    """As the real benchmark's router, up through the whole sweep, always has: without two load reports its
+    trigger judges risk by the idle time and refuses at-risk signals the real one admits."""
+    s = settings(tmp_path)
+    model, tasks, max_len = ss._model(s)
+    dep = Deployment(replicas=2, servers=1, device_cache_mb=64, dram_mb_per_server=512)
+
+    async def main() -> list[float | None]:
+        d = SimulatedDeployment("relay", dep, PROFILE, model, tasks, 100.0, max_len, seed=5)
+        await d.start()
+        trigger = d.router.trigger
+        busy = [trigger._fresh_load(url, trigger.clock()).busy_fraction for url in d.services]
+        await d.stop()
+        return busy
+
+    assert run_virtual(main) == [0.0, 0.0]  # read, and idle
