@@ -156,13 +156,12 @@ def register(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-validation", action="store_true", help="--simulate: skip the validation")
     g.add_argument("--validation-only", action="store_true",
                    help="--simulate: only the validation (about a minute; deterministic), not the paper scale")
-    g.add_argument("--calibration-speed", action="store_true",
-                   help="--simulate: validate at the calibration run's host speed, not the held-out run's measured "
-                        "one (the set's held-out-steps.json.gz; docs/serve-simulator.md)")
-    g.add_argument("--own-point-speed", action="store_true",
-                   help="--simulate, a diagnostic: validate each held-out point at the host speed measured on its "
-                        "own steps (the simulator's queueing judged given the costs the real run had; its compute "
-                        "per visit not judged)")
+    g.add_argument("--speed", choices=("neighbours", "others", "calibration", "own"), default=None,
+                   help="--simulate: the host speed each held-out point is predicted at, from the held-out run's "
+                        "step log: its repeats nearest in time (neighbours, the default), all its other points "
+                        "(others), the calibration's (calibration), or, a diagnostic, the point's own steps "
+                        "(own: its compute per visit not judged); docs/serve-simulator.md")
+    g.add_argument("--calibration-speed", action="store_true", help="--simulate: the same as --speed calibration")
     g.add_argument("--cores", choices=("shared", "fcfs"), default="shared",
                    help="--simulate: a replica's cores shared by all its running work at once, as the kernel's "
                         "scheduler shares them (shared: processor sharing, the default), or held by one piece of "

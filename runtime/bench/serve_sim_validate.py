@@ -100,8 +100,47 @@ def host_speed(vs: ValidationSet, profile: CostProfile,
             "left_out": None if leave_out is None else f"{leave_out.length}@{leave_out.qps:g}"}
 
 
+SPEEDS = ("neighbours", "others", "calibration", "own")  # how a held-out point's host speed is taken
+NEIGHBOURS = 3  # repeats each side of a point, in run order, whose steps give its speed ("neighbours")
+
+
+def neighbour_speed(vs: ValidationSet, profile: CostProfile, point: HeldOutPoint,
+                    k: int = NEIGHBOURS) -> dict[str, Any] | None:
+    """How much slower than ``profile`` the host ran the ``k`` repeats logged just before ``point``'s sweep value
+    and the ``k`` just after it, in run order (never its own): the host's speed drifts from minute to minute,
+    so the repeats nearest in time say most about it. ``None`` without a stored step log."""
+    from grstack.runtime.bench.serve import step_rows
+
+    if not vs.step_log:
+        return None
+    value = (point.length, point.qps)
+    keys = [(int(r["length"]), float(r["qps"])) for r in vs.step_log]
+    mine = [i for i, key in enumerate(keys) if key == value]
+    if not mine:
+        return host_speed(vs, profile, point)
+    before = [i for i in range(mine[0] - 1, -1, -1) if keys[i] != value][:k]
+    after = [i for i in range(mine[-1] + 1, len(keys)) if keys[i] != value][:k]
+    steps = [s for i in sorted(before + after) for s in step_rows(vs.step_log[i]["steps"])]
+    factor, n = profile.slowdown(steps)
+    return {"factor": factor, "steps": n, "left_out": f"{point.length}@{point.qps:g}",
+            "repeats": len(before) + len(after)}
+
+
+def point_speed(vs: ValidationSet, profile: CostProfile, point: HeldOutPoint, how: str) -> dict[str, Any] | None:
+    """A held-out point's host speed, taken as ``how`` says (``SPEEDS``; None: the calibration's)."""
+    if how == "neighbours":
+        return neighbour_speed(vs, profile, point)
+    if how == "others":
+        return host_speed(vs, profile, point)
+    if how == "own":
+        return own_speed(vs, profile, point)
+    if how == "calibration":
+        return None
+    raise ValueError(f"a host speed is one of {SPEEDS}, got {how!r}")
+
+
 def own_speed(vs: ValidationSet, profile: CostProfile, point: HeldOutPoint) -> dict[str, Any] | None:
-    """The diagnostic's speed (``--own-point-speed``): measured on ``point``'s own steps, so that a prediction
+    """The diagnostic's speed (``--speed own``): measured on ``point``'s own steps, so that a prediction
     has the costs the real run had at that time and what is judged is the simulator's queueing of them. Not a
     prediction of the point: its compute per visit follows from these costs and is not judged."""
     if not vs.step_log:

@@ -382,14 +382,13 @@ def _json_safe(x: Any) -> Any:
 
 async def validation_part(directory: Path, seeds_only: bool = False,
                           out: Path = Path("runs/bench-serve/simulate/validation"),
-                          host_speed: bool = True, shared_cores: bool = False,
-                          own_point_speed: bool = False) -> dict[str, Any]:
+                          speed: str = "neighbours", shared_cores: bool = False) -> dict[str, Any]:
     """The held-out real points, simulated on the calibrated profile at the real runs' deployment and traces, and
-    each mode's QPS knee found by bisection on the same traces, judged by the fixed rules. ``host_speed``: when
-    the held-out run's step log is stored, scale the costs to the host's speed during it, measured for each
-    point on the run's other points (for the knees: on all of them); else the calibration's speed.
-    ``own_point_speed`` (a diagnostic, not the protocol): each point at the speed of its own steps, its compute
-    per visit not judged."""
+    each mode's QPS knee found by bisection on the same traces, judged by the fixed rules. ``speed``: when the
+    held-out run's step log is stored, scale each point's costs to the host's speed during it, measured on the
+    repeats nearest in time to the point (``neighbours``) or on all its other points (``others``); for the knees
+    on the whole run; ``calibration``: the calibration's speed. ``own`` (a diagnostic, not the protocol): each
+    point at the speed of its own steps, its compute per visit not judged."""
     vs = validate.load_validation(directory)
     profile = CostProfile.load(vs.profile_file)
     pr = vs.protocol
@@ -414,18 +413,15 @@ async def validation_part(directory: Path, seeds_only: bool = False,
 
     entries = []
     for held in vs.points:
-        if own_point_speed:
-            speed = validate.own_speed(vs, profile, held)
-        else:
-            speed = validate.host_speed(vs, profile, held) if host_speed else None
+        factor = validate.point_speed(vs, profile, held, speed)
         _log(f"validation: {held.mode} {held.sweep} {held.length}@{held.qps:g} (seeds {list(held.seeds)})"
-             + (f", host {speed['factor']:.3f}x the calibration's step costs" if speed and speed["factor"] else ""))
+             + (f", host {factor['factor']:.3f}x the calibration's step costs" if factor and factor["factor"] else ""))
         predicted = await sim.run(held.mode, held.sweep, held.length, held.qps, list(held.seeds),
-                                  profile=at_speed(speed))
-        entry = {**validate.compare(held, predicted, s.slo_ms), "host_speed": speed}
-        entries.append(validate.unjudge_compute(entry) if own_point_speed and speed else entry)
+                                  profile=at_speed(factor))
+        entry = {**validate.compare(held, predicted, s.slo_ms), "host_speed": factor}
+        entries.append(validate.unjudge_compute(entry) if speed == "own" and factor else entry)
     knees = []
-    overall = validate.host_speed(vs, profile) if host_speed or own_point_speed else None
+    overall = validate.host_speed(vs, profile) if speed != "calibration" else None
     if not seeds_only:
         seeds = sorted({sd for p in vs.points for sd in p.seeds})
         for mode in vs.modes():
@@ -437,8 +433,7 @@ async def validation_part(directory: Path, seeds_only: bool = False,
     return {"validation": entries, "validation_knees": knees,
             "validation_summary": validate.summary(entries, knees),
             "validation_host_speed": overall,
-            "validation_speed": ("own point (diagnostic)" if own_point_speed else
-                                 "other points" if host_speed and vs.step_log else "calibration"),
+            "validation_speed": speed if vs.step_log else "calibration",
             "validation_source": {"profile": str(vs.profile_file), "held_out": str(vs.held_out_file),
                                   "protocol": pr, "profile_host": profile.host.get("cpu")}}
 
@@ -446,6 +441,11 @@ async def validation_part(directory: Path, seeds_only: bool = False,
 def shared_cores(args: argparse.Namespace) -> bool:
     """Whether the simulated cores are processor-shared (``--cores``; ``--shared-cores`` is its older spelling)."""
     return bool(args.shared_cores) or args.cores == "shared"
+
+
+def validation_speed(args: argparse.Namespace) -> str:
+    """``--speed`` (``--calibration-speed`` is the older spelling of ``--speed calibration``)."""
+    return str(args.speed or ("calibration" if args.calibration_speed else "neighbours"))
 
 
 def run_simulate(args: argparse.Namespace) -> int:
@@ -460,12 +460,10 @@ def run_simulate(args: argparse.Namespace) -> int:
     def validation() -> dict[str, Any]:
         return {} if args.no_validation else run_virtual(
             lambda: validation_part(vdir, out=Path(args.out) / "simulate" / "validation",
-                                    host_speed=not args.calibration_speed,
-                                    shared_cores=shared_cores(args),
-                                    own_point_speed=bool(args.own_point_speed)))
+                                    speed=validation_speed(args), shared_cores=shared_cores(args)))
 
-    if args.own_point_speed and args.calibration_speed:
-        raise UserError("--own-point-speed and --calibration-speed each set the validation's host speed: give one")
+    if args.calibration_speed and args.speed not in (None, "calibration"):
+        raise UserError(f"--calibration-speed and --speed {args.speed} each set the validation's host speed: give one")
     if args.shared_cores and args.cores == "fcfs":
         raise UserError("--shared-cores and --cores fcfs contradict each other")
     if args.validation_only and args.no_validation:

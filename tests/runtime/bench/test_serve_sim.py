@@ -157,7 +157,7 @@ def test_on_an_accelerator_the_math_does_not_wait_for_request_cpu(tmp_path: Path
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--own-point-speed", "--calibration-speed"], "--own-point-speed and --calibration-speed"),
+    (["--speed", "own", "--calibration-speed"], "--calibration-speed and --speed own"),
     (["--validation-only", "--no-validation"], "--validation-only and --no-validation"),
     (["--shared-cores", "--cores", "fcfs"], "--shared-cores and --cores fcfs"),
 ])

@@ -148,6 +148,26 @@ def test_the_own_point_diagnostic_takes_the_points_own_steps_and_leaves_its_comp
     assert not summary([unjudge_compute(entry)], [])["misses"]  # the same point, its compute not judged
 
 
+def test_the_neighbours_speed_is_measured_on_the_repeats_nearest_in_time(tmp_path: Path) -> None:
+    """Run order: 10 QPS (both modes, 1.2x), 20 QPS (1.2x), 30 QPS (2.0x). 20 QPS's nearest repeats are 10's and
+    30's; 30 QPS's only 20's (nothing ran after it); a point is never measured on itself."""
+    from grstack.runtime.bench.serve_sim_validate import neighbour_speed, point_speed
+    from grstack.runtime.serve import CostProfile
+
+    vs = load_validation(_with_step_log(tmp_path, {10.0: 1.2, 20.0: 1.2, 30.0: 2.0}))
+    profile = CostProfile.load(vs.profile_file)
+    at = {p.qps: p for p in vs.points if p.mode == "relay"}
+    got = neighbour_speed(vs, profile, at[20.0])
+    assert got is not None and got["factor"] == pytest.approx(1.6) and got["repeats"] == 4
+    assert neighbour_speed(vs, profile, at[30.0])["factor"] == pytest.approx(1.2)
+    assert neighbour_speed(vs, profile, at[20.0], k=1)["factor"] == pytest.approx(1.6)  # 10's relay, 30's baseline
+    assert point_speed(vs, profile, at[30.0], "others")["factor"] == pytest.approx(1.2)
+    assert point_speed(vs, profile, at[30.0], "own")["factor"] == pytest.approx(2.0)
+    assert point_speed(vs, profile, at[30.0], "calibration") is None
+    with pytest.raises(ValueError, match="host speed"):
+        point_speed(vs, profile, at[30.0], "fastest")
+
+
 def test_a_malformed_step_log_names_the_file(tmp_path: Path) -> None:
     _with_step_log(tmp_path, {10.0: 1.0})
     (tmp_path / "held-out-steps.json.gz").write_bytes(b"not gzip")
