@@ -173,3 +173,18 @@ def test_a_malformed_step_log_names_the_file(tmp_path: Path) -> None:
     (tmp_path / "held-out-steps.json.gz").write_bytes(b"not gzip")
     with pytest.raises(UserError, match=r"held-out-steps\.json\.gz: not a step log"):
         load_validation(tmp_path)
+
+
+def test_a_validation_only_plot_is_its_one_panel(tmp_path: Path) -> None:
+    import matplotlib.image
+
+    from grstack.runtime.bench.serve_sim_plot import plot_simulation
+
+    entry = {"mode": "relay", "point": "512@10", "p99_ms_measured_spread": [20.0, 30.0], "p99_ms_predicted": 25.0,
+             "within": True}
+    points = [{"sweep": sweep, "qps": 10.0, "length": 512, "p99_ms": 25.0, "p99_ms_lo": 20.0, "p99_ms_hi": 30.0}
+              for sweep in ("length", "qps")]
+    alone = matplotlib.image.imread(plot_simulation({"validation": [entry]}, tmp_path / "v.png"))
+    whole = matplotlib.image.imread(plot_simulation({"validation": [entry], "scale": {"slo_ms": 100.0},
+                                                     "modes": {"relay": {"points": points}}}, tmp_path / "s.png"))
+    assert alone.shape[0] == whole.shape[0] and alone.shape[1] < whole.shape[1] / 2
