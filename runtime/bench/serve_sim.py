@@ -217,8 +217,8 @@ class SimulatedDeployment:
         await self.router.start()
         # The real benchmark's router runs through the whole sweep, so traffic always meets one that has read its
         # rankers' load: with none read yet its trigger judges risk by the idle time (trigger.py), and a point
-        # started on a router just up refused the first seconds' at-risk signals (admitted share 0.94 predicted
-        # against 1.00 measured at 60 QPS). Idle until two load reports are in, as the real one is.
+        # started on a router just up refused the first seconds' at-risk signals the real one admits. Idle until
+        # two load reports are in, as the real one is.
         await asyncio.sleep(ROUTER_SETTLE_POLLS * self.router.config.load_poll_interval_s)
 
     def _promote(self, backend: Any) -> Any:

@@ -382,13 +382,14 @@ def _json_safe(x: Any) -> Any:
 
 async def validation_part(directory: Path, seeds_only: bool = False,
                           out: Path = Path("runs/bench-serve/simulate/validation"),
-                          speed: str = "neighbours", shared_cores: bool = False) -> dict[str, Any]:
+                          speed: str = "neighbours", shared_cores: bool = True) -> dict[str, Any]:
     """The held-out real points, simulated on the calibrated profile at the real runs' deployment and traces, and
     each mode's QPS knee found by bisection on the same traces, judged by the fixed rules. ``speed``: when the
     held-out run's step log is stored, scale each point's costs to the host's speed during it, measured on the
     repeats nearest in time to the point (``neighbours``) or on all its other points (``others``); for the knees
     on the whole run; ``calibration``: the calibration's speed. ``own`` (a diagnostic, not the protocol): each
-    point at the speed of its own steps, its compute per visit not judged."""
+    point at the speed of its own steps, its compute per visit not judged. ``shared_cores``: processor-shared
+    cores (the default, as ``--cores``'s), else first come first served."""
     vs = validate.load_validation(directory)
     profile = CostProfile.load(vs.profile_file)
     pr = vs.protocol

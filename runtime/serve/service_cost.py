@@ -2,7 +2,7 @@
 scales the profile by.
 
 A ranker profiles itself once, idle, at start-up; in service the same steps cost more (on a core shared with
-the event loop and its neighbours, 1.3-2.2x on the project's 2-core hosts) or less (a warmed device). The
+the event loop and its neighbours) or less (a warmed device). The
 ranker therefore compares its recent single-user steps with what the profile predicts for them and reports the
 ratio of the sums in ``GET /v1/stats`` (``service_cost_factor``); the router's trigger multiplies a miss's
 profiled time by it (trigger.py, at-risk test). Batched steps are left out (the profile times one user), as are
