@@ -48,19 +48,12 @@ def choose_victim(entries: Iterable[tuple[str, EvictionEntry]], now: float,
 def recompute_seconds(profile: Callable[[], Any]) -> Callable[[int], float]:
     """Seconds to recompute a prefix of n tokens from a ranker's start-up profile (``profile()``: its
     :class:`grstack.runtime.serve.schemas.Profile` or None); proportional to n until it is measured."""
-    from grstack.runtime.serve.trigger import LatencyModel
+    from grstack.runtime.serve.trigger import latest_model
 
-    fitted: dict[int, LatencyModel] = {}
+    model = latest_model(profile)
 
     def cost(n: int) -> float:
-        p = profile()
-        if p is None:
-            return float(n)
-        model = fitted.get(id(p))
-        if model is None:
-            fitted.clear()
-            model = fitted[id(p)] = LatencyModel.from_profile(p.lengths, p.full_ms, p.cached_ms, p.prefill_ms,
-                                                              p.kv_bytes_per_token)
-        return model.predict_prefill_ms(n) / 1e3
+        m = model()
+        return float(n) if m is None else m.predict_prefill_ms(n) / 1e3
 
     return cost

@@ -89,7 +89,7 @@ from grstack.runtime.serve.schemas import (
 from grstack.runtime.serve.security import ServerSecurity, guard
 from grstack.runtime.serve.service_cost import SERVICE_COST_STEPS, service_cost_factor
 from grstack.runtime.serve.step_log import RequestCpu, StepLog
-from grstack.runtime.serve.trigger import LatencyModel
+from grstack.runtime.serve.trigger import latest_model
 
 if TYPE_CHECKING:
     from grstack.runtime.model import HSTU
@@ -289,7 +289,7 @@ class RankerService:
         self.replica_id = cfg.replica_id or ""
         self.url = ""
         self.profile: Profile | None = None
-        self._latency: tuple[Profile, LatencyModel] | None = None  # the profile's curves, for the cost factor
+        self._latency = latest_model(lambda: self.profile)  # the profile's curves, for the cost factor
         self.ready = False
         self._inflight: dict[tuple[str, str], asyncio.Task[tuple[PrefixKV, float, int]]] = {}
         self._inflight_jobs: dict[tuple[str, str], asyncio.Future[Any]] = {}
@@ -619,15 +619,12 @@ class RankerService:
 
     def service_cost_factor(self) -> float | None:
         """In-service over profiled cost of the recent steps (runtime/serve/service_cost.py)."""
-        if self.profile is None:
+        model = self._latency()
+        if model is None:
             return None
-        if self._latency is None or self._latency[0] is not self.profile:  # the profile can be replaced
-            p = self.profile
-            self._latency = (p, LatencyModel.from_profile(p.lengths, p.full_ms, p.cached_ms, p.prefill_ms,
-                                                          p.kv_bytes_per_token))
         suffix = min(self.config.profile_short, self.engine.max_suffix) + min(self.config.profile_candidates,
                                                                              self.config.max_candidates)
-        return service_cost_factor(self.steps.steps.last(SERVICE_COST_STEPS), self._latency[1], suffix)
+        return service_cost_factor(self.steps.steps.last(SERVICE_COST_STEPS), model, suffix)
 
 
 # -- HTTP ---------------------------------------------------------------------------------------------

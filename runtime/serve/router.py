@@ -264,9 +264,7 @@ class Router:
 
     def set_profile(self, profile: Profile) -> None:
         self.profile = profile
-        model = LatencyModel.from_profile(profile.lengths, profile.full_ms, profile.cached_ms, profile.prefill_ms,
-                                          profile.kv_bytes_per_token)
-        self.trigger = SequenceAwareTrigger(model, self.config.trigger, clock=self.clock, enabled=self.config.relay)
+        self.trigger = SequenceAwareTrigger(LatencyModel.of(profile), self.config.trigger, clock=self.clock, enabled=self.config.relay)
         self._update_budget()
 
     def _update_budget(self) -> None:

@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,6 +128,12 @@ class LatencyModel:
         return LatencyModel(tuple(int(x) for x in lengths), tuple(map(float, full)), tuple(map(float, cached)),
                             tuple(map(float, prefill)), int(kv_bytes_per_token))
 
+    @staticmethod
+    def of(profile: Any) -> LatencyModel:
+        """The model of a ranker's :class:`~grstack.runtime.serve.schemas.Profile` (the curves it measured)."""
+        return LatencyModel.from_profile(profile.lengths, profile.full_ms, profile.cached_ms, profile.prefill_ms,
+                                         profile.kv_bytes_per_token)
+
     def to_json(self) -> dict[str, Any]:
         return {"lengths": list(self.lengths), "full_ms": list(self.full_ms), "cached_ms": list(self.cached_ms),
                 "prefill_ms": list(self.prefill_ms), "kv_bytes_per_token": self.kv_bytes_per_token}
@@ -135,6 +142,22 @@ class LatencyModel:
     def from_json(d: dict[str, Any]) -> LatencyModel:
         return LatencyModel.from_profile(d["lengths"], d["full_ms"], d["cached_ms"], d["prefill_ms"],
                                          d["kv_bytes_per_token"])
+
+
+def latest_model(profile: Callable[[], Any]) -> Callable[[], LatencyModel | None]:
+    """``profile()``'s latency model (None while there is no profile), fitted again only when the profile object
+    is replaced (a ranker re-profiled, or a simulated one given its real counterpart's curves)."""
+    fitted: list[tuple[Any, LatencyModel]] = []
+
+    def model() -> LatencyModel | None:
+        p = profile()
+        if p is None:
+            return None
+        if not fitted or fitted[0][0] is not p:
+            fitted[:] = [(p, LatencyModel.of(p))]
+        return fitted[0][1]
+
+    return model
 
 
 @dataclass(frozen=True)

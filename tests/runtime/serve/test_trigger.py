@@ -260,3 +260,21 @@ def test_a_ranker_slower_in_service_than_its_profile_makes_a_miss_at_risk() -> N
     _busy_reports(loaded, clock, "r1", 0.6)
     loaded.report("r1", {"service_cost_factor": 1.5, "compute_ms_total": {"prefill": 60.0, "rank_full": 540.0}})
     assert loaded.miss_ms(50, "r1") == pytest.approx(5.0 * 1.5 * math.log(100.0) / 0.4)
+
+
+def test_the_latest_model_is_fitted_once_per_profile_object() -> None:
+    from types import SimpleNamespace
+
+    from grstack.runtime.serve.trigger import latest_model
+
+    def profile(full: float) -> SimpleNamespace:
+        return SimpleNamespace(lengths=[100], full_ms=[full], cached_ms=[1.0], prefill_ms=[full], kv_bytes_per_token=8)
+
+    current: list[SimpleNamespace | None] = [None]
+    model = latest_model(lambda: current[0])
+    assert model() is None  # no profile yet
+    current[0] = profile(10.0)
+    first = model()
+    assert first is not None and first.predict_full_ms(100) == 10.0 and model() is first  # not fitted again
+    current[0] = profile(20.0)  # replaced: fitted to the new curves
+    assert model().predict_full_ms(100) == 20.0
