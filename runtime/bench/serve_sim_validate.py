@@ -95,9 +95,15 @@ def host_speed(vs: ValidationSet, profile: CostProfile,
     from every point but ``leave_out``'s; ``None`` without a stored step log."""
     if not vs.step_log:
         return None
-    factor, n = profile.slowdown(vs.steps(leave_out))
-    return {"factor": factor, "steps": n,
-            "left_out": None if leave_out is None else f"{leave_out.length}@{leave_out.qps:g}"}
+    return _speed(profile, vs.steps(leave_out),
+                  left_out=None if leave_out is None else f"{leave_out.length}@{leave_out.qps:g}")
+
+
+def _speed(profile: CostProfile, steps: list[dict[str, Any]], **about: Any) -> dict[str, Any]:
+    """``steps``' slowdown against ``profile`` (:meth:`CostProfile.slowdown`), how many steps counted, and
+    ``about`` (which steps they were)."""
+    factor, n = profile.slowdown(steps)
+    return {"factor": factor, "steps": n, **about}
 
 
 SPEEDS = ("neighbours", "others", "calibration", "own")  # how a held-out point's host speed is taken
@@ -121,9 +127,7 @@ def neighbour_speed(vs: ValidationSet, profile: CostProfile, point: HeldOutPoint
     before = [i for i in range(mine[0] - 1, -1, -1) if keys[i] != value][:k]
     after = [i for i in range(mine[-1] + 1, len(keys)) if keys[i] != value][:k]
     steps = [s for i in sorted(before + after) for s in step_rows(vs.step_log[i]["steps"])]
-    factor, n = profile.slowdown(steps)
-    return {"factor": factor, "steps": n, "left_out": f"{point.length}@{point.qps:g}",
-            "repeats": len(before) + len(after)}
+    return _speed(profile, steps, left_out=f"{point.length}@{point.qps:g}", repeats=len(before) + len(after))
 
 
 def point_speed(vs: ValidationSet, profile: CostProfile, point: HeldOutPoint, how: str) -> dict[str, Any] | None:
@@ -145,8 +149,7 @@ def own_speed(vs: ValidationSet, profile: CostProfile, point: HeldOutPoint) -> d
     prediction of the point: its compute per visit follows from these costs and is not judged."""
     if not vs.step_log:
         return None
-    factor, n = profile.slowdown(vs.steps(only=point))
-    return {"factor": factor, "steps": n, "only": f"{point.length}@{point.qps:g}"}
+    return _speed(profile, vs.steps(only=point), only=f"{point.length}@{point.qps:g}")
 
 
 def unjudge_compute(entry: dict[str, Any]) -> dict[str, Any]:
